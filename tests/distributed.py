@@ -1,0 +1,72 @@
+"""Run a function on N gloo ranks on CPU and collect each rank's result.
+
+`run_distributed(fn, world_size, *args, timeout=...)` spawns `world_size` processes that join a
+gloo process group on a free localhost port, calls `fn(rank, world_size, *args)` in each and
+returns the list of return values ordered by rank. A rank that raises re-raises here with its
+traceback; a hang fails after `timeout` seconds instead of stalling the test run.
+`fn` must be importable by name (defined at module level) because ranks are spawned.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, args, results):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - forwarded to the parent with its traceback
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout: float = 180.0) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    collected: dict[int, Any] = {}
+    try:
+        while len(collected) < world_size:
+            try:
+                rank, ok, out = results.get(timeout=timeout)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in collected]
+                raise TimeoutError(f"distributed run of {fn.__name__} on {world_size} ranks timed out "
+                                   f"after {timeout}s; ranks without a result: "
+                                   f"{sorted(set(range(world_size)) - set(collected))} (dead: {dead})")
+            if not ok:
+                raise RuntimeError(f"rank {rank} of {world_size} failed in {fn.__name__}:\n{out}")
+            collected[rank] = out
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [collected[r] for r in range(world_size)]
