@@ -1,0 +1,65 @@
+"""Adaptive Temperature Sampling (spec section 2)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from hapo_megatron.algo.entropy import StatsLike, _check_h_hat_mode, normalize_entropy, token_entropy
+
+
+def check_temperature_tau(temperature_tau: float) -> float:
+    """``temperature_tau`` must lie in [0, 1) so that ``T_base * (1 + tau * h_hat) > 0``."""
+    tau = float(temperature_tau)
+    if not (0.0 <= tau < 1.0):
+        raise ValueError(f"temperature_tau must lie in [0, 1), got {temperature_tau!r}")
+    return tau
+
+
+def adaptive_temperature(
+    logits: torch.Tensor,
+    stats: Optional[StatsLike],
+    base_temperature: Union[float, torch.Tensor] = 1.0,
+    temperature_tau: float = 0.05,
+    h_hat_mode: str = "signed",
+) -> torch.Tensor:
+    """Per-row sampling temperature ``T = T_base * (1 + tau * h_hat)``.
+
+    ``H`` is the entropy of ``softmax(logits / T_base)`` and ``h_hat = normalize_entropy(H, stats)``.
+
+    Args:
+        logits: ``[..., V]`` raw logits of one decoding step (``-inf`` allowed).
+        stats: entropy statistics of the previous step, or ``None`` (then ``T = T_base``).
+        base_temperature: ``T_base`` > 0, a float or a ``logits.shape[:-1]`` tensor.
+        temperature_tau: in ``[0, 1)``.
+        h_hat_mode: ``"signed"`` or ``"reference"``.
+
+    Returns:
+        ``[...]`` = ``logits.shape[:-1]`` float32 temperatures, on ``logits.device``, detached.
+    """
+    _check_h_hat_mode(h_hat_mode)
+    tau = check_temperature_tau(temperature_tau)
+    if not torch.is_tensor(logits) or logits.ndim < 1:
+        raise ValueError("logits must be a tensor with at least 1 dim [..., V]")
+    row_shape = logits.shape[:-1]
+    if torch.is_tensor(base_temperature):
+        if base_temperature.shape != row_shape:
+            raise ValueError(
+                f"base_temperature tensor must have shape {tuple(row_shape)}, got {tuple(base_temperature.shape)}"
+            )
+        if not bool(torch.all(base_temperature > 0)):
+            raise ValueError("base_temperature must be > 0 everywhere")
+        t_base = base_temperature.detach().to(device=logits.device, dtype=torch.float32)
+    else:
+        tb = float(base_temperature)
+        if not (tb > 0 and math.isfinite(tb)):
+            raise ValueError(f"base_temperature must be a finite float > 0, got {base_temperature!r}")
+        t_base = torch.full(row_shape, tb, dtype=torch.float32, device=logits.device)
+    if stats is None or tau == 0.0:
+        return t_base.clone()
+    with torch.no_grad():
+        ent = token_entropy(logits.detach(), temperature=t_base)
+        h_hat = normalize_entropy(ent, stats, h_hat_mode)
+        return t_base * (1.0 + tau * h_hat)
