@@ -1,0 +1,23 @@
+"""Small shims that let megatron-core 0.16 run on CPU with gloo (tests, the CPU example).
+
+`activate_cpu_shims()` installs them once (idempotent) and does nothing when
+`torch.cuda.is_available()` (GPU machines, NGC containers never see them). The shims:
+
+1. device mode (`_CudaToCpuMode`, a global TorchFunctionMode): maps `device="cuda"`, CUDA
+   ordinals, `.cuda()`, `.to("cuda")` and `pin_memory=True` to the CPU, and reports CPU float
+   params as `torch.cuda.*Tensor` from `Tensor.type()`. WHY: megatron allocates with
+   `device="cuda"` / `torch.cuda.current_device()` in its global memory buffer, schedules, p2p
+   shape exchange, DDP buffers and checkpoint loading, and its optimizers classify params by the
+   CUDA type-name string.
+2. CUDA runtime no-ops: `torch.cuda.current_device() -> 0`, `synchronize`, `empty_cache`,
+   `set_device`, `Stream`/`stream`/`current_stream`/`default_stream`. WHY: a CPU build of torch
+   raises "not compiled with CUDA" from these; checkpoint saving, DDP and p2p call them.
+3. RNG tracker on the CPU generator: megatron's `CudaRNGStatesTracker` (weight init under TP,
+   dropout, activation recompute) stores CUDA generator states; ours stores CPU ones.
+
+Context-parallel attention needs Transformer Engine and is not shimmed.
+"""
+
+from hapo_megatron.compat.cpu_shims import activate_cpu_shims, cpu_shims_active, deactivate_cpu_shims
+
+__all__ = ["activate_cpu_shims", "cpu_shims_active", "deactivate_cpu_shims"]

@@ -1,0 +1,36 @@
+"""Megatron-Core GPTModel providers from Hugging Face configs (Llama, Qwen2, Qwen3).
+
+- `tiny_hf_config(arch, **overrides)`: tiny transformers config for tests / the CPU example.
+- `transformer_config_from_hf(hf_config, *, tp, pp, cp, sequence_parallel, dtype, use_te, **kw)`.
+- `build_gpt_model(hf_config, *, pre_process, post_process, dtype, use_te, parallel_output, vp_stage, ...)`.
+- `model_provider_for(hf_config, **kw)`: provider callable for model builders.
+- `padded_vocab_size(vocab, tp, make_vocab_size_divisible_by=128)`.
+Megatron is imported lazily, so `import hapo_megatron.models` is cheap.
+"""
+
+from hapo_megatron.models.gpt import (
+    DEFAULT_VOCAB_DIVISIBLE_BY,
+    PADDED_VOCAB_LOGIT,
+    build_gpt_model,
+    layer_spec_for,
+    model_provider_for,
+    padded_vocab_size,
+    te_available,
+    transformer_config_from_hf,
+)
+from hapo_megatron.models.hf_config import (
+    SUPPORTED_ARCHS,
+    arch_of,
+    head_dim_of,
+    num_kv_heads_of,
+    rope_parameters,
+    tiny_hf_config,
+    validate_hf_config,
+)
+
+__all__ = [
+    "DEFAULT_VOCAB_DIVISIBLE_BY", "PADDED_VOCAB_LOGIT", "SUPPORTED_ARCHS", "arch_of", "build_gpt_model",
+    "head_dim_of", "layer_spec_for", "model_provider_for", "num_kv_heads_of", "padded_vocab_size",
+    "rope_parameters", "te_available", "tiny_hf_config", "transformer_config_from_hf",
+    "validate_hf_config",
+]

@@ -1,0 +1,214 @@
+"""Megatron-Core GPTModel (and its TransformerConfig) from a Hugging Face Llama/Qwen2/Qwen3 config.
+
+Vocab padding: Megatron shards the embedding and output layer over TP, so the vocab is padded to
+`padded_vocab_size(vocab, tp)`: a multiple of lcm(make_vocab_size_divisible_by, tp), default
+lcm(128, tp) = 128 for the usual power-of-two TP. Unlike Megatron-LM's 128 * tp this does not
+depend on TP (up to 128), so one torch_dist checkpoint reshards to any TP. The logits of padded
+ids are set to PADDED_VOCAB_LOGIT by a forward hook on the output layer: an HF model has no such
+tokens, so they must get zero probability in log-probs and entropies. The padding rows are
+dropped again on export (`hapo_megatron.convert`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from hapo_megatron.models.hf_config import (
+    arch_of,
+    has_qkv_bias,
+    head_dim_of,
+    num_kv_heads_of,
+    rope_inv_freq,
+    rope_parameters,
+    validate_hf_config,
+)
+
+DEFAULT_VOCAB_DIVISIBLE_BY = 128
+# Logit given to padded vocab ids: exp() underflows to exactly 0 next to real logits, yet stays
+# finite under temperature division and in bf16 (so 0 * logit in an entropy sum is 0, not NaN).
+PADDED_VOCAB_LOGIT = -1.0e4
+
+
+def padded_vocab_size(vocab: int, tp: int = 1, make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY) -> int:
+    """Smallest multiple of lcm(make_vocab_size_divisible_by, tp) that is >= vocab."""
+    if vocab <= 0:
+        raise ValueError(f"vocab must be positive, got {vocab}")
+    if tp <= 0:
+        raise ValueError(f"tp must be positive, got {tp}")
+    if make_vocab_size_divisible_by <= 0:
+        raise ValueError(f"make_vocab_size_divisible_by must be positive, got {make_vocab_size_divisible_by}")
+    multiple = math.lcm(make_vocab_size_divisible_by, tp)
+    return -(-vocab // multiple) * multiple
+
+
+def te_available() -> bool:
+    """Transformer Engine importable and a GPU present (TE layers cannot run on CPU)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable"
+        return False
+    return True
+
+
+def _dtype_flags(dtype: torch.dtype) -> dict:
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    return dict(params_dtype=dtype, pipeline_dtype=dtype,
+                bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+
+
+def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, cp: int = 1,
+                               sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
+                               use_te: bool | None = None, **kw):
+    """The Megatron TransformerConfig equivalent of `hf_config`; `kw` overrides any field.
+
+    Dropout is 0 (RL fine-tuning), RMSNorm, SwiGLU without linear biases, q/k/v biases for Qwen2,
+    QK-norm for Qwen3, GQA via num_query_groups, kv_channels = head_dim (Qwen3 may differ from
+    hidden/heads). On a machine without CUDA, weights are initialised on the CPU.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    validate_hf_config(hf_config)
+    if hf_config.num_hidden_layers % pp:
+        raise ValueError(f"pp={pp} must divide num_hidden_layers={hf_config.num_hidden_layers}")
+    if sequence_parallel and tp == 1:
+        sequence_parallel = False  # Megatron rejects SP without TP; it is a no-op there anyway
+    use_te = te_available() if use_te is None else use_te
+    fields = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=num_kv_heads_of(hf_config),
+        kv_channels=head_dim_of(hf_config),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf_config.rms_norm_eps),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=has_qkv_bias(hf_config),
+        qk_layernorm=arch_of(hf_config) == "qwen3",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        sequence_parallel=sequence_parallel,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # Fused kernels need TE/Apex/CUDA; the unfused paths are exact and run everywhere.
+        bias_activation_fusion=use_te,
+        masked_softmax_fusion=use_te,
+        bias_dropout_fusion=use_te,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        **_dtype_flags(dtype),
+    )
+    fields.update(kw)
+    return TransformerConfig(**fields)
+
+
+def layer_spec_for(hf_config, use_te: bool | None = None):
+    """Transformer Engine layer spec when TE is usable, Megatron's local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    qk_norm = arch_of(hf_config) == "qwen3"
+    use_te = te_available() if use_te is None else use_te
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+
+
+def _mask_padded_vocab_hook(vocab_size: int) -> Callable:
+    """Forward hook for the output layer: padded vocab ids get PADDED_VOCAB_LOGIT.
+
+    The output is `[s, b, V/tp]` (this rank's shard) or `[s, b, V]` when gathered.
+    """
+    import torch.distributed as dist
+
+    def hook(module, inputs, output):
+        logits, bias = output
+        if getattr(module, "gather_output", False) or module.tp_group is None:
+            start = 0
+        else:
+            start = dist.get_rank(module.tp_group) * module.output_size_per_partition
+        first_pad = vocab_size - start
+        if first_pad >= logits.shape[-1]:
+            return output
+        ids = torch.arange(logits.shape[-1], device=logits.device)
+        logits = logits.masked_fill(ids >= max(first_pad, 0), PADDED_VOCAB_LOGIT)
+        return logits, bias
+
+    return hook
+
+
+def _parallel_sizes() -> tuple[int, int, int, bool, bool]:
+    """(tp, pp, cp, first_stage, last_stage) from Megatron's initialised parallel state."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_context_parallel_world_size(), ps.is_pipeline_first_stage(ignore_virtual=True),
+            ps.is_pipeline_last_stage(ignore_virtual=True))
+
+
+def build_gpt_model(hf_config, *, pre_process: bool | None = None, post_process: bool | None = None,
+                    dtype: torch.dtype = torch.float32, use_te: bool | None = None,
+                    parallel_output: bool = True, vp_stage: int | None = None, config=None,
+                    make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
+                    sequence_parallel: bool = False, **config_kw):
+    """A GPTModel for `hf_config` on this rank (Megatron parallel state must be initialised).
+
+    pre_process/post_process default to "this rank is the first/last pipeline stage". `config`
+    is a ready TransformerConfig; otherwise one is built with the initialised TP/PP/CP sizes,
+    `dtype`, `sequence_parallel` and `config_kw`. The model carries `hf_vocab_size` (unpadded).
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    tp, pp, cp, first, last = _parallel_sizes()
+    pre_process = first if pre_process is None else pre_process
+    post_process = last if post_process is None else post_process
+    use_te = te_available() if use_te is None else use_te
+    if config is None:
+        config = transformer_config_from_hf(hf_config, tp=tp, pp=pp, cp=cp, dtype=dtype, use_te=use_te,
+                                            sequence_parallel=sequence_parallel, **config_kw)
+    vocab = padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec_for(hf_config, use_te),
+        vocab_size=vocab,
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=float(rope_parameters(hf_config)["rope_theta"]),
+        vp_stage=vp_stage,
+    )
+    inv_freq = rope_inv_freq(hf_config)
+    if inv_freq is not None:  # scaled RoPE: HF's own inverse frequencies (see hf_config.py)
+        rotary = model.rotary_pos_emb
+        rotary.inv_freq = inv_freq.to(rotary.inv_freq.device)
+    if post_process and vocab > hf_config.vocab_size:
+        model.output_layer.register_forward_hook(_mask_padded_vocab_hook(hf_config.vocab_size))
+    model.hf_vocab_size = hf_config.vocab_size
+    return model
+
+
+def model_provider_for(hf_config, **kw) -> Callable:
+    """`provider(pre_process=True, post_process=True, vp_stage=None) -> GPTModel` for model builders
+    that decide the pipeline stage (Megatron's get_model pattern); `kw` go to build_gpt_model."""
+
+    def provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None, **_):
+        return build_gpt_model(hf_config, pre_process=pre_process, post_process=post_process,
+                               vp_stage=vp_stage, **kw)
+
+    return provider
