@@ -4,24 +4,61 @@ transformers or torch.distributed), usable from any framework.
 See `shared/spec/algorithm.md` for the formulas; each module's docstring names its section.
 """
 
+from hapo_megatron.algo.advantages import (
+    filter_groups,
+    grpo_advantages,
+    group_index,
+    overlong_penalty,
+    token_level_group_advantages,
+)
+from hapo_megatron.algo.clipping import adaptive_clip_ranges
 from hapo_megatron.algo.entropy import (
     HH_MODES,
     EntropyStats,
     compute_entropy_stats,
+    log_entropy,
     nearest_rank_index,
     normalize_entropy,
     stats_from_reductions,
     token_entropy,
 )
-from hapo_megatron.algo.temperature import adaptive_temperature
+from hapo_megatron.algo.loss import (
+    KL_TYPES,
+    LOSS_AGG_MODES,
+    LOSS_METRIC_COUNTS,
+    LOSS_METRIC_MEANS,
+    agg_loss,
+    finalize_loss_metrics,
+    hapo_policy_loss,
+    kl_penalty,
+)
+from hapo_megatron.algo.redistribution import redistribute_advantages
+from hapo_megatron.algo.temperature import adaptive_temperature, check_temperature_tau
 
 __all__ = [
     "HH_MODES",
+    "KL_TYPES",
+    "LOSS_AGG_MODES",
+    "LOSS_METRIC_COUNTS",
+    "LOSS_METRIC_MEANS",
     "EntropyStats",
+    "adaptive_clip_ranges",
     "adaptive_temperature",
+    "agg_loss",
+    "check_temperature_tau",
     "compute_entropy_stats",
+    "filter_groups",
+    "finalize_loss_metrics",
+    "group_index",
+    "grpo_advantages",
+    "hapo_policy_loss",
+    "kl_penalty",
+    "log_entropy",
     "nearest_rank_index",
     "normalize_entropy",
+    "overlong_penalty",
+    "redistribute_advantages",
     "stats_from_reductions",
     "token_entropy",
+    "token_level_group_advantages",
 ]

@@ -1,0 +1,371 @@
+"""The HAPO policy loss (spec sections 4-6): ``(loss_sum, normalizer, metrics)``.
+
+``loss_sum / normalizer`` is the loss of one process. A distributed caller sums ``loss_sum`` and
+``normalizer`` over micro-batches and ranks, so the result does not depend on the split.
+
+Metrics are float64 0-dim tensors that are all SUMS (summable across micro-batches and ranks).
+Turn them into means with :func:`finalize_loss_metrics`, which divides each ``<name>_sum`` by the
+count named in :data:`LOSS_METRIC_MEANS`:
+
+=====================================  =====================================  ==========================
+mean key (output)                      numerator key                          denominator key
+=====================================  =====================================  ==========================
+loss/pg_loss                           loss/pg_loss_sum                       loss/num_tokens
+loss/clipfrac                          loss/clipfrac_sum  (low or high side)  loss/num_tokens
+loss/clipfrac_low                      loss/clipfrac_low_sum                  loss/num_tokens
+loss/clipfrac_high                     loss/clipfrac_high_sum                 loss/num_tokens
+loss/clipfrac_dual                     loss/clipfrac_dual_sum                 loss/num_tokens
+loss/ppo_kl                            loss/ppo_kl_sum  (old - new logprob)   loss/num_tokens
+loss/ratio_mean                        loss/ratio_sum                         loss/num_tokens
+loss/high_entropy_frac (h_hat > 0)     loss/num_high_entropy_tokens           loss/num_tokens
+loss/h_hat_mean                        loss/h_hat_sum                         loss/num_tokens
+loss/clipfrac_high_entropy             loss/clipfrac_high_entropy_sum         loss/num_high_entropy_tokens
+loss/clipfrac_low_entropy              loss/clipfrac_low_entropy_sum          loss/num_low_entropy_tokens
+loss/adv_scale_high_entropy (|A'|/|A|) loss/adv_scale_high_entropy_sum        loss/num_high_entropy_tokens
+loss/adv_scale_low_entropy  (|A'|/|A|) loss/adv_scale_low_entropy_sum         loss/num_low_entropy_tokens
+loss/entropy                           loss/entropy_sum                       loss/num_tokens
+loss/kl                                loss/kl_sum                            loss/num_tokens
+loss/tis_weight                        loss/tis_weight_sum                    loss/num_tokens
+=====================================  =====================================  ==========================
+
+Counts (``loss/num_tokens``, ``loss/num_seqs``, ``loss/num_high_entropy_tokens``,
+``loss/num_low_entropy_tokens``) are sums too. The h_hat keys exist only when ``h_hat`` is given,
+``loss/entropy_sum`` only with ``entropy``, ``loss/kl_sum`` only with ``ref_logprobs``,
+``loss/tis_weight_sum`` only with ``tis_cap``. ``|A'|/|A|`` is taken as 1 where ``A == 0``.
+Clip fractions: "low" = the ``1 - eps_L`` bound is active (``A' < 0``, ``ratio < 1 - eps_L``),
+"high" = the ``1 + eps_R`` bound is active (``A' > 0``, ``ratio > 1 + eps_R``), "dual" = the
+dual-clip bound ``-A' c`` is active (``A' < 0``); the per-entropy-branch fractions count a token
+if any of the three is active.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Mapping, Optional, Tuple
+
+import torch
+
+from hapo_megatron.algo.clipping import adaptive_clip_ranges, check_nonneg
+from hapo_megatron.algo.redistribution import redistribute_advantages
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_TYPES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+#: log-ratios are clamped to this range before exp (numerical safety; exp(20) ~ 4.9e8)
+LOG_RATIO_CLAMP = 20.0
+
+LOSS_METRIC_MEANS: Dict[str, Tuple[str, str]] = {
+    "loss/pg_loss": ("loss/pg_loss_sum", "loss/num_tokens"),
+    "loss/clipfrac": ("loss/clipfrac_sum", "loss/num_tokens"),
+    "loss/clipfrac_low": ("loss/clipfrac_low_sum", "loss/num_tokens"),
+    "loss/clipfrac_high": ("loss/clipfrac_high_sum", "loss/num_tokens"),
+    "loss/clipfrac_dual": ("loss/clipfrac_dual_sum", "loss/num_tokens"),
+    "loss/ppo_kl": ("loss/ppo_kl_sum", "loss/num_tokens"),
+    "loss/ratio_mean": ("loss/ratio_sum", "loss/num_tokens"),
+    "loss/high_entropy_frac": ("loss/num_high_entropy_tokens", "loss/num_tokens"),
+    "loss/h_hat_mean": ("loss/h_hat_sum", "loss/num_tokens"),
+    "loss/clipfrac_high_entropy": ("loss/clipfrac_high_entropy_sum", "loss/num_high_entropy_tokens"),
+    "loss/clipfrac_low_entropy": ("loss/clipfrac_low_entropy_sum", "loss/num_low_entropy_tokens"),
+    "loss/adv_scale_high_entropy": ("loss/adv_scale_high_entropy_sum", "loss/num_high_entropy_tokens"),
+    "loss/adv_scale_low_entropy": ("loss/adv_scale_low_entropy_sum", "loss/num_low_entropy_tokens"),
+    "loss/entropy": ("loss/entropy_sum", "loss/num_tokens"),
+    "loss/kl": ("loss/kl_sum", "loss/num_tokens"),
+    "loss/tis_weight": ("loss/tis_weight_sum", "loss/num_tokens"),
+}
+LOSS_METRIC_COUNTS = ("loss/num_tokens", "loss/num_seqs", "loss/num_high_entropy_tokens", "loss/num_low_entropy_tokens")
+
+
+def _check_agg_mode(loss_agg_mode: str) -> None:
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
+
+
+def _num_seqs(lengths: torch.Tensor, seq_token_counts: Optional[torch.Tensor], num_seqs: Optional[float]) -> torch.Tensor:
+    """0-dim float32: ``num_seqs`` if given, else the number of rows with a valid token."""
+    if num_seqs is not None:
+        return torch.tensor(check_nonneg("num_seqs", num_seqs), dtype=torch.float32, device=lengths.device)
+    if seq_token_counts is not None:
+        lengths = seq_token_counts.detach()
+    return (lengths > 0).sum().to(torch.float32)
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    *,
+    loss_scale_factor: Optional[float] = None,
+    seq_token_counts: Optional[torch.Tensor] = None,
+    num_seqs: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Aggregate a per-token loss into ``(loss_sum, normalizer)``; the loss is their quotient.
+
+    Args:
+        loss_mat: ``[B, T]`` (any ``[..., T]``; the last dim is the sequence) per-token loss.
+        loss_mask: same shape, bool or 0/1 (nonzero = valid; values are not used as weights).
+        loss_agg_mode:
+            - ``token-mean``: ``sum(valid loss)`` / number of valid tokens.
+            - ``seq-mean-token-sum``: ``sum_i sum_t loss`` / number of sequences.
+            - ``seq-mean-token-mean``: ``sum_i (sum_t loss / L_i)`` / number of sequences.
+            - ``seq-mean-token-sum-norm``: ``sum_i sum_t loss`` / (number of sequences * H), with the
+              horizon ``H = loss_scale_factor`` or ``T = loss_mat.shape[-1]`` (Dr.GRPO; older verl
+              divides by ``T`` only, without the sequence count). Pass a constant (e.g. the max
+              response length) for results independent of padding.
+            "Number of sequences" counts rows with at least one valid token (padding rows are free).
+        seq_token_counts: ``[...]`` (``loss_mat.shape[:-1]``) optional full-sequence valid-token
+            counts ``L_i`` (e.g. summed over context-parallel chunks); used as the divisor of
+            ``seq-mean-token-mean`` and to decide which rows count as sequences.
+        num_seqs: optional override of the sequence count in the normalizer (e.g. 0 on all but one
+            context-parallel rank so a split sequence is counted once).
+
+    Returns:
+        ``loss_sum`` 0-dim float32 (differentiable; exactly 0 with zero gradient when nothing is
+        valid) and ``normalizer`` 0-dim float32, detached (0 when nothing is valid).
+    """
+    _check_agg_mode(loss_agg_mode)
+    if not torch.is_tensor(loss_mat) or loss_mat.ndim < 1:
+        raise ValueError("loss_mat must be a tensor with at least 1 dim [..., T]")
+    if not torch.is_tensor(loss_mask) or loss_mask.shape != loss_mat.shape:
+        raise ValueError(f"loss_mask must be a tensor of shape {tuple(loss_mat.shape)}")
+    valid = loss_mask.detach() != 0
+    masked = torch.where(valid, loss_mat.to(torch.float32), torch.zeros((), device=loss_mat.device))
+    lengths = valid.sum(dim=-1).to(torch.float32)
+    if seq_token_counts is not None:
+        if not torch.is_tensor(seq_token_counts) or seq_token_counts.shape != loss_mat.shape[:-1]:
+            raise ValueError(f"seq_token_counts must be a tensor of shape {tuple(loss_mat.shape[:-1])}")
+        lengths = seq_token_counts.detach().to(device=loss_mat.device, dtype=torch.float32)
+    n_seq = _num_seqs(lengths, None, num_seqs)
+    if loss_agg_mode == "token-mean":
+        return masked.sum(), valid.sum().to(torch.float32)
+    if loss_agg_mode == "seq-mean-token-sum":
+        return masked.sum(), n_seq
+    if loss_agg_mode == "seq-mean-token-mean":
+        return (masked.sum(dim=-1) / lengths.clamp_min(1.0)).sum(), n_seq
+    horizon = float(loss_mat.shape[-1]) if loss_scale_factor is None else float(loss_scale_factor)
+    if not (horizon > 0 and math.isfinite(horizon)):
+        raise ValueError(f"loss_scale_factor must be a finite float > 0, got {loss_scale_factor!r}")
+    return masked.sum(), n_seq * horizon
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: str = "low_var_kl") -> torch.Tensor:
+    """Per-token KL estimator between the policy and a reference, ``[...]`` float32.
+
+    With ``d = logprobs - ref_logprobs``: ``k1``/``kl``: ``d``; ``abs``: ``|d|``; ``k2``/``mse``:
+    ``d^2 / 2``; ``k3``/``low_var_kl``: ``exp(-d) + d - 1`` (``d`` clamped to +-20, the result to
+    [-10, 10] for stability). Gradients flow to ``logprobs`` only.
+    """
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+    if not torch.is_tensor(ref_logprobs) or ref_logprobs.shape != logprobs.shape:
+        raise ValueError(f"ref_logprobs must be a tensor of shape {tuple(logprobs.shape)}")
+    d = logprobs.to(torch.float32) - ref_logprobs.detach().to(torch.float32)
+    if kl_type in ("k1", "kl"):
+        return d
+    if kl_type == "abs":
+        return d.abs()
+    if kl_type in ("k2", "mse"):
+        return 0.5 * d.square()
+    d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (torch.exp(-d) + d - 1.0).clamp(-10.0, 10.0)
+
+
+def finalize_loss_metrics(metrics: Mapping[str, object]) -> Dict[str, float]:
+    """Turn (all-reduced) metric sums into means, see the module docstring; counts pass through.
+
+    A mean whose denominator is 0 is reported as 0.0.
+    """
+    def val(x) -> float:
+        return float(x.item()) if torch.is_tensor(x) else float(x)
+
+    out: Dict[str, float] = {k: val(metrics[k]) for k in LOSS_METRIC_COUNTS if k in metrics}
+    for name, (num, den) in LOSS_METRIC_MEANS.items():
+        if num in metrics and den in metrics:
+            d = val(metrics[den])
+            out[name] = val(metrics[num]) / d if d > 0 else 0.0
+    return out
+
+
+def _check_tensor(name: str, t, shape) -> None:
+    if not torch.is_tensor(t) or t.shape != shape:
+        got = tuple(t.shape) if torch.is_tensor(t) else type(t).__name__
+        raise ValueError(f"{name} must be a tensor of shape {tuple(shape)}, got {got}")
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating tensor, got dtype {t.dtype}")
+
+
+def _policy_token_losses(logprobs, old_logprobs, advantages, valid, h_hat, *, eps_l, eps_r, clip_c,
+                         adaptive_clip, clip_alpha, adaptive_advantage, adv_beta):
+    """Per-token clipped PPO/HAPO loss ``[B, T]`` (0 on padding) and detached intermediates."""
+    zero = torch.zeros((), device=logprobs.device)
+    log_ratio = torch.where(valid, logprobs.to(torch.float32) - old_logprobs.detach().to(torch.float32), zero)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    adv = torch.where(valid, advantages.detach().to(torch.float32), zero)
+    if adaptive_clip:
+        low, high = adaptive_clip_ranges(h_hat, eps_l, eps_r, clip_alpha)
+    else:
+        low, high = torch.full_like(adv, eps_l), torch.full_like(adv, eps_r)
+    adv_p = adv
+    if adaptive_advantage:
+        adv_p = torch.where(valid, redistribute_advantages(adv, h_hat.detach(), ratio.detach(), low, high, adv_beta), zero)
+    l1 = -adv_p * ratio
+    l2 = -adv_p * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    clipped = torch.maximum(l1, l2)
+    neg = adv_p < 0
+    l3 = torch.where(neg, -adv_p * clip_c, zero)  # dual-clip bound, only used where A' < 0
+    loss = torch.where(neg, torch.minimum(clipped, l3), clipped)
+    with torch.no_grad():
+        r = ratio.detach()
+        aux = {
+            "ratio": r, "log_ratio": log_ratio.detach(), "adv": adv, "adv_p": adv_p,
+            "clip_low": valid & neg & (r < 1.0 - low),
+            "clip_high": valid & (adv_p > 0) & (r > 1.0 + high),
+            "clip_dual": valid & neg & (clipped.detach() > l3),
+        }
+    return loss, aux
+
+
+def _policy_metrics(valid, aux, h_hat, pg_mat, entropy, kl_mat, tis_w, n_seq) -> Dict[str, torch.Tensor]:
+    """Summable float64 metrics (see the module docstring)."""
+    f64 = torch.float64
+
+    def msum(x, sel=valid):
+        return torch.where(sel, x.detach().to(f64), torch.zeros((), dtype=f64, device=x.device)).sum()
+
+    m = {
+        "loss/num_tokens": valid.sum().to(f64),
+        "loss/num_seqs": n_seq.detach().to(f64),
+        "loss/pg_loss_sum": msum(pg_mat),
+        "loss/clipfrac_sum": (aux["clip_low"] | aux["clip_high"]).sum().to(f64),
+        "loss/clipfrac_low_sum": aux["clip_low"].sum().to(f64),
+        "loss/clipfrac_high_sum": aux["clip_high"].sum().to(f64),
+        "loss/clipfrac_dual_sum": aux["clip_dual"].sum().to(f64),
+        "loss/ppo_kl_sum": msum(-aux["log_ratio"]),
+        "loss/ratio_sum": msum(aux["ratio"]),
+    }
+    if h_hat is not None:
+        h = h_hat.detach()
+        hi, lo = valid & (h > 0), valid & (h <= 0)
+        any_clip = aux["clip_low"] | aux["clip_high"] | aux["clip_dual"]
+        a, ap = aux["adv"].to(f64), aux["adv_p"].to(f64)
+        scale = torch.where(a != 0, ap.abs() / a.abs().clamp_min(1e-300), torch.ones_like(a))
+        m.update({
+            "loss/num_high_entropy_tokens": hi.sum().to(f64),
+            "loss/num_low_entropy_tokens": lo.sum().to(f64),
+            "loss/h_hat_sum": msum(h),
+            "loss/clipfrac_high_entropy_sum": (any_clip & hi).sum().to(f64),
+            "loss/clipfrac_low_entropy_sum": (any_clip & lo).sum().to(f64),
+            "loss/adv_scale_high_entropy_sum": msum(scale, hi),
+            "loss/adv_scale_low_entropy_sum": msum(scale, lo),
+        })
+    if entropy is not None:
+        m["loss/entropy_sum"] = msum(entropy)
+    if kl_mat is not None:
+        m["loss/kl_sum"] = msum(kl_mat)
+    if tis_w is not None:
+        m["loss/tis_weight_sum"] = msum(tis_w)
+    return m
+
+
+def _check_loss_args(clip_ratio_low, clip_ratio_high, clip_ratio_c, clip_alpha, adv_beta,
+                     adaptive_clip, adaptive_advantage, h_hat, loss_agg_mode):
+    eps_l = check_nonneg("clip_ratio_low", clip_ratio_low)
+    eps_r = check_nonneg("clip_ratio_high", clip_ratio_high)
+    c = float(clip_ratio_c)
+    if not c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c!r}")
+    check_nonneg("clip_alpha", clip_alpha)
+    check_nonneg("adv_beta", adv_beta)
+    _check_agg_mode(loss_agg_mode)
+    if (adaptive_clip or adaptive_advantage) and h_hat is None:
+        raise ValueError("h_hat is required when adaptive_clip or adaptive_advantage is on")
+    return eps_l, eps_r, c
+
+
+def hapo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    h_hat: Optional[torch.Tensor] = None,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    adaptive_clip: bool = False,
+    clip_alpha: float = 1.0,
+    adaptive_advantage: bool = False,
+    adv_beta: float = 1.0,
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: Optional[float] = None,
+    seq_token_counts: Optional[torch.Tensor] = None,
+    num_seqs: Optional[float] = None,
+    entropy: Optional[torch.Tensor] = None,
+    entropy_coeff: float = 0.0,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    kl_loss_coef: float = 0.0,
+    kl_loss_type: str = "low_var_kl",
+    rollout_logprobs: Optional[torch.Tensor] = None,
+    tis_cap: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
+    """HAPO policy loss (spec sections 4-6) as ``(loss_sum, normalizer, metrics)``.
+
+    Per valid token: ``rho = exp(logprobs - old_logprobs)`` (log-ratio clamped to +-20), clip ranges
+    from :func:`adaptive_clip_ranges` if ``adaptive_clip`` else the constants, ``A'`` from
+    :func:`redistribute_advantages` if ``adaptive_advantage`` else ``A``;
+    ``l = max(-A' rho, -A' clip(rho, 1 - eps_L_t, 1 + eps_R_t))``, and ``min(l, -A' c)`` where ``A' < 0``.
+    Optional extras: truncated importance sampling (``tis_cap``: ``l *= min(exp(old - rollout), cap)``),
+    ``+ kl_loss_coef * kl_penalty(logprobs, ref_logprobs, kl_loss_type)``,
+    ``- entropy_coeff * entropy``. Aggregated by :func:`agg_loss` (``loss_scale_factor``,
+    ``seq_token_counts``, ``num_seqs`` are passed to it).
+
+    Args:
+        logprobs: ``[B, T]`` current log-probs (differentiable). old_logprobs, advantages: ``[B, T]``.
+        loss_mask: ``[B, T]`` bool/0-1. h_hat: ``[B, T]`` normalised entropy (required by the
+            adaptive switches; also enables the per-entropy-branch metrics).
+        entropy: ``[B, T]`` current entropy (differentiable; required if ``entropy_coeff != 0``).
+        ref_logprobs / rollout_logprobs: ``[B, T]`` (required by ``kl_loss_coef > 0`` / ``tis_cap``).
+
+    Returns:
+        ``loss_sum`` (0-dim float32, differentiable), ``normalizer`` (0-dim float32; 0 when nothing
+        is valid, then ``loss_sum`` is 0 with zero gradient), ``metrics`` (float64 sums; use
+        :func:`finalize_loss_metrics` after summing them over micro-batches/ranks).
+    """
+    eps_l, eps_r, c = _check_loss_args(clip_ratio_low, clip_ratio_high, clip_ratio_c, clip_alpha, adv_beta,
+                                       adaptive_clip, adaptive_advantage, h_hat, loss_agg_mode)
+    if not torch.is_tensor(logprobs) or logprobs.ndim < 1:
+        raise ValueError("logprobs must be a tensor of shape [B, T]")
+    shape = logprobs.shape
+    _check_tensor("logprobs", logprobs, shape)
+    for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("h_hat", h_hat),
+                    ("entropy", entropy), ("ref_logprobs", ref_logprobs), ("rollout_logprobs", rollout_logprobs)):
+        if t is not None:
+            _check_tensor(name, t, shape)
+    if not torch.is_tensor(loss_mask) or loss_mask.shape != shape:
+        raise ValueError(f"loss_mask must be a tensor of shape {tuple(shape)}")
+    if not math.isfinite(float(entropy_coeff)):
+        raise ValueError(f"entropy_coeff must be finite, got {entropy_coeff!r}")
+    if float(entropy_coeff) != 0.0 and entropy is None:
+        raise ValueError("entropy is required when entropy_coeff != 0")
+    if check_nonneg("kl_loss_coef", kl_loss_coef) > 0 and ref_logprobs is None:
+        raise ValueError("ref_logprobs is required when kl_loss_coef > 0")
+    if tis_cap is not None and (not float(tis_cap) > 0 or rollout_logprobs is None):
+        raise ValueError("tis_cap must be > 0 and needs rollout_logprobs")
+    valid = loss_mask.detach() != 0
+    pg_mat, aux = _policy_token_losses(
+        logprobs, old_logprobs, advantages, valid, h_hat, eps_l=eps_l, eps_r=eps_r, clip_c=c,
+        adaptive_clip=adaptive_clip, clip_alpha=clip_alpha, adaptive_advantage=adaptive_advantage, adv_beta=adv_beta)
+    tis_w = None
+    if tis_cap is not None:
+        d = (old_logprobs.detach().float() - rollout_logprobs.detach().float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        tis_w = torch.where(valid, torch.exp(d).clamp_max(float(tis_cap)), torch.zeros((), device=d.device))
+        pg_mat = pg_mat * tis_w
+    loss_mat = pg_mat
+    kl_mat = None if ref_logprobs is None else kl_penalty(logprobs, ref_logprobs, kl_loss_type)
+    if kl_mat is not None and float(kl_loss_coef) > 0:
+        loss_mat = loss_mat + float(kl_loss_coef) * torch.where(valid, kl_mat, torch.zeros((), device=kl_mat.device))
+    if entropy is not None and float(entropy_coeff) != 0.0:
+        loss_mat = loss_mat - float(entropy_coeff) * torch.where(valid, entropy.float(), torch.zeros((), device=entropy.device))
+    loss_sum, normalizer = agg_loss(loss_mat, valid, loss_agg_mode, loss_scale_factor=loss_scale_factor,
+                                    seq_token_counts=seq_token_counts, num_seqs=num_seqs)
+    n_seq = _num_seqs(valid.sum(dim=-1), seq_token_counts, num_seqs)
+    metrics = _policy_metrics(valid, aux, h_hat, pg_mat, entropy, kl_mat, tis_w, n_seq)
+    return loss_sum, normalizer, metrics
