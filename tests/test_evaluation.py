@@ -1,0 +1,217 @@
+"""Tests of hapo_megatron.training.evaluation: pass@k / avg@k math and evaluate() end to end."""
+
+import itertools
+import math
+from fractions import Fraction
+from types import SimpleNamespace
+
+import pytest
+
+from hapo_megatron.training.evaluation import (
+    PromptResult,
+    aggregate_results,
+    avg_at_k,
+    default_k_values,
+    evaluate,
+    format_results_table,
+    generate_and_score,
+    pass_at_k,
+)
+
+
+def brute_pass_at_k(correct, k):
+    """Fraction of k-subsets of the samples that hold at least one correct sample."""
+    subsets = list(itertools.combinations(range(len(correct)), k))
+    hits = sum(any(correct[i] for i in s) for s in subsets)
+    return Fraction(hits, len(subsets))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+def test_pass_at_k_matches_subset_enumeration(n):
+    for c in range(n + 1):
+        correct = [True] * c + [False] * (n - c)
+        for k in range(1, n + 1):
+            expected = float(brute_pass_at_k(correct, k))
+            assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_large_n_is_stable():
+    # C(1000, 500) overflows floats; the product form does not. Exact value via Fractions.
+    n, c, k = 1000, 3, 500
+    exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+    assert pass_at_k(n, c, k) == pytest.approx(float(exact), rel=1e-12)
+    assert pass_at_k(1000, 0, 10) == 0.0
+    assert pass_at_k(1000, 991, 10) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("args", [(0, 0, 1), (4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)])
+def test_pass_at_k_rejects_bad_input(args):
+    with pytest.raises(ValueError):
+        pass_at_k(*args)
+
+
+def test_avg_at_k_hand_cases():
+    acc = [True, False, True, True, False, False, False, True]
+    assert avg_at_k(acc, 1) == 1.0
+    assert avg_at_k(acc, 2) == 0.5
+    assert avg_at_k(acc, 4) == 0.75
+    assert avg_at_k(acc, 8) == 0.5
+    assert avg_at_k([0.0, 1.0, 1.0], 3) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="k"):
+        avg_at_k(acc, 9)
+
+
+def test_default_k_values():
+    assert default_k_values(8) == (1, 2, 4, 8)
+    assert default_k_values(1) == (1,)
+    assert default_k_values(6) == (1, 2, 4, 6)
+    assert default_k_values(16) == (1, 2, 4, 8, 16)
+
+
+def _pr(source, acc, lengths=None, uid="u"):
+    lengths = lengths or [10] * len(acc)
+    return PromptResult(uid=uid, data_source=source, ground_truth="1", acc=list(acc),
+                        scores=[1.0 if a else -1.0 for a in acc], response_lengths=lengths,
+                        truncated=[False] * len(acc))
+
+
+def test_aggregate_results_per_source_and_macro_average():
+    results = [
+        _pr("math", [1, 1, 0, 0], [4, 6, 8, 10], uid="a"),
+        _pr("math", [0, 0, 0, 1], [2, 2, 2, 2], uid="b"),
+        _pr("aime", [0, 0, 0, 0], [100, 100, 100, 100], uid="c"),
+    ]
+    m = aggregate_results(results, k_values=[1, 2, 4])
+    # avg@1: first samples 1 and 0 -> 0.5; avg@4: (0.5 + 0.25) / 2.
+    assert m["eval/math/avg@1"] == 0.5
+    assert m["eval/math/avg@2"] == pytest.approx((1.0 + 0.0) / 2)
+    assert m["eval/math/avg@4"] == pytest.approx(0.375)
+    # pass@2 for (n=4, c=2): 1 - C(2,2)/C(4,2) = 5/6; (n=4, c=1): 1 - C(3,2)/C(4,2) = 1/2.
+    assert m["eval/math/pass@2"] == pytest.approx((5 / 6 + 1 / 2) / 2)
+    assert m["eval/math/pass@4"] == 1.0
+    assert m["eval/aime/pass@4"] == 0.0
+    assert m["eval/math/response_length_mean"] == pytest.approx(36 / 8)
+    assert m["eval/math/response_length_max"] == 10
+    assert m["eval/math/num_prompts"] == 2
+    assert m["eval/math/reward_mean"] == pytest.approx((3 - 5) / 8)
+    assert m["eval/all/avg@4"] == pytest.approx((0.375 + 0.0) / 2)
+    assert m["eval/all/response_length_mean"] == pytest.approx((4.5 + 100) / 2)
+    table = format_results_table(m)
+    assert "math" in table and "aime" in table and "avg@4" in table
+    assert table.splitlines()[-1].startswith("all")
+
+
+def test_aggregate_results_skips_k_beyond_n_and_rejects_empty():
+    m = aggregate_results([_pr("s", [1, 0])], k_values=[1, 2, 8])
+    assert "eval/s/pass@8" not in m and "eval/s/pass@2" in m
+    with pytest.raises(ValueError):
+        aggregate_results([])
+
+
+# ---------------------------------------------------------------- evaluate() with a fake engine
+class CharTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 0))
+
+
+class FakeEngine:
+    """Returns canned responses per prompt (keyed by the prompt's text)."""
+
+    def __init__(self, answers):
+        self.answers = answers
+        self.calls = []
+
+    def generate(self, prompt_ids, params):
+        self.calls.append((len(prompt_ids), params))
+        out = []
+        for i, ids in enumerate(prompt_ids):
+            texts = self.answers["".join(map(chr, ids))][: params.n]
+            out.append([SimpleNamespace(prompt_ids=ids, response_ids=[ord(c) for c in t] + [0],
+                                        rollout_logprobs=[], temperatures=[],
+                                        finish_reason="stop" if t.endswith("}") else "length",
+                                        prompt_index=i) for t in texts])
+        return out
+
+    def update_weights(self, named_tensors):
+        pass
+
+
+class ListDataset:
+    def __init__(self, rows):
+        self.rows = rows
+        self.tokenizer = CharTokenizer()
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        text, gt, source = self.rows[i]
+        return SimpleNamespace(uid=f"p{i}", prompt_ids=[ord(c) for c in text], prompt_text=text,
+                               ground_truth=gt, data_source=source)
+
+
+def _sampling(n, **kw):
+    try:
+        from hapo_megatron.rollout.engine import SamplingParams
+    except ImportError:
+        return SimpleNamespace(n=n, adaptive=False, **kw)
+    return SamplingParams(n=n, temperature=0.5, top_p=0.7, max_new_tokens=32, **kw)
+
+
+def _real_reward():
+    rewards = pytest.importorskip("hapo_megatron.rewards")
+    fn = getattr(rewards, "compute_score", None)
+    if fn is None:
+        pytest.skip("hapo_megatron.rewards.compute_score not available yet")
+    return fn
+
+
+def test_evaluate_with_fake_engine_and_real_reward():
+    reward = _real_reward()
+    answers = {
+        "1+1": ["The answer is \\boxed{2}", "\\boxed{3}", "\\boxed{2}", "so \\boxed{2}"],
+        "2*3": ["\\boxed{6}", "\\boxed{5}", "\\boxed{7}", "\\boxed{8"],
+        "half": ["\\boxed{\\frac{1}{2}}", "\\boxed{0.5}", "\\boxed{1/3}", "\\boxed{2}"],
+    }
+    data = ListDataset([("1+1", "2", "arith"), ("2*3", "6", "arith"), ("half", "1/2", "frac")])
+    engine = FakeEngine(answers)
+    m = evaluate(engine, data, reward, _sampling(4), k_values=[1, 2, 4], batch_size=2)
+    assert [c[0] for c in engine.calls] == [2, 1]
+    # arith: accs [1,0,1,1] and [1,0,0,0]; frac: 0.5 == 1/2 by math equivalence -> [1,1,0,0].
+    assert m["eval/arith/avg@4"] == pytest.approx((0.75 + 0.25) / 2)
+    assert m["eval/arith/avg@1"] == 1.0
+    assert m["eval/arith/pass@2"] == pytest.approx((1 - 0 / 6 + 1 - 3 / 6) / 2)
+    assert m["eval/frac/avg@4"] == pytest.approx(0.5)
+    assert m["eval/frac/pass@1"] == pytest.approx(0.5)
+    assert m["eval/arith/truncated_ratio"] == pytest.approx(1 / 8)
+    assert m["eval/all/avg@4"] == pytest.approx((0.5 + 0.5) / 2)
+    lens = [len(t) + 1 for k in ("1+1", "2*3") for t in answers[k]]
+    assert m["eval/arith/response_length_mean"] == pytest.approx(sum(lens) / len(lens))
+
+
+def test_generate_and_score_keeps_text_and_normalises_reward_types():
+    data = ListDataset([("q", "x", "s")])
+    engine = FakeEngine({"q": ["x}", "y}"]})
+
+    def reward(text, gt):  # dict form
+        return {"score": float(text.startswith(gt)), "acc": text.startswith(gt)}
+
+    res = generate_and_score(engine, data, reward, _sampling(2), keep_text=True)
+    assert res[0].acc == [True, False] and res[0].responses == ["x}", "y}"]
+    res = generate_and_score(engine, data, lambda t, g: 1.0 if t[0] == g else -1.0, _sampling(2))
+    assert res[0].acc == [True, False] and res[0].scores == [1.0, -1.0]
+
+
+def test_generate_and_score_forces_fixed_temperature_and_checks_input():
+    try:
+        from hapo_megatron.rollout.engine import SamplingParams
+    except ImportError:
+        pytest.skip("hapo_megatron.rollout.engine not available yet")
+    data = ListDataset([("q", "x", "s")])
+    engine = FakeEngine({"q": ["x}"]})
+    params = SamplingParams(n=1, temperature=0.5, top_p=0.7, max_new_tokens=8, adaptive=True)
+    generate_and_score(engine, data, lambda t, g: 1.0, params)
+    assert engine.calls[0][1].adaptive is False
+    with pytest.raises(ValueError, match="batch_size"):
+        generate_and_score(engine, data, lambda t, g: 1.0, params, batch_size=0)
