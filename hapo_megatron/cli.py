@@ -1,0 +1,187 @@
+"""The ``hapo`` command.
+
+    hapo train   --config x.yaml [--preset hapo] [section.field=value ...]   (hapo_megatron.train)
+    hapo eval    ...                                                          (hapo_megatron.evaluate)
+    hapo convert hf-to-megatron|megatron-to-hf ...                            (hapo_megatron.convert.cli)
+    hapo config show [--config X] [--preset P] [overrides ...]
+    hapo config presets | hapo config docs [SECTION]
+    hapo data make-arithmetic --out PATH --n N --seed S [--min-digits ...]
+    hapo data make-char-tokenizer --out DIR
+
+``train``, ``eval`` and ``convert`` hand their remaining arguments untouched to the ``main(argv)``
+of their module, imported only when used (so ``hapo --help`` stays fast and works before those
+modules exist: a missing one prints "not available yet" and exits with status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from typing import Callable, Optional, Sequence
+
+__all__ = ["main", "build_parser", "DISPATCH"]
+
+DISPATCH = {
+    "train": ("hapo_megatron.train", "run RL training (HAPO / DAPO / GRPO) from a config"),
+    "eval": ("hapo_megatron.evaluate", "evaluate a checkpoint (avg@k / pass@k per data source)"),
+    "convert": ("hapo_megatron.convert.cli", "convert checkpoints: hf-to-megatron | megatron-to-hf"),
+}
+
+
+def _load_target(module_name: str) -> Optional[Callable]:
+    """``module.main`` or None when the module (not one of its dependencies) does not exist."""
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
+            return None
+        raise
+    return getattr(module, "main", None)
+
+
+def _dispatch(command: str, argv: list[str]) -> int:
+    module_name, _ = DISPATCH[command]
+    target = _load_target(module_name)
+    if target is None:
+        print(f"hapo {command}: not available yet ({module_name}.main is missing in this install)",
+              file=sys.stderr)
+        return 2
+    rc = target(argv)
+    return int(rc or 0)
+
+
+def _config_show(args) -> int:
+    from hapo_megatron.config import format_config, load_config
+
+    cfg = load_config(args.config, args.overrides, preset=args.preset)
+    sys.stdout.write(format_config(cfg))
+    return 0
+
+
+def _config_presets(args) -> int:
+    from hapo_megatron.presets import PRESET_DESCRIPTIONS, PRESETS
+
+    for name in PRESETS:
+        print(f"{name:22s} {PRESET_DESCRIPTIONS.get(name, '')}")
+        if args.verbose:
+            for key, value in PRESETS[name].items():
+                print(f"    {key}={value}")
+    return 0
+
+
+def _config_docs(args) -> int:
+    import dataclasses
+
+    from hapo_megatron import config as C
+
+    root = C.HapoConfig()
+    sections = [f.name for f in dataclasses.fields(root)]
+    if args.section and args.section not in sections:
+        print(f"unknown section {args.section!r}; sections: {', '.join(sections)}", file=sys.stderr)
+        return 2
+
+    def walk(obj, prefix):
+        docs = C.field_docs(type(obj))
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if isinstance(value, C._Section):
+                walk(value, f"{prefix}{f.name}.")
+                continue
+            print(f"{prefix}{f.name} = {value!r}\n    {docs.get(f.name, '').replace(chr(10), chr(10) + '    ')}")
+
+    for name in sections:
+        if args.section in (None, name):
+            walk(getattr(C.HapoConfig(), name), f"{name}.")
+    return 0
+
+
+def _data_make_arithmetic(args) -> int:
+    from hapo_megatron.data.arithmetic import write_arithmetic_dataset
+
+    path = write_arithmetic_dataset(args.out, args.n, args.seed, min_digits=args.min_digits,
+                                    max_digits=args.max_digits, min_operands=args.min_operands,
+                                    max_operands=args.max_operands, ops=tuple(args.ops),
+                                    data_source=args.data_source)
+    print(f"wrote {args.n} problems to {path}", file=sys.stderr)
+    return 0
+
+
+def _data_make_char_tokenizer(args) -> int:
+    from hapo_megatron.data.char_tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer(args.out)
+    print(f"wrote a {len(tok)}-token character tokenizer to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _add_config_parser(sub) -> None:
+    p = sub.add_parser("config", help="show the resolved config, presets, field docs")
+    csub = p.add_subparsers(dest="config_command", metavar="{show,presets,docs}", required=True)
+    show = csub.add_parser("show", help="print the resolved config as YAML")
+    show.add_argument("--config", "-c", default=None, help="YAML config file")
+    show.add_argument("--preset", "-p", default=None, help="preset applied before the YAML file")
+    show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.clip_ratio_high=0.28")
+    show.set_defaults(func=_config_show)
+    presets = csub.add_parser("presets", help="list the presets")
+    presets.add_argument("--verbose", "-v", action="store_true", help="also print each preset's overrides")
+    presets.set_defaults(func=_config_presets)
+    docs = csub.add_parser("docs", help="every config field with its default and description")
+    docs.add_argument("section", nargs="?", default=None)
+    docs.set_defaults(func=_config_docs)
+
+
+def _add_data_parser(sub) -> None:
+    p = sub.add_parser("data", help="make the offline arithmetic dataset and character tokenizer")
+    dsub = p.add_subparsers(dest="data_command", metavar="{make-arithmetic,make-char-tokenizer}", required=True)
+    ar = dsub.add_parser("make-arithmetic", help="write a generated integer-arithmetic prompt file")
+    ar.add_argument("--out", required=True, help="output file (.jsonl or .parquet)")
+    ar.add_argument("--n", type=int, required=True, help="number of problems")
+    ar.add_argument("--seed", type=int, default=0)
+    ar.add_argument("--min-digits", type=int, default=1)
+    ar.add_argument("--max-digits", type=int, default=2)
+    ar.add_argument("--min-operands", type=int, default=2)
+    ar.add_argument("--max-operands", type=int, default=3)
+    ar.add_argument("--ops", default="+-*", help="operators to use, a subset of '+-*'")
+    ar.add_argument("--data-source", default="arithmetic")
+    ar.set_defaults(func=_data_make_arithmetic)
+    tk = dsub.add_parser("make-char-tokenizer", help="save the tiny character tokenizer")
+    tk.add_argument("--out", required=True, help="output directory")
+    tk.set_defaults(func=_data_make_char_tokenizer)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hapo", description="HAPO (Heterogeneous Adaptive Policy Optimization) on Megatron-Core.",
+        epilog="Run 'hapo <command> --help' for the options of a command.")
+    from hapo_megatron import __version__
+
+    parser.add_argument("--version", action="version", version=f"hapo_megatron {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,eval,convert,config,data}", required=True)
+    for name, (module_name, help_text) in DISPATCH.items():
+        # Listed for --help only: main() hands these commands to their module before parsing.
+        sub.add_parser(name, help=help_text, add_help=False)
+    _add_config_parser(sub)
+    _add_data_parser(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``hapo`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DISPATCH:
+        return _dispatch(argv[0], argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"hapo: error: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `hapo config docs | head`: the reader left; not an error
+        sys.stdout = open(os.devnull, "w")
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
