@@ -88,7 +88,12 @@ def _check_open_unit(name: str, value: float, *, right_closed: bool = False) -> 
 
 
 def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+    if tp in names:
+        return names[tp]
+    if typing.get_origin(tp) is list:
+        return "a list"
+    return f"a {getattr(tp, '__name__', None) or str(tp).replace('typing.', '')}"
 
 
 def _coerce(value: Any, tp: Any, name: str) -> Any:
@@ -104,7 +109,7 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
             try:
                 return _coerce(value, args[0], name)
             except ValueError:
-                _fail(f"{name} must be a {_type_name(args[0])} or null, got {value!r}")
+                _fail(f"{name} must be {_type_name(args[0])} or null, got {value!r}")
         return value
     if origin is list:
         (elem,) = typing.get_args(tp) or (Any,)
