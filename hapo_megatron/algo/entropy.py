@@ -73,6 +73,11 @@ def token_entropy(logits: torch.Tensor, temperature: Union[float, torch.Tensor] 
             raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
         if float(temperature) != 1.0:
             z = z / float(temperature)
+    return entropy_of_scaled_logits(z)
+
+
+def entropy_of_scaled_logits(z: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(z)`` over the last dim (no checks, no temperature), ``[...]`` float32."""
     logp = torch.log_softmax(z, dim=-1)
     p = logp.exp()
     # p * logp is 0 * -inf = nan where p == 0 (masked or underflowed entries): zero the log
@@ -216,8 +221,8 @@ def compute_entropy_stats(entropy: torch.Tensor, mask: torch.Tensor, entropy_piv
     if not bool(torch.isfinite(x).all()):
         raise ValueError("entropy has non-finite values at valid (mask != 0) positions")
     k = nearest_rank_index(n, q)
-    pivot = torch.kthvalue(x.cpu(), k + 1).values  # kthvalue is 1-based
-    d = x - pivot.to(x.device)
+    pivot = torch.kthvalue(x, k + 1).values  # kthvalue is 1-based
+    d = x - pivot
     return stats_from_reductions(
         pivot=pivot.item(), sum_sq_dev=(d * d).sum().item(), count=n,
         max_dev=d.max().item(), min_dev=d.min().item(),

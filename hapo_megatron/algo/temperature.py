@@ -7,7 +7,7 @@ from typing import Optional, Union
 
 import torch
 
-from hapo_megatron.algo.entropy import StatsLike, _check_h_hat_mode, normalize_entropy, token_entropy
+from hapo_megatron.algo.entropy import StatsLike, _check_h_hat_mode, entropy_of_scaled_logits, normalize_entropy
 
 
 def check_temperature_tau(temperature_tau: float) -> float:
@@ -60,6 +60,7 @@ def adaptive_temperature(
     if stats is None or tau == 0.0:
         return t_base.clone()
     with torch.no_grad():
-        ent = token_entropy(logits.detach(), temperature=t_base)
+        z = logits.detach().to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+        ent = entropy_of_scaled_logits(z / t_base.to(z.dtype).unsqueeze(-1))
         h_hat = normalize_entropy(ent, stats, h_hat_mode)
         return t_base * (1.0 + tau * h_hat)
