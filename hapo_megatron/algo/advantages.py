@@ -142,7 +142,8 @@ def token_level_group_advantages(
     adv = dev / (var.sqrt()[gidx] + eps) if norm_adv_by_std else dev
     if fallback_threshold is not None:
         bad = (adv.abs() >= float(fallback_threshold)) & (lengths > 0)
-        bad_count = torch.zeros(ng, dtype=torch.float64, device=r.device).index_add_(0, gidx, bad.to(torch.float64))
+        bad_count = torch.zeros(ng, dtype=torch.float64, device=r.device)
+        bad_count.index_add_(0, gidx, bad.to(torch.float64))
         fallback = bad_count[gidx] > 0
         adv = torch.where(fallback, _grpo_per_response(r, gidx, ng, bool(norm_adv_by_std), eps), adv)
     else:
@@ -166,7 +167,8 @@ def overlong_penalty(
         raise ValueError(f"max_response_length must be >= 1, got {max_response_length!r}")
     if not (1 <= int(overlong_buffer_len) <= int(max_response_length)):
         raise ValueError(
-            f"overlong_buffer_len must lie in [1, max_response_length={max_response_length}], got {overlong_buffer_len!r}"
+            f"overlong_buffer_len must lie in [1, max_response_length={max_response_length}], "
+            f"got {overlong_buffer_len!r}"
         )
     if not (float(penalty_factor) >= 0 and math.isfinite(float(penalty_factor))):
         raise ValueError(f"penalty_factor must be a finite float >= 0, got {penalty_factor!r}")

@@ -79,7 +79,8 @@ def _check_agg_mode(loss_agg_mode: str) -> None:
         raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
 
 
-def _num_seqs(lengths: torch.Tensor, seq_token_counts: Optional[torch.Tensor], num_seqs: Optional[float]) -> torch.Tensor:
+def _num_seqs(lengths: torch.Tensor, seq_token_counts: Optional[torch.Tensor],
+              num_seqs: Optional[float]) -> torch.Tensor:
     """0-dim float32: ``num_seqs`` if given, else the number of rows with a valid token."""
     if num_seqs is not None:
         return torch.tensor(check_nonneg("num_seqs", num_seqs), dtype=torch.float32, device=lengths.device)
@@ -196,7 +197,8 @@ def _policy_token_losses(logprobs, old_logprobs, advantages, valid, h_hat, *, ep
                          adaptive_clip, clip_alpha, adaptive_advantage, adv_beta):
     """Per-token clipped PPO/HAPO loss ``[B, T]`` (0 on padding) and detached intermediates."""
     zero = torch.zeros((), device=logprobs.device)
-    log_ratio = torch.where(valid, logprobs.to(torch.float32) - old_logprobs.detach().to(torch.float32), zero)
+    log_ratio = logprobs.to(torch.float32) - old_logprobs.detach().to(torch.float32)
+    log_ratio = torch.where(valid, log_ratio, zero)
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     adv = torch.where(valid, advantages.detach().to(torch.float32), zero)
     if adaptive_clip:
@@ -205,7 +207,8 @@ def _policy_token_losses(logprobs, old_logprobs, advantages, valid, h_hat, *, ep
         low, high = torch.full_like(adv, eps_l), torch.full_like(adv, eps_r)
     adv_p = adv
     if adaptive_advantage:
-        adv_p = torch.where(valid, redistribute_advantages(adv, h_hat.detach(), ratio.detach(), low, high, adv_beta), zero)
+        adv_p = redistribute_advantages(adv, h_hat.detach(), ratio.detach(), low, high, adv_beta)
+        adv_p = torch.where(valid, adv_p, zero)
     l1 = -adv_p * ratio
     l2 = -adv_p * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     clipped = torch.maximum(l1, l2)
@@ -280,6 +283,36 @@ def _check_loss_args(clip_ratio_low, clip_ratio_high, clip_ratio_c, clip_alpha, 
     return eps_l, eps_r, c
 
 
+def _check_loss_tensors(logprobs, old_logprobs, advantages, loss_mask, **optional) -> None:
+    if not torch.is_tensor(logprobs) or logprobs.ndim < 1:
+        raise ValueError("logprobs must be a tensor of shape [B, T]")
+    shape = logprobs.shape
+    _check_tensor("logprobs", logprobs, shape)
+    _check_tensor("old_logprobs", old_logprobs, shape)
+    _check_tensor("advantages", advantages, shape)
+    for name, t in optional.items():
+        if t is not None:
+            _check_tensor(name, t, shape)
+    if not torch.is_tensor(loss_mask) or loss_mask.shape != shape:
+        raise ValueError(f"loss_mask must be a tensor of shape {tuple(shape)}")
+
+
+def _check_extras(entropy, entropy_coeff, ref_logprobs, kl_loss_coef, kl_loss_type, rollout_logprobs, tis_cap):
+    if not math.isfinite(float(entropy_coeff)):
+        raise ValueError(f"entropy_coeff must be finite, got {entropy_coeff!r}")
+    if float(entropy_coeff) != 0.0 and entropy is None:
+        raise ValueError("entropy is required when entropy_coeff != 0")
+    if check_nonneg("kl_loss_coef", kl_loss_coef) > 0 and ref_logprobs is None:
+        raise ValueError("ref_logprobs is required when kl_loss_coef > 0")
+    if kl_loss_type not in KL_TYPES:
+        raise ValueError(f"kl_loss_type must be one of {KL_TYPES}, got {kl_loss_type!r}")
+    if tis_cap is not None:
+        if not float(tis_cap) > 0:
+            raise ValueError(f"tis_cap must be > 0 or None, got {tis_cap!r}")
+        if rollout_logprobs is None:
+            raise ValueError("rollout_logprobs is required when tis_cap is set")
+
+
 def hapo_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -331,39 +364,26 @@ def hapo_policy_loss(
     """
     eps_l, eps_r, c = _check_loss_args(clip_ratio_low, clip_ratio_high, clip_ratio_c, clip_alpha, adv_beta,
                                        adaptive_clip, adaptive_advantage, h_hat, loss_agg_mode)
-    if not torch.is_tensor(logprobs) or logprobs.ndim < 1:
-        raise ValueError("logprobs must be a tensor of shape [B, T]")
-    shape = logprobs.shape
-    _check_tensor("logprobs", logprobs, shape)
-    for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("h_hat", h_hat),
-                    ("entropy", entropy), ("ref_logprobs", ref_logprobs), ("rollout_logprobs", rollout_logprobs)):
-        if t is not None:
-            _check_tensor(name, t, shape)
-    if not torch.is_tensor(loss_mask) or loss_mask.shape != shape:
-        raise ValueError(f"loss_mask must be a tensor of shape {tuple(shape)}")
-    if not math.isfinite(float(entropy_coeff)):
-        raise ValueError(f"entropy_coeff must be finite, got {entropy_coeff!r}")
-    if float(entropy_coeff) != 0.0 and entropy is None:
-        raise ValueError("entropy is required when entropy_coeff != 0")
-    if check_nonneg("kl_loss_coef", kl_loss_coef) > 0 and ref_logprobs is None:
-        raise ValueError("ref_logprobs is required when kl_loss_coef > 0")
-    if tis_cap is not None and (not float(tis_cap) > 0 or rollout_logprobs is None):
-        raise ValueError("tis_cap must be > 0 and needs rollout_logprobs")
+    _check_loss_tensors(logprobs, old_logprobs, advantages, loss_mask, h_hat=h_hat, entropy=entropy,
+                        ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs)
+    _check_extras(entropy, entropy_coeff, ref_logprobs, kl_loss_coef, kl_loss_type, rollout_logprobs, tis_cap)
     valid = loss_mask.detach() != 0
     pg_mat, aux = _policy_token_losses(
         logprobs, old_logprobs, advantages, valid, h_hat, eps_l=eps_l, eps_r=eps_r, clip_c=c,
         adaptive_clip=adaptive_clip, clip_alpha=clip_alpha, adaptive_advantage=adaptive_advantage, adv_beta=adv_beta)
+    zero = torch.zeros((), device=logprobs.device)
     tis_w = None
     if tis_cap is not None:
-        d = (old_logprobs.detach().float() - rollout_logprobs.detach().float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        tis_w = torch.where(valid, torch.exp(d).clamp_max(float(tis_cap)), torch.zeros((), device=d.device))
+        d = old_logprobs.detach().float() - rollout_logprobs.detach().float()
+        d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        tis_w = torch.where(valid, torch.exp(d).clamp_max(float(tis_cap)), zero)
         pg_mat = pg_mat * tis_w
     loss_mat = pg_mat
     kl_mat = None if ref_logprobs is None else kl_penalty(logprobs, ref_logprobs, kl_loss_type)
     if kl_mat is not None and float(kl_loss_coef) > 0:
-        loss_mat = loss_mat + float(kl_loss_coef) * torch.where(valid, kl_mat, torch.zeros((), device=kl_mat.device))
+        loss_mat = loss_mat + float(kl_loss_coef) * torch.where(valid, kl_mat, zero)
     if entropy is not None and float(entropy_coeff) != 0.0:
-        loss_mat = loss_mat - float(entropy_coeff) * torch.where(valid, entropy.float(), torch.zeros((), device=entropy.device))
+        loss_mat = loss_mat - float(entropy_coeff) * torch.where(valid, entropy.float(), zero)
     loss_sum, normalizer = agg_loss(loss_mat, valid, loss_agg_mode, loss_scale_factor=loss_scale_factor,
                                     seq_token_counts=seq_token_counts, num_seqs=num_seqs)
     n_seq = _num_seqs(valid.sum(dim=-1), seq_token_counts, num_seqs)

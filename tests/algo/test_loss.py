@@ -280,7 +280,9 @@ def test_loss_bad_input_and_no_mutation():
         (dict(adv_beta=-1.0), "adv_beta"),
         (dict(entropy_coeff=0.1), "entropy"),
         (dict(kl_loss_coef=0.1), "ref_logprobs"),
-        (dict(tis_cap=2.0), "tis_cap"),
+        (dict(tis_cap=2.0), "rollout_logprobs"),
+        (dict(tis_cap=0.0, rollout_logprobs=old), "tis_cap"),
+        (dict(kl_loss_type="k9"), "kl_loss_type"),
     ]
     for kw, name in bad:
         with pytest.raises(ValueError, match=name):
