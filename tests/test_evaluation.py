@@ -215,3 +215,103 @@ def test_generate_and_score_forces_fixed_temperature_and_checks_input():
     assert engine.calls[0][1].adaptive is False
     with pytest.raises(ValueError, match="batch_size"):
         generate_and_score(engine, data, lambda t, g: 1.0, params, batch_size=0)
+
+
+# ---------------------------------------------------------------- hapo eval (evaluate.py)
+@pytest.fixture(scope="module")
+def tiny_model_and_data(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from hapo_megatron.data import build_char_tokenizer, write_arithmetic_dataset
+    from hapo_megatron.models import tiny_hf_config
+
+    root = tmp_path_factory.mktemp("eval_cli")
+    model_dir = str(root / "model")
+    tok = build_char_tokenizer(model_dir)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(
+        tiny_hf_config("llama", vocab_size=len(tok))).save_pretrained(model_dir)
+    a = write_arithmetic_dataset(str(root / "a.jsonl"), 3, 0)
+    b = write_arithmetic_dataset(str(root / "b.parquet"), 2, 1, data_source="arith_b")
+    return root, model_dir, [a, b]
+
+
+def test_hapo_eval_cli_tiny_model(tiny_model_and_data, capsys):
+    import json
+
+    from hapo_megatron.cli import main as hapo_main
+
+    root, model_dir, data = tiny_model_and_data
+    out = root / "res.json"
+    rc = hapo_main(["eval", "--model", model_dir, "--data", *data, "--n", "2",
+                    "--max-new-tokens", "4", "--out", str(out), "--save-responses",
+                    "--device", "cpu"])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "arith_b" in table and "pass@2" in table
+    res = json.loads(out.read_text())
+    s = res["sampling"]
+    assert (s["n"], s["temperature"], s["top_p"], s["adaptive"]) == (2, 0.5, 0.7, False)
+    assert res["metrics"]["eval/arithmetic/num_prompts"] == 3
+    assert res["metrics"]["eval/arith_b/num_prompts"] == 2
+    assert all(len(p["responses"]) == 2 for p in res["per_prompt"])
+    assert all(max(p["response_lengths"]) <= 4 for p in res["per_prompt"])
+
+
+class OracleEngine:
+    """Answers sample 0 correctly (from the prompt's expression), the others wrongly."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    def generate(self, prompt_ids, params):
+        import re
+
+        from hapo_megatron.rollout.engine import Sample
+
+        out = []
+        for i, ids in enumerate(prompt_ids):
+            text = self.tok.decode(ids, skip_special_tokens=True)
+            expr = re.search(r"Compute (.+?)\. End", text).group(1)
+            value = eval(expr, {"__builtins__": {}})  # digits and + - * only
+            group = []
+            for j in range(params.n):
+                ans = value if j == 0 else value + 1
+                resp = self.tok.encode(f"Answer: {ans}", add_special_tokens=False)
+                group.append(Sample(prompt_ids=ids, response_ids=resp,
+                                    rollout_logprobs=[0.0] * len(resp), temperatures=[],
+                                    finish_reason="stop", prompt_index=i, sample_index=j))
+            out.append(group)
+        return out
+
+    def shutdown(self):
+        pass
+
+
+def test_hapo_eval_cli_scores_with_real_reward(tiny_model_and_data, monkeypatch):
+    import json
+
+    import hapo_megatron.rollout.engine as engine_mod
+    from hapo_megatron.evaluate import main
+
+    root, model_dir, data = tiny_model_and_data
+    monkeypatch.setattr(engine_mod, "make_engine",
+                        lambda cfg, *, tokenizer, **kw: OracleEngine(tokenizer))
+    out = root / "oracle.json"
+    assert main(["--model", model_dir, "--data", *data, "--n", "4", "--k", "1", "2", "4",
+                 "--out", str(out), "--batch-size", "2"]) == 0
+    m = json.loads(out.read_text())["metrics"]
+    assert m["eval/arithmetic/avg@1"] == 1.0 and m["eval/arithmetic/avg@4"] == 0.25
+    assert m["eval/arith_b/pass@2"] == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2)
+    assert m["eval/all/pass@4"] == 1.0 and m["eval/all/avg@4"] == 0.25
+
+
+def test_hapo_eval_rejects_bad_model_paths(tmp_path, capsys):
+    from hapo_megatron.evaluate import main
+
+    data = str(tmp_path / "x.jsonl")
+    assert main(["--model", str(tmp_path / "nope"), "--data", data, "--out", "o.json"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["--model", str(tmp_path / "empty"), "--data", data, "--out", "o.json"]) == 2
+    assert "neither an HF model directory" in capsys.readouterr().err

@@ -20,6 +20,7 @@ The pure aggregation (`pass_at_k`, `avg_at_k`, `aggregate_results`) imports noth
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 from collections import defaultdict
@@ -137,13 +138,28 @@ def aggregate_results(results: Sequence[PromptResult], k_values: Sequence[int] |
     return out
 
 
-def _score(reward_fn: Callable, text: str, ground_truth: str) -> tuple[float, bool, str | None]:
+def _accepted_kwargs(fn: Callable, kwargs: dict) -> dict:
+    """The subset of `kwargs` that `fn` accepts (all of them when it takes **kwargs)."""
+    if not kwargs:
+        return {}
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return dict(kwargs)
+    names = {p.name for p in params}
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+def _score(reward_fn: Callable, text: str, ground_truth: str,
+           kwargs: dict | None = None) -> tuple[float, bool, str | None]:
     """Call a reward function and normalise its result to (score, acc, pred).
 
     Accepts a `RewardResult`-like object (`.score`, `.acc`, optional `.pred`), a dict with the
     same keys, or a bare number (acc = score > 0).
     """
-    res = reward_fn(text, ground_truth)
+    res = reward_fn(text, ground_truth, **_accepted_kwargs(reward_fn, kwargs or {}))
     if isinstance(res, dict):
         score = float(res["score"])
         return score, bool(res.get("acc", score > 0)), res.get("pred")
@@ -175,13 +191,15 @@ def _fixed_temperature(sampling):
 
 def generate_and_score(engine, dataset, reward_fn: Callable, sampling, *, tokenizer=None,
                        batch_size: int | None = None, keep_text: bool = False,
-                       progress: Callable[[int, int], None] | None = None) -> list[PromptResult]:
+                       progress: Callable[[int, int], None] | None = None,
+                       reward_kwargs: dict | None = None) -> list[PromptResult]:
     """Generate `sampling.n` responses per prompt of `dataset` and score them.
 
     `dataset[i]` is a `PromptRecord` (uid, prompt_ids, ground_truth, data_source); responses are
     decoded with `tokenizer` (default: `dataset.tokenizer`) without special tokens.
     `batch_size` prompts go to the engine per call (default: all). `progress(done, total)` is
-    called after each batch.
+    called after each batch. The reward gets `reward_kwargs` (e.g. `score_format`) plus the
+    record's `data_source` and `extra_info`, as far as its signature accepts them.
     """
     tokenizer = tokenizer if tokenizer is not None else getattr(dataset, "tokenizer", None)
     if tokenizer is None:
@@ -200,19 +218,23 @@ def generate_and_score(engine, dataset, reward_fn: Callable, sampling, *, tokeni
         if len(groups) != len(records):
             raise ValueError(f"engine returned {len(groups)} groups for {len(records)} prompts")
         for rec, samples in zip(records, groups):
-            results.append(_score_prompt(rec, samples, reward_fn, tokenizer, keep_text))
+            results.append(_score_prompt(rec, samples, reward_fn, tokenizer, keep_text,
+                                         reward_kwargs))
         if progress is not None:
             progress(len(results), total)
     return results
 
 
-def _score_prompt(rec, samples, reward_fn, tokenizer, keep_text: bool) -> PromptResult:
+def _score_prompt(rec, samples, reward_fn, tokenizer, keep_text: bool,
+                  reward_kwargs: dict | None) -> PromptResult:
+    kwargs = {**(reward_kwargs or {}), "data_source": rec.data_source,
+              "extra_info": getattr(rec, "extra_info", None) or {}}
     res = PromptResult(uid=str(rec.uid), data_source=str(rec.data_source),
                        ground_truth=str(rec.ground_truth), acc=[], scores=[],
                        response_lengths=[])
     for s in samples:
         text = tokenizer.decode(list(s.response_ids), skip_special_tokens=True)
-        score, acc, pred = _score(reward_fn, text, rec.ground_truth)
+        score, acc, pred = _score(reward_fn, text, rec.ground_truth, kwargs)
         res.scores.append(score)
         res.acc.append(acc)
         res.preds.append(pred)
@@ -226,14 +248,16 @@ def _score_prompt(rec, samples, reward_fn, tokenizer, keep_text: bool) -> Prompt
 def evaluate(engine, dataset, reward_fn: Callable, sampling, *,
              k_values: Sequence[int] | None = None, tokenizer=None,
              batch_size: int | None = None, prefix: str = "eval",
-             progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
+             progress: Callable[[int, int], None] | None = None,
+             reward_kwargs: dict | None = None) -> dict[str, float]:
     """Evaluate `engine` on `dataset`: `{"eval/<data_source>/avg@k": ..., "pass@k", ...}`.
 
     Works with any `RolloutEngine`. `k_values` default to powers of two up to `sampling.n`.
     See `aggregate_results` for every key.
     """
     results = generate_and_score(engine, dataset, reward_fn, sampling, tokenizer=tokenizer,
-                                 batch_size=batch_size, progress=progress)
+                                 batch_size=batch_size, progress=progress,
+                                 reward_kwargs=reward_kwargs)
     return aggregate_results(results, k_values, prefix=prefix)
 
 
@@ -246,25 +270,30 @@ def format_results_table(metrics: dict[str, float], prefix: str = "eval") -> str
             continue
         rows[parts[1]][parts[2]] = value
 
+    tail = ["reward_mean", "response_length_mean", "response_length_max", "truncated_ratio",
+            "num_prompts"]
+
     def order(name: str) -> tuple:
         kind, _, k = name.partition("@")
         rank = {"avg": 0, "pass": 1}.get(kind, 2)
-        return (rank, int(k) if k.isdigit() else 0, name)
+        return (rank, int(k) if k.isdigit() else 0, tail.index(name) if name in tail else 99, name)
+
+    def cell(name: str, v: float | None) -> str:
+        if v is None:
+            return ""
+        if name.startswith(("avg@", "pass@")) or name == "truncated_ratio":
+            return f"{100.0 * v:.2f}%"
+        if name in ("num_prompts", "response_length_max") and float(v).is_integer():
+            return str(int(v))
+        return f"{v:.3f}" if name == "reward_mean" else f"{v:.1f}"
 
     cols = sorted({c for r in rows.values() for c in r}, key=order)
     sources = sorted(s for s in rows if s != "all") + (["all"] if "all" in rows else [])
     width = max([len("data_source")] + [len(s) for s in sources])
-    head = "data_source".ljust(width) + "".join(f"  {c:>14}" for c in cols)
+    widths = [max(8, len(c)) for c in cols]
+    head = "data_source".ljust(width) + "".join(f"  {c:>{w}}" for c, w in zip(cols, widths))
     lines = [head, "-" * len(head)]
     for s in sources:
-        cells = []
-        for c in cols:
-            v = rows[s].get(c)
-            if v is None:
-                cells.append(f"  {'':>14}")
-            elif c.startswith(("avg@", "pass@")) or c in ("truncated_ratio",):
-                cells.append(f"  {100.0 * v:>13.2f}%")
-            else:
-                cells.append(f"  {v:>14.2f}")
-        lines.append(s.ljust(width) + "".join(cells))
+        lines.append(s.ljust(width) + "".join(
+            f"  {cell(c, rows[s].get(c)):>{w}}" for c, w in zip(cols, widths)))
     return "\n".join(lines)

@@ -1,0 +1,247 @@
+"""`hapo eval`: avg@k / pass@k of a checkpoint on parquet/JSONL benchmarks.
+
+    hapo eval --model Qwen2.5-Math-7B-hf --data aime24.parquet math500.parquet --out results.json
+    hapo eval --model runs/hapo --hf-config Qwen2.5-Math-7B-hf --data aime24.parquet \
+        --engine sglang --out results.json
+
+The paper's protocol is the default (8 samples per question at temperature 0.5, top-p 0.7, no
+adaptive temperature; from `rollout.val_*` of the config). `--model` is an HF model directory or a
+Megatron checkpoint (a run directory, its `checkpoints/` directory, one `step_*` directory or a
+`dist_checkpointing` directory): Megatron checkpoints are converted to HF first with
+`hapo_megatron.convert` into `--convert-dir` (default: a temporary directory), using the HF
+config and tokenizer of `--hf-config` (default: `model.hf_model_path` of the run's saved config).
+Prints a table per data source and writes JSON: the metrics, the sampling parameters, and per
+prompt the accuracy of each sample (with `--save-responses`, the decoded responses too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from typing import Sequence
+
+logger = logging.getLogger("hapo.eval")
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_RUN_CONFIG_NAMES = ("config.yaml", "resolved_config.yaml", "config.yml")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hapo eval", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="HF model dir or Megatron checkpoint/run dir")
+    ap.add_argument("--data", nargs="+", required=True, help="benchmark files (.parquet/.jsonl)")
+    ap.add_argument("--out", required=True, help="results JSON file")
+    ap.add_argument("--config", default=None, help="YAML config (rollout/reward/data sections used)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="dotted config override, e.g. rollout.sglang.server_tp_size=2 (repeat)")
+    ap.add_argument("--engine", choices=("hf", "sglang"), default=None,
+                    help="rollout engine (default: rollout.engine of the config)")
+    ap.add_argument("--sglang-url", action="append", default=[],
+                    help="attach to a running SGLang server (repeat for several)")
+    ap.add_argument("--n", type=int, default=None, help="samples per prompt (default val_n = 8)")
+    ap.add_argument("--temperature", type=float, default=None, help="default val_temperature 0.5")
+    ap.add_argument("--top-p", type=float, default=None, help="default val_top_p 0.7")
+    ap.add_argument("--top-k", type=int, default=-1)
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="default rollout.max_response_length")
+    ap.add_argument("--k", type=int, nargs="+", default=None,
+                    help="k values of avg@k/pass@k (default powers of two up to n)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch-size", type=int, default=None, help="prompts per generate call")
+    ap.add_argument("--limit", type=int, default=None, help="evaluate only the first N prompts")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model's)")
+    ap.add_argument("--hf-config", default=None,
+                    help="HF model dir giving config + tokenizer for a Megatron checkpoint")
+    ap.add_argument("--convert-dir", default=None, help="where a Megatron checkpoint is converted")
+    ap.add_argument("--device", default=None, help="HF engine device (default cuda if available)")
+    ap.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                    help="model dtype (default bf16 on GPU, fp32 on CPU)")
+    ap.add_argument("--reward", default=None, help="reward name or dotted path (default math)")
+    ap.add_argument("--prompt-key", default=None)
+    ap.add_argument("--max-prompt-length", type=int, default=None)
+    ap.add_argument("--no-chat-template", action="store_true")
+    ap.add_argument("--save-responses", action="store_true", help="keep decoded responses in JSON")
+    return ap
+
+
+# ---------------------------------------------------------------------- model resolution
+def is_hf_model_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json"))
+
+
+def find_megatron_checkpoint(path: str) -> str:
+    """The `dist_checkpointing` directory of a run dir / checkpoints dir / step dir / itself."""
+    from hapo_megatron.training.checkpoint import find_latest
+
+    for root in (os.path.join(path, "checkpoints"), path):
+        if os.path.isfile(os.path.join(root, "latest")) or os.path.isdir(root):
+            latest = find_latest(root) if os.path.isdir(root) else None
+            if latest:
+                path = latest
+                break
+    for cand in (os.path.join(path, "model"), path):
+        if os.path.isfile(os.path.join(cand, "metadata.json")):
+            return cand
+    raise ValueError(f"--model {path!r} is neither an HF model directory (no config.json) nor a "
+                     "Megatron checkpoint (no metadata.json under it or under checkpoints/latest)")
+
+
+def _hf_config_from_run(path: str) -> str | None:
+    """`model.hf_model_path` of a run's saved config, searching upwards from `path`."""
+    from hapo_megatron.config import load_config
+
+    cur = os.path.abspath(path)
+    for _ in range(5):
+        for name in _RUN_CONFIG_NAMES:
+            cfg_path = os.path.join(cur, name)
+            if os.path.isfile(cfg_path):
+                return load_config(cfg_path).model.hf_model_path
+        cur = os.path.dirname(cur)
+    return None
+
+
+def convert_megatron_checkpoint(ckpt: str, hf_config: str, out_dir: str) -> str:
+    """Convert a Megatron checkpoint to an HF directory with `hapo_megatron.convert`."""
+    try:
+        from hapo_megatron.convert.cli import main as convert_main
+    except ImportError as e:
+        raise ValueError("converting a Megatron checkpoint needs hapo_megatron.convert.cli, which "
+                         f"is not available in this install ({e})") from e
+    rc = convert_main(["megatron-to-hf", "--megatron-path", ckpt, "--hf-model-path", hf_config,
+                       "--output", out_dir, "--overwrite"])
+    if rc not in (0, None):
+        raise ValueError(f"conversion of {ckpt} to HF failed (exit status {rc})")
+    return out_dir
+
+
+def resolve_model(model: str, hf_config: str | None, convert_dir: str | None) -> tuple[str, str]:
+    """(HF model dir to load, source description). Converts Megatron checkpoints."""
+    if not os.path.exists(model):
+        raise ValueError(f"--model {model!r} does not exist")
+    if is_hf_model_dir(model):
+        return model, "hf"
+    ckpt = find_megatron_checkpoint(model)
+    hf_config = hf_config or _hf_config_from_run(model)
+    if not hf_config:
+        raise ValueError(f"--model {model!r} is a Megatron checkpoint: pass --hf-config with the "
+                         "HF model directory it was trained from (config + tokenizer)")
+    out = convert_dir or tempfile.mkdtemp(prefix="hapo_eval_hf_")
+    logger.info("converting Megatron checkpoint %s to HF in %s", ckpt, out)
+    return convert_megatron_checkpoint(ckpt, hf_config, out), f"megatron:{ckpt}"
+
+
+# ---------------------------------------------------------------------- main
+class _Subset:
+    """The first `limit` records of a dataset (keeps its tokenizer)."""
+
+    def __init__(self, dataset, limit: int):
+        self.dataset, self.limit = dataset, min(limit, len(dataset))
+        self.tokenizer = getattr(dataset, "tokenizer", None)
+
+    def __len__(self):
+        return self.limit
+
+    def __getitem__(self, i):
+        if not 0 <= i < self.limit:
+            raise IndexError(i)
+        return self.dataset[i]
+
+
+def _progress(done: int, total: int) -> None:
+    print(f"\r[hapo eval] {done}/{total} prompts", end="" if done < total else "\n",
+          file=sys.stderr, flush=True)
+
+
+def _resolve_settings(args, cfg):
+    """Fill unset command-line values from the config (validation sampling = paper protocol)."""
+    ro = cfg.rollout
+    if args.engine:
+        ro = dataclasses.replace(ro, engine=args.engine)
+    if args.sglang_url:
+        ro = dataclasses.replace(ro, engine=args.engine or "sglang", sglang=dataclasses.replace(
+            ro.sglang, server_urls=list(args.sglang_url)))
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_name = args.dtype or ("bf16" if str(device).startswith("cuda") else "fp32")
+    return ro, device, getattr(torch, _DTYPES[dtype_name])
+
+
+def run(args) -> dict:
+    """Evaluate as described by parsed `args`; returns the JSON-ready results."""
+    from transformers import AutoTokenizer
+
+    from hapo_megatron.config import load_config
+    from hapo_megatron.data import PromptDataset
+    from hapo_megatron.rewards import get_reward_fn
+    from hapo_megatron.rollout.engine import SamplingParams, make_engine
+    from hapo_megatron.training.evaluation import aggregate_results, generate_and_score
+
+    cfg = load_config(args.config, args.overrides)
+    rollout_cfg, device, dtype = _resolve_settings(args, cfg)
+    model_dir, source = resolve_model(args.model, args.hf_config, args.convert_dir)
+    tok_path = args.tokenizer or cfg.data.tokenizer_path or (
+        args.hf_config if source != "hf" and args.hf_config else model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tok_path)
+    dataset = PromptDataset(args.data, tokenizer, prompt_key=args.prompt_key or cfg.data.prompt_key,
+                            max_prompt_length=args.max_prompt_length or cfg.data.max_prompt_length,
+                            apply_chat_template=cfg.data.apply_chat_template and not args.no_chat_template)
+    dataset.tokenizer = tokenizer
+    data = _Subset(dataset, args.limit) if args.limit else dataset
+    sampling = SamplingParams(
+        n=args.n or rollout_cfg.val_n,
+        temperature=rollout_cfg.val_temperature if args.temperature is None else args.temperature,
+        top_p=args.top_p or rollout_cfg.val_top_p, top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens or rollout_cfg.max_response_length,
+        seed=args.seed, adaptive=False)
+    reward_fn = get_reward_fn(args.reward or cfg.reward.reward_fn)
+    reward_kwargs = {"score_format": cfg.reward.score_format, **cfg.reward.reward_kwargs}
+    engine = make_engine(rollout_cfg, hf_config_or_path=model_dir, tokenizer=tokenizer,
+                         device=device, dtype=dtype)
+    t0 = time.perf_counter()
+    try:
+        results = generate_and_score(engine, data, reward_fn, sampling, tokenizer=tokenizer,
+                                     batch_size=args.batch_size, keep_text=args.save_responses,
+                                     progress=_progress, reward_kwargs=reward_kwargs)
+    finally:
+        engine.shutdown()
+    metrics = aggregate_results(results, args.k)
+    per_prompt = [r.to_dict() for r in results]
+    if not args.save_responses:
+        for r in per_prompt:
+            r.pop("responses", None)
+    params = dataclasses.asdict(sampling)
+    return {"model": args.model, "model_source": source, "hf_model_dir": model_dir,
+            "data": list(args.data), "engine": rollout_cfg.engine, "sampling": params,
+            "k_values": args.k, "num_prompts": len(data), "elapsed_s": time.perf_counter() - t0,
+            "metrics": metrics, "per_prompt": per_prompt}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    from hapo_megatron.training.evaluation import format_results_table
+
+    try:
+        result = run(args)
+    except ValueError as e:
+        print(f"hapo eval: error: {e}", file=sys.stderr)
+        return 2
+    print(format_results_table(result["metrics"]))
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2, default=str)
+    print(f"[hapo eval] wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
