@@ -1,0 +1,101 @@
+"""Math reward: answer extraction, math-verify equivalence, score formats, thread safety."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from hapo_megatron.rewards import (
+    RewardResult, answers_equivalent, compute_score, extract_answer_line, extract_boxed, extract_final_answer,
+)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("so the answer is \\boxed{85}.", "85"),
+    ("\\boxed{1} and later \\boxed{2}", "2"),
+    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+    ("\\boxed{\\frac{a}{b} + {c}}", "\\frac{a}{b} + {c}"),
+    ("\\boxed{3} then \\boxed{\\sqrt{2", "3"),  # the unbalanced last one is ignored
+    ("\\fbox{7}", "7"),
+    ("\\boxed 5 is it", "5"),
+    ("no box here", None),
+    ("", None),
+])
+def test_extract_boxed(text, expected):
+    assert extract_boxed(text) == expected
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("work...\nAnswer: 85", "85"),
+    ("Answer: 1\nmore\nAnswer: 85.", "85"),
+    ("answer: $-3$\n", "-3"),
+    ("Answer: \\boxed{42}", "42"),
+    ("Final Answer:  12 \nthanks", "12"),
+    ("Answer:   \n", None),
+    ("no answer line", None),
+])
+def test_extract_answer_line(text, expected):
+    assert extract_answer_line(text) == expected
+
+
+def test_extract_final_answer_takes_the_later_form():
+    assert extract_final_answer("\\boxed{1}\nAnswer: 2") == "2"
+    assert extract_final_answer("Answer: 2\nso \\boxed{3}") == "3"
+    assert extract_final_answer("Answer: \\boxed{4}") == "4"
+    assert extract_final_answer(None) is None
+
+
+@pytest.mark.parametrize("pred, truth", [
+    ("0.5", "\\frac{1}{2}"), ("\\frac{1}{2}", "0.5"), ("85.0", "85"), ("85", "85.0"), ("1,000", "1000"),
+    ("\\dfrac{3}{4}", "0.75"), ("x = 5", "5"), ("2^{10}", "1024"), ("\\sqrt{2}", "\\sqrt 2"), (" 85 ", "85"),
+])
+def test_equivalent_forms(pred, truth):
+    assert answers_equivalent(pred, truth)
+    assert compute_score(f"... Answer: {pred}", truth).acc
+
+
+@pytest.mark.parametrize("pred, truth", [("84", "85"), ("-85", "85"), ("\\frac{1}{3}", "0.5"), ("12", "1,2"), ("", "1")])
+def test_wrong_answers(pred, truth):
+    assert not answers_equivalent(pred, truth)
+
+
+def test_scores_and_formats():
+    ok = compute_score("think\nAnswer: 85", "85")
+    assert ok == RewardResult(score=1.0, acc=True, pred="85")
+    bad = compute_score("think\nAnswer: 84", "85")
+    assert bad == RewardResult(score=-1.0, acc=False, pred="84")
+    assert compute_score("Answer: 84", "85", score_format="01") == RewardResult(0.0, False, "84")
+    assert compute_score("Answer: 85", "85", score_format="01") == RewardResult(1.0, True, "85")
+    for empty in ("", None, "I do not know"):
+        assert compute_score(empty, "85") == RewardResult(-1.0, False, None)
+        assert compute_score(empty, "85", score_format="01").score == 0.0
+    assert compute_score("\\boxed{85}", 85).acc  # a numeric ground truth works too
+    assert compute_score("Answer: 3", "3", data_source="x", extra_info={}).acc  # extra kwargs ignored
+    with pytest.raises(ValueError, match="score_format must be 'pm1' or '01'"):
+        compute_score("Answer: 1", "1", score_format="bin")
+
+
+def test_long_answer_is_bounded():
+    start = time.time()
+    res = compute_score("Answer: " + "(1+" * 400 + "1" + ")" * 400, "2")
+    assert not res.acc and time.time() - start < 5
+
+
+def test_thread_safe():
+    cases = [("Answer: \\frac{1}{2}", "0.5", True), ("\\boxed{0.75}", "\\frac{3}{4}", True),
+             ("Answer: 7", "8", False), ("\\boxed{2^{10}}", "1024", True)] * 8
+    errors = []
+
+    def score(case):
+        text, truth, want = case
+        try:
+            assert threading.current_thread() is not threading.main_thread()
+            return compute_score(text, truth).acc == want
+        except Exception as err:  # pragma: no cover - would be the signal-in-thread failure
+            errors.append(err)
+            return False
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(score, cases))
+    assert not errors and all(results)
