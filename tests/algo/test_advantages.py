@@ -203,3 +203,13 @@ def test_filter_groups_hand_and_bad_input():
         filter_groups([1.0, 1.0], [0, 0], metric_values=[1.0])
     with pytest.raises(ValueError, match="rewards"):
         filter_groups([1.0, math.inf], [0, 0])
+
+
+def test_empty_batch_and_zero_length_horizon():
+    assert grpo_advantages(torch.zeros(0), [], torch.zeros(0, 3)).shape == (0, 3)
+    adv, fb = token_level_group_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, 3),
+                                           return_fallback=True)
+    assert adv.shape == (0, 3) and fb.shape == (0,)
+    assert filter_groups(torch.zeros(0), []).shape == (0,)
+    assert token_level_group_advantages(torch.ones(2), [0, 1], torch.zeros(2, 0)).shape == (2, 0)
+    assert overlong_penalty([], 10, 2).shape == (0,)
