@@ -362,7 +362,8 @@ class DataConfig(_Section):
     seed: int = 1
     """Seed of the prompt shuffling."""
     tokenizer_path: Optional[str] = None
-    """Tokenizer directory or hub name; null means model.hf_model_path."""
+    """Tokenizer directory or hub name; null means model.hf_model_path (filled in when the config
+    is built, so the saved config is explicit)."""
     apply_chat_template: bool = True
     """Render prompts with the tokenizer's chat template (when it has one); else join the contents."""
 
@@ -595,7 +596,8 @@ class TrainerConfig(_Section):
     experiment_name: str = "hapo_run"
     """Run name (default run_dir and wandb run name)."""
     run_dir: Optional[str] = None
-    """Run directory (resolved config, metrics.jsonl, checkpoints); null = runs/<experiment_name>."""
+    """Run directory (resolved config, metrics.jsonl, checkpoints); null = runs/<experiment_name>
+    (filled in when the config is built)."""
     save_interval: int = 50
     """Save a checkpoint every this many steps (0 = only at the end)."""
     keep_last_k: Optional[int] = 3
@@ -761,7 +763,10 @@ def _flatten(tree: dict, cls: type = None, prefix: str = "") -> list[tuple[str, 
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
         tp = hints.get(key)
-        if isinstance(value, dict) and isinstance(tp, type) and issubclass(tp, _Section):
+        is_section = isinstance(tp, type) and issubclass(tp, _Section)
+        if is_section and value is None:
+            continue  # an empty `algo:` block in YAML
+        if is_section and isinstance(value, dict):
             out.extend(_flatten(value, tp, dotted + "."))
         else:
             out.append((dotted, value))
@@ -810,6 +815,8 @@ def load_config(path: Optional[str] = None, overrides=(), preset: Optional[str] 
     ``preset`` replaces a ``preset:`` key at the top of the YAML file. Unknown keys raise
     ValueError listing the valid keys of their section.
     """
+    if isinstance(overrides, str):
+        overrides = [overrides]
     data = _read_yaml(path) if path else {}
     file_preset = data.pop("preset", None)
     preset = preset or file_preset

@@ -150,6 +150,8 @@ def test_yaml_unknown_key_names_file(tmp_path):
         load_config(str(path))
     with pytest.raises(ValueError, match="unknown config key 'trainer.nope'"):
         HapoConfig.from_dict({"trainer": {"nope": 1}})
+    path.write_text("algo:\nrollout:\n  sglang:\n")  # empty blocks are fine
+    assert load_config(str(path), "algo.clip_ratio_high=0.3").algo.clip_ratio_high == 0.3
     path.write_text("- a\n- b\n")
     with pytest.raises(ValueError, match="must contain a mapping"):
         load_config(str(path))
