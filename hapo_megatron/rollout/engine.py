@@ -1,0 +1,242 @@
+"""The rollout-engine interface: sampling parameters, samples, the protocol and the factory.
+
+Every engine (the embedded HF-transformers engine, SGLang servers) takes prompts as token ids and
+returns, per prompt, ``n`` :class:`Sample` objects in prompt order. Each sample carries the
+response token ids, the log-prob of every sampled token under the distribution it was sampled
+from, and (where the engine can observe it) the temperature used at that token.
+
+Adaptive temperature (spec section 2): with ``params.adaptive`` and ``params.entropy_stats`` set,
+each decoding step samples row ``b`` at ``T_b = T_base * (1 + temperature_tau * h_hat_b)``, where
+``h_hat_b`` is the normalised entropy of that row's next-token distribution at ``T_base``
+(computed by :func:`hapo_megatron.algo.adaptive_temperature`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from hapo_megatron.algo import HH_MODES, EntropyStats
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample the responses of one :meth:`RolloutEngine.generate` call.
+
+    Attributes:
+        n: responses per prompt (>= 1).
+        temperature: ``T_base`` (> 0), or 0 for greedy decoding (argmax; adaptive ignored).
+        top_p: nucleus threshold in (0, 1], applied after the temperature.
+        top_k: keep the k most likely tokens (-1 = off), applied after the temperature.
+        max_new_tokens: maximum response length in tokens (>= 1).
+        stop_token_ids: extra token ids that end a response (the model's eos always does unless
+            ``ignore_eos``). The stop token is kept as the last response token.
+        seed: sampling seed; the same seed, prompts and weights give the same samples (HF
+            engine; SGLang only with ``SGLangEngine(send_sampling_seed=True)``). ``None`` draws a
+            seed from torch's global generator.
+        adaptive: apply the adaptive temperature (needs ``entropy_stats``; without stats the
+            engine samples at ``T_base``).
+        entropy_stats: the previous training step's entropy statistics.
+        temperature_tau: ``tau`` in ``T = T_base * (1 + tau * h_hat)``, in [0, 1).
+        h_hat_mode: ``"signed"`` (paper) or ``"reference"`` (public code's sign defect).
+        ignore_eos: do not stop on the model's eos token (``stop_token_ids`` still stop).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 1024
+    stop_token_ids: tuple[int, ...] = ()
+    seed: Optional[int] = None
+    adaptive: bool = False
+    entropy_stats: Optional[EntropyStats] = None
+    temperature_tau: float = 0.05
+    h_hat_mode: str = "signed"
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if int(self.n) < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        t = float(self.temperature)
+        if not (t >= 0.0 and math.isfinite(t)):
+            raise ValueError(f"temperature must be a finite float >= 0, got {self.temperature!r}")
+        if not (0.0 < float(self.top_p) <= 1.0):
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        if int(self.top_k) != -1 and int(self.top_k) < 1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+        if int(self.max_new_tokens) < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
+        if not (0.0 <= float(self.temperature_tau) < 1.0):
+            raise ValueError(f"temperature_tau must lie in [0, 1), got {self.temperature_tau!r}")
+        if self.h_hat_mode not in HH_MODES:
+            raise ValueError(f"h_hat_mode must be one of {HH_MODES}, got {self.h_hat_mode!r}")
+        stats = self.entropy_stats
+        if stats is not None and not isinstance(stats, EntropyStats):
+            try:
+                stats = EntropyStats.from_dict(stats)
+            except Exception as e:  # noqa: BLE001 - re-raised with the argument name
+                raise ValueError(f"entropy_stats must be EntropyStats or its dict: {e}") from None
+        object.__setattr__(self, "entropy_stats", stats)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: argmax decoding."""
+        return float(self.temperature) == 0.0
+
+    @property
+    def uses_adaptive(self) -> bool:
+        """Whether the adaptive temperature actually applies (adaptive, stats given, sampling)."""
+        return bool(self.adaptive) and self.entropy_stats is not None and not self.greedy
+
+    def with_(self, **changes: Any) -> "SamplingParams":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+    @classmethod
+    def from_config(cls, rollout_cfg: Any, algo_cfg: Any = None, *, validation: bool = False,
+                    entropy_stats: Optional[EntropyStats] = None, seed: Optional[int] = None,
+                    max_new_tokens: Optional[int] = None,
+                    stop_token_ids: Sequence[int] = ()) -> "SamplingParams":
+        """Training or validation sampling parameters from ``RolloutConfig`` (+ ``AlgoConfig``).
+
+        Training: ``n``, ``temperature`` (T_base), ``top_p``, ``top_k``, and the adaptive
+        temperature from ``algo_cfg`` (``adaptive_temperature``, ``temperature_tau``,
+        ``h_hat_mode``) with ``entropy_stats``. Validation: ``val_n``, ``val_temperature``,
+        ``val_top_p``, never adaptive (spec section 2).
+        """
+        max_new = int(max_new_tokens if max_new_tokens is not None else rollout_cfg.max_response_length)
+        if validation:
+            return cls(n=rollout_cfg.val_n, temperature=rollout_cfg.val_temperature,
+                       top_p=rollout_cfg.val_top_p, top_k=-1, max_new_tokens=max_new,
+                       stop_token_ids=tuple(stop_token_ids), seed=seed, adaptive=False)
+        adaptive = bool(getattr(algo_cfg, "adaptive_temperature", False)) if algo_cfg is not None else False
+        return cls(
+            n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
+            top_k=rollout_cfg.top_k, max_new_tokens=max_new, stop_token_ids=tuple(stop_token_ids),
+            seed=seed, adaptive=adaptive, entropy_stats=entropy_stats if adaptive else None,
+            temperature_tau=float(getattr(algo_cfg, "temperature_tau", 0.05)),
+            h_hat_mode=str(getattr(algo_cfg, "h_hat_mode", "signed")),
+        )
+
+
+@dataclass
+class Sample:
+    """One generated response.
+
+    Attributes:
+        prompt_ids: the prompt's token ids (unpadded).
+        response_ids: generated token ids; ends with the stop token when ``finish_reason`` is
+            ``"stop"``.
+        rollout_logprobs: per response token, its log-prob under the distribution it was sampled
+            from (``[len(response_ids)]``). HF engine: after temperature and top-k/top-p
+            renormalisation. SGLang: after temperature, before top-k/top-p (SGLang's convention;
+            identical when top_p = 1 and top_k = -1). Greedy: ``log_softmax`` of the raw logits.
+        temperatures: per response token, the sampling temperature used, or an EMPTY list when
+            the engine cannot observe it (SGLang: the custom logit processor cannot return data).
+            Callers detect ``len(temperatures) != len(response_ids)`` and, if needed, recompute
+            ``T = T_base * (1 + tau * h_hat(old_entropy))`` trainer-side.
+        finish_reason: ``"stop"`` (eos / stop token) or ``"length"`` (``max_new_tokens``).
+        prompt_index: index of the prompt in the ``generate`` call.
+        sample_index: index of this sample among the prompt's ``n``.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    temperatures: list[float]
+    finish_reason: str
+    prompt_index: int
+    sample_index: int = 0
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+        if len(self.rollout_logprobs) != len(self.response_ids):
+            raise ValueError(f"rollout_logprobs has {len(self.rollout_logprobs)} entries for "
+                             f"{len(self.response_ids)} response tokens")
+
+    @property
+    def has_temperatures(self) -> bool:
+        """Whether per-token temperatures were recorded."""
+        return len(self.temperatures) == len(self.response_ids)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer needs from a rollout engine."""
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        """``params.n`` samples per prompt; outer list in prompt order, inner in sample order."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named full tensors (``export_hf_weights`` output) into the engine's model."""
+        ...
+
+    def release_memory(self) -> None:
+        """Free accelerator memory while the trainer runs (colocated setups); no-op otherwise."""
+        ...
+
+    def resume_memory(self) -> None:
+        """Undo :meth:`release_memory` before the next weight update / generation."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release every resource (servers, processes, model)."""
+        ...
+
+
+def check_prompt_ids(prompt_ids: Any) -> list[list[int]]:
+    """Validate ``prompt_ids`` (a list of non-empty lists of non-negative ints)."""
+    if not isinstance(prompt_ids, (list, tuple)):
+        raise ValueError(f"prompt_ids must be a list of token-id lists, got {type(prompt_ids).__name__}")
+    out = []
+    for i, p in enumerate(prompt_ids):
+        if torch.is_tensor(p):
+            p = p.tolist()
+        if not isinstance(p, (list, tuple)) or len(p) == 0:
+            raise ValueError(f"prompt_ids[{i}] must be a non-empty list of token ids")
+        ids = [int(t) for t in p]
+        if min(ids) < 0:
+            raise ValueError(f"prompt_ids[{i}] has a negative token id")
+        out.append(ids)
+    return out
+
+
+def make_engine(rollout_cfg: Any, *, hf_config_or_path: Any, tokenizer: Any = None,
+                device: Any = "cpu", dtype: torch.dtype = torch.float32, **kwargs: Any) -> RolloutEngine:
+    """Build the engine named by ``rollout_cfg.engine``.
+
+    Args:
+        rollout_cfg: a ``RolloutConfig`` (``engine``, ``hf_max_batch_size``, ``sglang``).
+        hf_config_or_path: HF model directory (both engines) or a transformers config / model
+            (``"hf"`` only: random weights until the first ``update_weights``).
+        tokenizer: used for eos / pad ids (optional).
+        device, dtype: where and in which dtype the HF engine keeps its model; for SGLang,
+            ``dtype`` becomes the servers' ``--dtype``.
+        kwargs: extra keyword arguments of the engine class.
+    """
+    engine = getattr(rollout_cfg, "engine", None)
+    if engine == "hf":
+        from hapo_megatron.rollout.hf_engine import HFRolloutEngine
+
+        kwargs.setdefault("max_batch_size", int(getattr(rollout_cfg, "hf_max_batch_size", 64)))
+        return HFRolloutEngine(hf_config_or_path, tokenizer=tokenizer, device=device, dtype=dtype, **kwargs)
+    if engine == "sglang":
+        from hapo_megatron.rollout.sglang_engine import SGLangEngine
+
+        if not isinstance(hf_config_or_path, str):
+            raise ValueError("hf_config_or_path must be a model directory (str) for the sglang engine")
+        return SGLangEngine.from_config(rollout_cfg.sglang, model_path=hf_config_or_path,
+                                        tokenizer=tokenizer, dtype=dtype, **kwargs)
+    raise ValueError(f"rollout_cfg.engine must be 'hf' or 'sglang', got {engine!r}")
+
+
+__all__ = ["FINISH_REASONS", "Sample", "SamplingParams", "RolloutEngine", "check_prompt_ids", "make_engine"]

@@ -1,0 +1,422 @@
+"""A :class:`~hapo_megatron.rollout.engine.RolloutEngine` on SGLang servers (production rollouts).
+
+Servers: launched (``python -m sglang.launch_server ... --enable-custom-logit-processor``, one
+per rollout GPU group of ``server_tp_size`` GPUs) or attached by URL. Requests are spread
+round-robin over the servers (or sent through ``sglang_router`` when installed and asked for).
+
+Multi-process use (torchrun): when ``torch.distributed`` is initialised, every public method is
+COLLECTIVE: all trainer ranks call it with the same arguments. Rank 0 talks to the servers for
+generation and broadcasts the samples; ``update_weights`` must be fed the same HF-named tensors in
+the same order on every rank (``export_hf_weights`` output).
+
+Colocated layout (``colocate=True``): trainer rank ``r`` shares its GPU with TP rank ``r % tp`` of
+server ``r // tp``; the first rank of each group launches that server on its local GPU.
+
+Weight sync (``weight_sync``):
+- ``"tensor"`` (colocated): every rank serialises its copy of each bucket as CUDA-IPC handles, the
+  server's first rank gathers the ``tp`` strings and POSTs ``/update_weights_from_tensor``.
+- ``"distributed"`` (separate GPUs): rank 0 forms an NCCL group with all server TP ranks
+  (``/init_weights_update_group``) and broadcasts each flattened bucket while POSTing
+  ``/update_weights_from_distributed``.
+- ``"disk"`` (fallback): rank 0 writes a safetensors checkpoint and POSTs
+  ``/update_weights_from_disk`` (the servers must see the directory).
+- ``"auto"``: tensor when colocated, distributed otherwise.
+
+Per-token temperatures: SGLang's custom logit processor runs inside the server and cannot return
+data, and the temperature cannot be recovered from the returned log-probs. So ``Sample.temperatures``
+is EMPTY with this engine; the trainer recomputes them from the old-policy entropy and the
+statistics it sent (``T = T_base * (1 + tau * h_hat(H_old))``), exact up to the engine/trainer
+numerical mismatch. ``rollout_logprobs`` are SGLang's: after the (adaptive) temperature, before
+top-k/top-p renormalisation.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from hapo_megatron.rollout import sglang_launch as launch
+from hapo_megatron.rollout.engine import Sample, SamplingParams, check_prompt_ids
+from hapo_megatron.rollout.sglang_client import SGLangError, SGLangHTTP, ServerHandle
+from hapo_megatron.rollout.sglang_processor import AdaptiveTemperatureProcessor
+from hapo_megatron.rollout import weight_sync as ws
+
+WEIGHT_SYNC_MODES = ("auto", "tensor", "distributed", "disk")
+_SEED_MOD = 2**63 - 1
+
+
+# --------------------------------------------------------------------------- pure request helpers
+def row_sampling_params(params: SamplingParams, *, seed: Optional[int] = None) -> dict:
+    """SGLang ``sampling_params`` of one row (adaptive rows carry our ``custom_params``)."""
+    sp: dict[str, Any] = {
+        "temperature": float(params.temperature), "top_p": float(params.top_p),
+        "top_k": int(params.top_k), "max_new_tokens": int(params.max_new_tokens),
+        "ignore_eos": bool(params.ignore_eos), "no_stop_trim": True, "skip_special_tokens": False,
+    }
+    if params.stop_token_ids:
+        sp["stop_token_ids"] = list(params.stop_token_ids)
+    if params.uses_adaptive:
+        sp["custom_params"] = AdaptiveTemperatureProcessor.custom_params(
+            params.entropy_stats, params.temperature, params.temperature_tau, params.h_hat_mode)
+    if seed is not None:
+        sp["sampling_seed"] = int(seed)
+    return sp
+
+
+def row_seeds(params: SamplingParams, rows: Sequence[int]) -> list[Optional[int]]:
+    """Per-row ``sampling_seed`` derived from ``params.seed`` and the global row index (so the
+    chunking does not matter); ``None`` entries when ``params.seed`` is None."""
+    if params.seed is None:
+        return [None] * len(rows)
+    return [(int(params.seed) * 1_000_003 + int(r)) % _SEED_MOD for r in rows]
+
+
+def generate_payload(input_ids: list[list[int]], params: SamplingParams, *,
+                     seeds: Optional[Sequence[Optional[int]]] = None) -> dict:
+    """Body of one batched ``POST /generate`` (one row per entry of ``input_ids``)."""
+    seeds = list(seeds) if seeds is not None else [None] * len(input_ids)
+    if len(seeds) != len(input_ids):
+        raise ValueError(f"seeds has {len(seeds)} entries for {len(input_ids)} rows")
+    body: dict[str, Any] = {
+        "input_ids": [list(map(int, r)) for r in input_ids],
+        "sampling_params": [row_sampling_params(params, seed=s) for s in seeds],
+        "return_logprob": True,
+    }
+    if params.uses_adaptive:
+        body["custom_logit_processor"] = [AdaptiveTemperatureProcessor.to_str()] * len(input_ids)
+    return body
+
+
+def parse_generate_item(item: dict) -> tuple[list[int], list[float], str]:
+    """``(response_ids, logprobs, finish_reason)`` from one answer of ``/generate``.
+
+    Token ids come from ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]``
+    triples, stop token included), cross-checked against ``output_ids``.
+    """
+    if not isinstance(item, dict) or "meta_info" not in item:
+        raise SGLangError(f"unexpected /generate answer: {str(item)[:500]}")
+    meta = item["meta_info"]
+    fr = meta.get("finish_reason") or {}
+    kind = fr.get("type") if isinstance(fr, dict) else str(fr)
+    if kind not in ("stop", "length"):
+        raise SGLangError(f"SGLang request finished with {fr!r} (abort / error)")
+    triples = meta.get("output_token_logprobs")
+    if triples is None:
+        raise SGLangError("SGLang answer has no output_token_logprobs (return_logprob ignored?)")
+    ids = [int(t[1]) for t in triples]
+    logps = [float(t[0]) for t in triples]
+    out_ids = item.get("output_ids")
+    if out_ids is not None and list(map(int, out_ids)) != ids:
+        raise SGLangError(f"output_ids ({len(out_ids)}) disagree with output_token_logprobs ({len(ids)})")
+    return ids, logps, kind
+
+
+def resolve_weight_sync(mode: str, *, colocate: bool) -> str:
+    """``"auto"`` -> ``"tensor"`` when colocated, else ``"distributed"``."""
+    if mode not in WEIGHT_SYNC_MODES:
+        raise ValueError(f"weight_sync must be one of {WEIGHT_SYNC_MODES}, got {mode!r}")
+    if mode == "auto":
+        return "tensor" if colocate else "distributed"
+    if mode == "tensor" and not colocate:
+        raise ValueError("weight_sync='tensor' (CUDA IPC) needs colocate=True")
+    return mode
+
+
+def _dist_info() -> tuple[int, int]:
+    d = torch.distributed
+    if d.is_available() and d.is_initialized():
+        return d.get_rank(), d.get_world_size()
+    return 0, 1
+
+
+# --------------------------------------------------------------------------- the engine
+class SGLangEngine:
+    """Rollouts on SGLang servers; see the module docstring.
+
+    Args (the ``rollout.sglang`` config fields, plus):
+        model_path: HF model directory the servers load (and the config source for disk sync).
+        dtype: the servers' ``--dtype``.
+        launch_timeout_s: how long a launched server may take to become healthy.
+        requests_per_call: rows per ``/generate`` call; calls run concurrently.
+        send_sampling_seed: pass per-row ``sampling_seed`` (needs a sampling backend that supports
+            it, e.g. ``--sampling-backend pytorch``).
+        disk_sync_dir: directory for ``weight_sync="disk"`` (default: a temporary directory).
+        log_dir: where launched servers write ``sglang_server_<i>.log``.
+        session: injectable HTTP transport (tests); ``launch=False`` never starts processes.
+    """
+
+    def __init__(self, *, model_path: Optional[str] = None, server_urls: Sequence[str] = (),
+                 num_servers: int = 1, server_tp_size: int = 1, mem_fraction_static: float = 0.7,
+                 weight_sync: str = "auto", bucket_size_mb: int = 512, request_timeout_s: float = 600.0,
+                 max_retries: int = 3, colocate: bool = True, use_router: bool = False,
+                 extra_server_args: Sequence[str] = (), port_base: int = 30000, tokenizer: Any = None,
+                 dtype: Any = torch.bfloat16, launch_timeout_s: float = 900.0, requests_per_call: int = 64,
+                 send_sampling_seed: bool = False, disk_sync_dir: Optional[str] = None,
+                 log_dir: Optional[str] = None, session: Any = None, launch: bool = True,
+                 group_name: str = "hapo_weight_sync") -> None:
+        if int(bucket_size_mb) < 1 or int(requests_per_call) < 1 or int(server_tp_size) < 1:
+            raise ValueError("bucket_size_mb, requests_per_call and server_tp_size must be >= 1")
+        self.model_path, self.tokenizer, self.colocate = model_path, tokenizer, bool(colocate)
+        self.weight_sync = resolve_weight_sync(weight_sync, colocate=self.colocate)
+        self.bucket_bytes = int(bucket_size_mb) << 20
+        self.tp = int(server_tp_size)
+        self.requests_per_call = int(requests_per_call)
+        self.send_sampling_seed = bool(send_sampling_seed)
+        self.disk_sync_dir, self.group_name = disk_sync_dir, group_name
+        self.http = SGLangHTTP(timeout_s=request_timeout_s, max_retries=max_retries, session=session)
+        self.rank, self.world_size = _dist_info()
+        self._nccl_group = None
+        self._server_groups: Optional[dict] = None
+        self.router: Optional[ServerHandle] = None
+        if server_urls:
+            self.servers = [ServerHandle(url=u.rstrip("/"), tp_size=self.tp) for u in server_urls]
+        elif not launch:
+            raise ValueError("server_urls is empty and launch=False: nothing to talk to")
+        else:
+            if not model_path:
+                raise ValueError("model_path is required to launch SGLang servers")
+            self.servers = self._launch_servers(int(num_servers), mem_fraction_static, dtype,
+                                                list(extra_server_args), int(port_base),
+                                                float(launch_timeout_s), log_dir)
+        if use_router:
+            self._maybe_launch_router(int(port_base) + len(self.servers) + 97, log_dir, float(launch_timeout_s))
+        if self.weight_sync == "tensor" and self.world_size > 1 and self.world_size != len(self.servers) * self.tp:
+            raise ValueError(f"weight_sync='tensor' needs one trainer rank per server GPU: world size "
+                             f"{self.world_size} != {len(self.servers)} servers x tp {self.tp}")
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, model_path: str, tokenizer: Any = None, dtype: Any = torch.bfloat16,
+                    **kwargs: Any) -> "SGLangEngine":
+        """Build from an ``SGLangConfig`` (``rollout.sglang``)."""
+        names = ("server_urls", "num_servers", "server_tp_size", "mem_fraction_static", "weight_sync",
+                 "bucket_size_mb", "request_timeout_s", "max_retries", "colocate", "use_router",
+                 "extra_server_args", "port_base")
+        args = {n: getattr(cfg, n) for n in names if hasattr(cfg, n)}
+        args.update(kwargs)
+        return cls(model_path=model_path, tokenizer=tokenizer, dtype=dtype, **args)
+
+    # ------------------------------------------------------------------ servers
+    def _launch_servers(self, num_servers, mem_fraction, dtype, extra, port_base, timeout_s, log_dir):
+        """Leader ranks launch their server; URLs are all-gathered so every rank knows all."""
+        log_dir = log_dir or tempfile.mkdtemp(prefix="hapo_sglang_logs_")
+        os.makedirs(log_dir, exist_ok=True)
+        local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        multi_node = self.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        host = launch.node_ip() if multi_node else "127.0.0.1"
+        mine: list[tuple[int, ServerHandle]] = []
+        for s in range(num_servers):
+            if self.colocate and self.world_size > 1:
+                if self.rank != s * self.tp:
+                    continue
+                gpu = local_rank
+            elif self.rank == 0:  # separate GPUs after the trainer's, or single process
+                gpu = (0 if self.colocate else int(os.environ.get("LOCAL_WORLD_SIZE", 1))) + s * self.tp
+            else:
+                continue
+            port = port_base + s
+            cmd = launch.server_command(self.model_path, port=port, tp_size=self.tp, base_gpu_id=gpu,
+                                        mem_fraction_static=mem_fraction, dtype=launch.sglang_dtype(dtype),
+                                        enable_memory_saver=self.colocate, extra_args=extra)
+            mine.append((s, launch.start_process(cmd, f"http://{host}:{port}", tp_size=self.tp,
+                                                 log_path=os.path.join(log_dir, f"sglang_server_{s}.log"))))
+        for _, h in mine:
+            self.http.wait_healthy(h, timeout_s)
+        urls = {s: h.url for s, h in mine}
+        if self.world_size > 1:
+            gathered: list = [None] * self.world_size
+            torch.distributed.all_gather_object(gathered, urls)
+            urls = {k: v for d in gathered for k, v in d.items()}
+        local = dict(mine)
+        return [local.get(s, ServerHandle(url=urls[s], tp_size=self.tp)) for s in range(num_servers)]
+
+    def _maybe_launch_router(self, port: int, log_dir: Optional[str], timeout_s: float) -> None:
+        if not launch.router_available():
+            warnings.warn("use_router=True but sglang_router is not installed: round-robin over the servers")
+            return
+        url = f"http://127.0.0.1:{port}"
+        if self.rank == 0:
+            log = os.path.join(log_dir, "sglang_router.log") if log_dir else None
+            self.router = launch.start_process(launch.router_command([s.url for s in self.servers], port=port),
+                                               url, log_path=log)
+            self.http.wait_healthy(self.router, timeout_s)
+        else:
+            self.router = ServerHandle(url=url)
+
+    def check_health(self) -> None:
+        """Raise :class:`~hapo_megatron.rollout.sglang_client.ServerDiedError` naming a dead server."""
+        for s in self.servers:
+            self.http.check_alive(s)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        """``params.n`` samples per prompt, prompt order (collective under torch.distributed)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        out = self._generate_local(check_prompt_ids(prompt_ids), params) if self.rank == 0 else None
+        if self.world_size > 1:
+            box = [out]
+            torch.distributed.broadcast_object_list(box, src=0)
+            out = box[0]
+        return out
+
+    def _generate_local(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        rows = [(p, k) for p in range(len(prompts)) for k in range(params.n)]
+        chunks = [list(range(i, min(i + self.requests_per_call, len(rows))))
+                  for i in range(0, len(rows), self.requests_per_call)]
+        targets = [self.router] if self.router is not None else self.servers
+        seeds = row_seeds(params, range(len(rows))) if self.send_sampling_seed else [None] * len(rows)
+
+        def run(ci: int) -> list:
+            idx = chunks[ci]
+            body = generate_payload([prompts[rows[i][0]] for i in idx], params, seeds=[seeds[i] for i in idx])
+            try:
+                answer = self.http.request(targets[ci % len(targets)], "/generate", body)
+            except SGLangError:
+                self.check_health()  # a dead server gives the clearer error
+                raise
+            if not isinstance(answer, list) or len(answer) != len(idx):
+                raise SGLangError(f"/generate returned {type(answer).__name__} for {len(idx)} rows")
+            return [parse_generate_item(a) for a in answer]
+
+        workers = max(1, min(len(chunks), 8 * len(targets)))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            results = [r for chunk in pool.map(run, range(len(chunks))) for r in chunk]
+        out: list[list[Sample]] = [[] for _ in prompts]
+        for (p, k), (ids, logps, reason) in zip(rows, results):
+            out[p].append(Sample(prompt_ids=list(prompts[p]), response_ids=ids, rollout_logprobs=logps,
+                                 temperatures=[], finish_reason=reason, prompt_index=p, sample_index=k))
+        return out
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stream HF-named tensors to every server in buckets of ``bucket_size_mb`` (collective)."""
+        sync = {"tensor": self._sync_tensor, "distributed": self._sync_distributed, "disk": self._sync_disk}
+        sync[self.weight_sync](iter(named_tensors))
+        self._barrier()
+
+    def _barrier(self, group: Any = None) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier(group=group)
+
+    def _groups_for_tensor_sync(self) -> dict:
+        """``server index -> (leader rank, process group or None)``; subgroups made collectively."""
+        if self._server_groups is None:
+            groups = {}
+            for s in range(len(self.servers)):
+                if self.world_size == 1:
+                    groups[s] = (0, None)
+                else:
+                    ranks = list(range(s * self.tp, (s + 1) * self.tp))
+                    groups[s] = (ranks[0], torch.distributed.new_group(ranks) if self.tp > 1 else None)
+            self._server_groups = groups
+        return self._server_groups
+
+    def _sync_tensor(self, named: Iterable) -> None:
+        groups = self._groups_for_tensor_sync()
+        for bucket, last in ws.with_last(ws.bucket_named_tensors(named, self.bucket_bytes)):
+            blob, keepalive = ws.serialize_bucket_for_sglang(bucket)
+            for s, (leader, pg) in groups.items():
+                if self.world_size > 1 and self.rank // self.tp != s:
+                    continue
+                if self.world_size == 1:
+                    per_rank = [blob] * self.tp  # every server TP rank maps the same IPC handle
+                elif pg is None:
+                    per_rank = [blob]
+                else:
+                    per_rank = [None] * self.tp if self.rank == leader else None
+                    torch.distributed.gather_object(blob, per_rank, dst=leader, group=pg)
+                if self.rank == leader:
+                    self.http.request(self.servers[s], "/update_weights_from_tensor",
+                                      ws.tensor_update_payload(per_rank, flush_cache=last), retries=0)
+                self._barrier(pg)  # the server has read our IPC handle before we free it
+            del keepalive
+
+    def _init_nccl_group(self) -> None:
+        from sglang.srt.utils import init_custom_process_group
+
+        addr, port = launch.node_ip(), launch.free_port()
+        world = 1 + sum(s.tp_size for s in self.servers)
+        offsets = [1 + sum(s.tp_size for s in self.servers[:i]) for i in range(len(self.servers))]
+        with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
+            futs = [pool.submit(self.http.request, srv, "/init_weights_update_group",
+                                ws.init_group_payload(master_address=addr, master_port=port, rank_offset=off,
+                                                      world_size=world, group_name=self.group_name), retries=0)
+                    for srv, off in zip(self.servers, offsets)]
+            self._nccl_group = init_custom_process_group(backend="nccl", init_method=f"tcp://{addr}:{port}",
+                                                         world_size=world, rank=0, group_name=self.group_name)
+            for f in futs:
+                _check_success(f.result(), "init_weights_update_group")
+
+    def _sync_distributed(self, named: Iterable) -> None:
+        if self.rank != 0:
+            for _ in named:  # export_hf_weights may be collective: keep pace
+                pass
+            return
+        if self._nccl_group is None:
+            self._init_nccl_group()
+        with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
+            for bucket, last in ws.with_last(ws.bucket_named_tensors(named, self.bucket_bytes)):
+                flat, _ = ws.flatten_bucket(bucket)
+                body = ws.distributed_update_payload(bucket, group_name=self.group_name, flush_cache=last)
+                futs = [pool.submit(self.http.request, srv, "/update_weights_from_distributed", body, retries=0)
+                        for srv in self.servers]
+                torch.distributed.broadcast(flat.cuda(), group=self._nccl_group, group_src=0)
+                for f in futs:
+                    _check_success(f.result(), "update_weights_from_distributed")
+
+    def _sync_disk(self, named: Iterable) -> None:
+        if self.rank != 0:
+            for _ in named:
+                pass
+            return
+        path = self.disk_sync_dir or os.path.join(tempfile.gettempdir(), f"hapo_sglang_weights_{os.getpid()}")
+        shutil.rmtree(path, ignore_errors=True)
+        ws.write_hf_checkpoint(named, path, shard_bytes=self.bucket_bytes, config_dir=self.model_path)
+        for srv in self.servers:
+            _check_success(self.http.request(srv, "/update_weights_from_disk",
+                                             {"model_path": path, "flush_cache": True}, retries=0),
+                           "update_weights_from_disk")
+
+    # ------------------------------------------------------------------ memory and shutdown
+    def _post_to_own_servers(self, path: str, body: dict) -> None:
+        for s, srv in enumerate(self.servers):
+            leader = 0 if self.world_size == 1 or not self.colocate else s * self.tp
+            if self.rank == leader:
+                self.http.request(srv, path, body, retries=0)
+        self._barrier()
+
+    def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Colocated: free the servers' GPU memory (weights and KV cache, or ``tags``)."""
+        if self.colocate:
+            self._post_to_own_servers("/release_memory_occupation", {"tags": list(tags) if tags else None})
+
+    def resume_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Colocated: re-allocate what :meth:`release_memory` freed (call before ``update_weights``)."""
+        if self.colocate:
+            self._post_to_own_servers("/resume_memory_occupation", {"tags": list(tags) if tags else None})
+
+    def shutdown(self) -> None:
+        """Stop the servers (and router) this process launched; attached servers keep running."""
+        for h in ([self.router] if self.router is not None else []) + list(self.servers):
+            launch.stop_process(h)
+        if self._nccl_group is not None:
+            try:
+                torch.distributed.destroy_process_group(self._nccl_group)
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+            self._nccl_group = None
+
+
+def _check_success(answer: Any, what: str) -> None:
+    if isinstance(answer, dict) and answer.get("success") is False:
+        raise SGLangError(f"{what} failed: {answer.get('message')}")
+
+
+__all__ = ["SGLangEngine", "row_sampling_params", "row_seeds", "generate_payload", "parse_generate_item",
+           "resolve_weight_sync", "WEIGHT_SYNC_MODES"]

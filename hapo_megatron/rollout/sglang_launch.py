@@ -1,0 +1,119 @@
+"""Starting and stopping SGLang server / router processes (command lines are pure functions)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+from hapo_megatron.rollout.sglang_client import ServerHandle
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def sglang_dtype(dtype: torch.dtype | str) -> str:
+    """``torch.bfloat16`` / ``"bf16"`` -> ``"bfloat16"`` (SGLang's ``--dtype`` values)."""
+    if isinstance(dtype, str):
+        alias = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "auto"}
+        if dtype in alias:
+            return alias[dtype]
+        if dtype in _DTYPE_NAMES.values():
+            return dtype
+        raise ValueError(f"dtype must be bf16/fp16/fp32/auto or a torch dtype, got {dtype!r}")
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
+    return _DTYPE_NAMES[dtype]
+
+
+def server_command(model_path: str, *, port: int, host: str = "0.0.0.0", tp_size: int = 1,
+                   base_gpu_id: int = 0, mem_fraction_static: float = 0.7, dtype: str = "bfloat16",
+                   enable_memory_saver: bool = False, skip_tokenizer_init: bool = True,
+                   extra_args: Sequence[str] = (), python: str = sys.executable) -> list[str]:
+    """The ``python -m sglang.launch_server`` command line of one rollout server.
+
+    Always passes ``--enable-custom-logit-processor`` (the adaptive-temperature processor).
+    ``enable_memory_saver`` (colocated runs) enables ``/release_memory_occupation``.
+    ``skip_tokenizer_init``: requests and answers are token ids only.
+    """
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path),
+           "--host", host, "--port", str(int(port)), "--tp-size", str(int(tp_size)),
+           "--base-gpu-id", str(int(base_gpu_id)), "--mem-fraction-static", str(float(mem_fraction_static)),
+           "--dtype", dtype, "--enable-custom-logit-processor"]
+    if enable_memory_saver:
+        cmd.append("--enable-memory-saver")
+    if skip_tokenizer_init:
+        cmd.append("--skip-tokenizer-init")
+    return cmd + [str(a) for a in extra_args]
+
+
+def router_command(worker_urls: Sequence[str], *, port: int, host: str = "0.0.0.0",
+                   policy: str = "cache_aware", python: str = sys.executable) -> list[str]:
+    """The ``python -m sglang_router.launch_router`` command line over ``worker_urls``."""
+    if not worker_urls:
+        raise ValueError("worker_urls must not be empty")
+    return [python, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+            "--host", host, "--port", str(int(port)), "--policy", policy]
+
+
+def router_available() -> bool:
+    """Whether the ``sglang_router`` package is importable."""
+    import importlib.util
+
+    return importlib.util.find_spec("sglang_router") is not None
+
+
+def node_ip() -> str:
+    """This node's address as seen by other nodes (no packet is sent)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("10.255.255.255", 1))
+        return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        s.close()
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def start_process(cmd: list[str], url: str, *, log_path: Optional[str], tp_size: int = 1,
+                  env: Optional[dict] = None) -> ServerHandle:
+    """Start ``cmd`` in its own session (so :func:`stop_process` can end its whole tree),
+    logging to ``log_path``."""
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    try:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=env if env is not None else os.environ.copy())
+    finally:
+        if log_path:
+            log.close()
+    return ServerHandle(url=url, process=proc, log_path=log_path, tp_size=tp_size)
+
+
+def stop_process(handle: ServerHandle, timeout_s: float = 30.0) -> None:
+    """SIGTERM the process group we started, SIGKILL it after ``timeout_s``."""
+    proc = handle.process
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=timeout_s)
+    except ProcessLookupError:
+        pass
+
+
+__all__ = ["sglang_dtype", "server_command", "router_command", "router_available", "node_ip",
+           "free_port", "start_process", "stop_process"]

@@ -1,0 +1,187 @@
+"""Weight-sync building blocks shared by the SGLang engine: bucketing of the streamed HF-named
+tensors (``hapo_megatron.convert.export_hf_weights`` output) and the payloads of SGLang's
+weight-update endpoints. Everything here is pure (CPU-testable) except the two helpers marked
+"needs SGLang", which only wrap SGLang's own serialisation classes.
+
+SGLang endpoints (checked on 0.5.23, ``sglang/srt/entrypoints/http_server.py`` and
+``managers/io_struct.py``):
+
+- ``POST /update_weights_from_tensor`` ``{"serialized_named_tensors": [str per server TP rank],
+  "load_format": "flattened_bucket", "flush_cache": bool}``; each string is
+  ``MultiprocessingSerializer.serialize({"flattened_tensor": t, "metadata": [...]}, output_str=True)``
+  (base64 of a ``ForkingPickler`` dump: CUDA tensors travel as CUDA-IPC handles, so sender and
+  server share the node); TP rank ``i`` deserialises entry ``i``.
+- ``POST /init_weights_update_group`` ``{"master_address", "master_port", "rank_offset",
+  "world_size", "group_name", "backend"}``; then per bucket ``POST /update_weights_from_distributed``
+  ``{"names", "dtypes", "shapes", "group_name", "load_format": "flattened_bucket", "flush_cache"}``
+  while the trainer broadcasts the flattened uint8 bucket from rank 0 of that group.
+- ``POST /update_weights_from_disk`` ``{"model_path", "load_format", "flush_cache"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+
+NamedTensor = tuple[str, torch.Tensor]
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements."""
+    return int(t.numel()) * int(t.element_size())
+
+
+def bucket_named_tensors(named_tensors: Iterable[NamedTensor], bucket_bytes: int, *,
+                         split_on_dtype: bool = True) -> Iterator[list[NamedTensor]]:
+    """Group a stream of ``(name, tensor)`` into consecutive buckets of at most ``bucket_bytes``.
+
+    Order is preserved (concatenating the buckets gives the input). A tensor larger than
+    ``bucket_bytes`` forms a bucket of its own. With ``split_on_dtype`` a new bucket starts when the
+    dtype changes, so each flattened bucket is a single dtype (SGLang's receive side views byte
+    slices as the dtype, which needs aligned offsets). Consumes the input lazily: at most one
+    bucket is held at a time.
+    """
+    if int(bucket_bytes) <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    bucket: list[NamedTensor] = []
+    size = 0
+    for item in named_tensors:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and torch.is_tensor(item[1])):
+            raise ValueError(f"named_tensors must yield (str, Tensor) pairs, got {type(item).__name__}")
+        name, t = item
+        n = tensor_nbytes(t)
+        dtype_change = split_on_dtype and bucket and bucket[-1][1].dtype != t.dtype
+        if bucket and (size + n > bucket_bytes or dtype_change):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket
+
+
+def with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """Yield ``(item, is_last)`` with one item of look-ahead (to flush caches only once)."""
+    it = iter(items)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for cur in it:
+        yield prev, False
+        prev = cur
+    yield prev, True
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16 -> "bfloat16"`` (SGLang resolves it with ``getattr(torch, name)``)."""
+    return str(dtype).replace("torch.", "")
+
+
+def flatten_bucket(bucket: list[NamedTensor]) -> tuple[torch.Tensor, list[dict]]:
+    """Concatenate a bucket into one uint8 tensor ``[sum nbytes]`` plus per-tensor metadata
+    ``{"name", "shape", "dtype", "start", "end"}`` (byte offsets), in bucket order."""
+    if not bucket:
+        raise ValueError("bucket must not be empty")
+    parts, meta, offset = [], [], 0
+    for name, t in bucket:
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        meta.append({"name": name, "shape": list(t.shape), "dtype": t.dtype,
+                     "start": offset, "end": offset + flat.numel()})
+        parts.append(flat)
+        offset += flat.numel()
+    return torch.cat(parts), meta
+
+
+def unflatten_bucket(flat: torch.Tensor, meta: list[dict]) -> list[NamedTensor]:
+    """Inverse of :func:`flatten_bucket` (views into ``flat``)."""
+    return [(m["name"], flat[m["start"]:m["end"]].view(m["dtype"]).reshape(m["shape"])) for m in meta]
+
+
+def distributed_update_payload(bucket: list[NamedTensor], *, group_name: str, flush_cache: bool) -> dict:
+    """Body of ``POST /update_weights_from_distributed`` announcing one flattened bucket."""
+    return {
+        "names": [n for n, _ in bucket],
+        "dtypes": [dtype_name(t.dtype) for _, t in bucket],
+        "shapes": [list(t.shape) for _, t in bucket],
+        "group_name": group_name,
+        "load_format": "flattened_bucket",
+        "flush_cache": bool(flush_cache),
+    }
+
+
+def init_group_payload(*, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                       group_name: str, backend: str = "nccl") -> dict:
+    """Body of ``POST /init_weights_update_group`` for one server (its TP ranks take
+    ``rank_offset .. rank_offset + tp - 1``; the trainer's sender is rank 0)."""
+    return {"master_address": master_address, "master_port": int(master_port),
+            "rank_offset": int(rank_offset), "world_size": int(world_size),
+            "group_name": group_name, "backend": backend}
+
+
+def tensor_update_payload(serialized_per_rank: list[str], *, flush_cache: bool) -> dict:
+    """Body of ``POST /update_weights_from_tensor`` (one serialised bucket per server TP rank)."""
+    if not serialized_per_rank or not all(isinstance(s, str) for s in serialized_per_rank):
+        raise ValueError("serialized_per_rank must be a non-empty list of base64 strings")
+    return {"serialized_named_tensors": list(serialized_per_rank), "load_format": "flattened_bucket",
+            "flush_cache": bool(flush_cache)}
+
+
+def serialize_bucket_for_sglang(bucket: list[NamedTensor]) -> tuple[str, torch.Tensor]:
+    """One server TP rank's entry of ``serialized_named_tensors`` (needs SGLang), and the
+    flattened tensor it refers to, which the caller keeps alive until the server has answered.
+
+    Uses SGLang's own ``FlattenedTensorBucket`` and ``MultiprocessingSerializer`` (the format its
+    ``load_format="flattened_bucket"`` reader expects) after SGLang's torch-reduction patch, which
+    names CUDA devices by UUID so the server maps them correctly (applied only for CUDA buckets:
+    the patch assumes CUDA tensors and would break CPU-tensor pickling in this process).
+    """
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    if any(t.is_cuda for _, t in bucket):
+        monkey_patch_torch_reductions()
+    fb = FlattenedTensorBucket(named_tensors=[(n, t.detach().contiguous()) for n, t in bucket])
+    data = {"flattened_tensor": fb.get_flattened_tensor(), "metadata": fb.get_metadata()}
+    return MultiprocessingSerializer.serialize(data, output_str=True), data["flattened_tensor"]
+
+
+def write_hf_checkpoint(named_tensors: Iterable[NamedTensor], out_dir: str, *, shard_bytes: int,
+                        config_dir: Optional[str] = None) -> list[str]:
+    """Stream HF-named tensors into a sharded safetensors checkpoint (for ``/update_weights_from_disk``).
+
+    Writes ``model-00001.safetensors`` ... and ``model.safetensors.index.json``; copies the
+    ``*.json`` / tokenizer files of ``config_dir`` (the original model directory) so the directory
+    is loadable. Returns the shard file names in order.
+    """
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    if config_dir and os.path.isdir(config_dir):
+        for f in os.listdir(config_dir):
+            if (f.endswith((".json", ".model", ".txt", ".tiktoken")) and "safetensors.index" not in f
+                    and os.path.isfile(os.path.join(config_dir, f))):
+                shutil.copy2(os.path.join(config_dir, f), os.path.join(out_dir, f))
+    shards, weight_map, total = [], {}, 0
+    for bucket in bucket_named_tensors(named_tensors, shard_bytes, split_on_dtype=False):
+        fname = f"model-{len(shards) + 1:05d}.safetensors"
+        tensors = {n: t.detach().to("cpu").contiguous() for n, t in bucket}
+        save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        for n, t in tensors.items():
+            weight_map[n] = fname
+            total += tensor_nbytes(t)
+        shards.append(fname)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=1)
+    return shards
+
+
+__all__ = ["bucket_named_tensors", "with_last", "tensor_nbytes", "dtype_name", "flatten_bucket",
+           "unflatten_bucket", "distributed_update_payload", "init_group_payload",
+           "tensor_update_payload", "serialize_bucket_for_sglang", "write_hf_checkpoint"]
