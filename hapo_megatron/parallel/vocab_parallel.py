@@ -1,0 +1,203 @@
+"""Fused log-prob + entropy over vocab-sharded logits (tensor parallel).
+
+With Megatron's `parallel_output=True` each tensor-parallel rank holds a vocab shard of the
+logits, `[..., V/tp]`, covering global ids `[rank * V/tp, (rank + 1) * V/tp)` (Megatron's
+`VocabUtility.vocab_range_from_per_partition_vocab_size`). For every row we need
+
+    logprob = z_target - logsumexp(z)        entropy = logsumexp(z) - sum_v softmax(z)_v z_v
+
+with `z = logits / temperature`. Both follow from three per-row sums taken after subtracting
+the global row max `m`: `S = sum exp(z - m)`, `A = sum exp(z - m) (z - m)` and the shifted
+target logit (nonzero on exactly one rank). So the forward needs one MAX all-reduce of `[N]`
+and one SUM all-reduce of the packed `[N, 3]` tensor:
+
+    logZ = log S,   logprob = z_t - m - logZ,   entropy = logZ - A / S.
+
+Backward recomputes the softmax chunk by chunk from the saved (unmodified) input instead of
+keeping a `[N, V/tp]` probability tensor alive between forward and backward:
+
+    d logprob / dz = onehot(target) - p,     d entropy / dz = -p * (log p + entropy),
+
+divided by the temperature for d/dlogits. It needs no communication. All math is float32
+whatever the input dtype (bf16 logits are upcast one chunk at a time); the gradient comes
+back in the input's dtype.
+
+Entries of `-inf` (masked vocabulary) are fine: after the shift any `z - m < -1e4` has
+`exp(z - m) == 0` exactly in float32, so clamping it to -1e4 changes nothing but keeps
+`0 * -inf` NaNs out of the sums.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+# exp(x) underflows to exactly 0 in float32 for x < -104, so clamping there is exact.
+_CLAMP_LOW = -1.0e4
+
+
+def vocab_range(partition_vocab: int, tp_rank: int) -> tuple[int, int]:
+    """Global ids `[start, end)` of a rank's shard: Megatron's contiguous split
+    (`VocabUtility.vocab_range_from_per_partition_vocab_size`; a test checks they agree).
+    Written out so this module does not import Megatron (slow to import in spawned ranks)."""
+    start = tp_rank * partition_vocab
+    return start, start + partition_vocab
+
+
+def _vocab_start(partition_vocab: int, tp_group) -> int:
+    if tp_group is None:
+        return 0
+    return vocab_range(partition_vocab, dist.get_rank(tp_group))[0]
+
+
+def _shifted_chunk(logits_c: torch.Tensor, temp_c: Optional[torch.Tensor],
+                   m_c: torch.Tensor) -> torch.Tensor:
+    """`logits_c / temp - m` as a NEW float32 tensor `[n, V/tp]` (never aliases the input)."""
+    if temp_c is None:
+        return logits_c - m_c.unsqueeze(-1)  # type promotion gives float32 for bf16/fp16
+    z = torch.div(logits_c, temp_c.unsqueeze(-1))  # promotes bf16/fp16 to float32
+    return z.sub_(m_c.unsqueeze(-1))
+
+
+class _VocabParallelLogprobEntropy(torch.autograd.Function):
+    """logits `[N, V/tp]`, targets `[N]` (global ids), temperature `[N]` float32 or None."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, tp_group, chunk_size, entropy_grad):
+        n, vp = logits.shape
+        vocab_start = _vocab_start(vp, tp_group)
+        local_t = targets - vocab_start
+        in_range = (local_t >= 0) & (local_t < vp)
+        local_t = torch.where(in_range, local_t, torch.zeros_like(local_t))
+
+        # Division by a positive temperature is monotone, so max(l / T) == max(l) / T exactly.
+        m = logits.max(dim=-1).values.float() if n > 0 else logits.new_zeros(0, dtype=torch.float32)
+        if temperature is not None:
+            m = m / temperature
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf row: avoid nan shift
+
+        packed = torch.zeros(n, 3, dtype=torch.float32, device=logits.device)
+        step = chunk_size or max(n, 1)
+        for s in range(0, n, step):
+            e_ = min(s + step, n)
+            z = _shifted_chunk(logits[s:e_], None if temperature is None else temperature[s:e_], m[s:e_])
+            zt = z.gather(1, local_t[s:e_].unsqueeze(1)).squeeze(1)
+            packed[s:e_, 2] = torch.where(in_range[s:e_], zt, torch.zeros_like(zt))
+            z.clamp_(min=_CLAMP_LOW)
+            ez = torch.exp(z)
+            packed[s:e_, 0] = ez.sum(dim=-1)
+            packed[s:e_, 1] = torch.bmm(ez.unsqueeze(1), z.unsqueeze(2)).view(-1)  # sum exp(z) z
+            del z, ez
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
+
+        log_z = torch.log(packed[:, 0])
+        logprobs = packed[:, 2] - log_z
+        entropy = log_z - packed[:, 1] / packed[:, 0]
+
+        ctx.tp_group, ctx.chunk_size, ctx.entropy_grad = tp_group, chunk_size, entropy_grad
+        ctx.has_temperature = temperature is not None
+        saved_t = temperature if temperature is not None else m.new_empty(0)
+        ctx.save_for_backward(logits, local_t, in_range, saved_t, m, log_z, entropy)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, local_t, in_range, temperature, m, log_z, entropy = ctx.saved_tensors
+        temperature = temperature if ctx.has_temperature else None
+        n, vp = logits.shape
+        g1 = grad_logprobs if grad_logprobs is not None else torch.zeros_like(log_z)
+        g2 = grad_entropy if (ctx.entropy_grad and grad_entropy is not None) else None
+        grad_input = torch.empty_like(logits)
+        rows = torch.arange(n, device=logits.device)
+        step = ctx.chunk_size or max(n, 1)
+        for s in range(0, n, step):
+            e_ = min(s + step, n)
+            t_c = None if temperature is None else temperature[s:e_]
+            logp = _shifted_chunk(logits[s:e_], t_c, m[s:e_])
+            logp.sub_(log_z[s:e_].unsqueeze(-1)).clamp_(min=_CLAMP_LOW)
+            p = torch.exp(logp)
+            g1_c = g1[s:e_].unsqueeze(-1)
+            if g2 is None:
+                grad = p.mul_(g1_c).neg_()
+            else:  # -p * (g1 + g2 * (log p + H))
+                grad = logp.add_(entropy[s:e_].unsqueeze(-1)).mul_(g2[s:e_].unsqueeze(-1))
+                grad = grad.add_(g1_c).mul_(p).neg_()
+            hit = in_range[s:e_]
+            grad[rows[: e_ - s][hit], local_t[s:e_][hit]] += g1[s:e_][hit]
+            if t_c is not None:
+                grad.div_(t_c.unsqueeze(-1))
+            grad_input[s:e_].copy_(grad)
+            del logp, p, grad
+        return grad_input, None, None, None, None, None
+
+
+def _prepare_temperature(temperature, shape, device) -> Optional[torch.Tensor]:
+    """None for the scalar 1.0 (no division), else a positive float32 tensor `[N]`."""
+    if isinstance(temperature, torch.Tensor):
+        t = temperature.detach().to(device=device, dtype=torch.float32)
+        if t.dim() == 0:
+            t = t.expand(shape)
+        elif tuple(t.shape) != tuple(shape):
+            raise ValueError(f"temperature must be a float or a tensor of shape {tuple(shape)}, "
+                             f"got shape {tuple(t.shape)}")
+        if t.numel() and not bool((t > 0).all()):
+            raise ValueError("temperature must be > 0 everywhere")
+        return t.reshape(-1).contiguous()
+    temperature = float(temperature)
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if temperature == 1.0:
+        return None
+    return torch.full((int(torch.Size(shape).numel()),), temperature, dtype=torch.float32, device=device)
+
+
+def vocab_parallel_logprobs_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    tp_group=None,
+    temperature: Union[float, torch.Tensor] = 1.0,
+    chunk_size: Optional[int] = None,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of `targets` and entropy of `softmax(logits / temperature)` over a sharded vocab.
+
+    Args:
+        logits: `[..., V/tp]` this rank's vocab shard (any float dtype; never modified).
+        targets: `[...]` int64 global token ids. A target outside `[0, V)` (e.g. -100 padding)
+            gives a finite meaningless log-prob and no gradient through the target term: mask it.
+        tp_group: tensor-parallel process group, or None for a single process / unsharded vocab.
+        temperature: a positive float or a tensor broadcast-compatible as `[...]` (per token).
+        chunk_size: rows (tokens) processed at once; None processes all rows together. Peak
+            extra memory is about `2 * chunk_size * V/tp * 4` bytes in forward and backward.
+        entropy_grad: also backpropagate through the entropy (entropy bonus). Otherwise the
+            entropy output carries no gradient.
+
+    Returns:
+        `(logprobs, entropy)`, both float32 `[...]`; identical on every rank of `tp_group`.
+    """
+    if logits.dim() < 1:
+        raise ValueError("logits must have a vocab dimension, got a scalar")
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(f"targets must have shape {tuple(logits.shape[:-1])}, got {tuple(targets.shape)}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"targets must be int64 token ids, got {targets.dtype}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    lead = logits.shape[:-1]
+    temp = _prepare_temperature(temperature, lead, logits.device)
+    flat = logits.reshape(-1, logits.shape[-1])
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    logprobs, entropy = _VocabParallelLogprobEntropy.apply(
+        flat, targets.reshape(-1).long(), temp, tp_group, chunk_size, bool(entropy_grad))
+    return logprobs.view(lead), entropy.view(lead)
