@@ -1,0 +1,82 @@
+"""HF <-> Megatron-Core conversion for Llama, Qwen2 and Qwen3 (one adapter module per family).
+
+Pure state-dict adapters (no process groups):
+- `get_adapter(hf_config) -> ModelAdapter`
+- `hf_to_mcore(hf_state, config, tp_rank, tp_size, pp_rank, pp_size, *, make_vocab_size_divisible_by=128)`
+- `mcore_to_hf(shards, config)`: shards = one gathered state dict, or {(tp_rank, pp_rank): state}
+Live models and process groups:
+- `load_hf_weights_into_mcore(model, hf_model_path_or_state, hf_config, *, tp_rank, tp_size, ...)`
+- `export_hf_weights(model_chunks, hf_config, *, tp_group=None, pp_group=None, dtype=None)`:
+  streaming `(hf_name, tensor)` generator for the weight sync and the HF export.
+Files:
+- `save_hf_checkpoint(named_tensors, out_dir, hf_config, ...)`, `load_hf_state_dict(path)`,
+  `HFCheckpointReader(path)` (sharded safetensors + model.safetensors.index.json)
+- `save_megatron_checkpoint(model_chunks, path, ...)`, `load_megatron_checkpoint(model_chunks, path)`
+  (dist_checkpointing torch_dist)
+Megatron-side names are the local layer spec ones; Transformer Engine's fused-norm names are
+resolved on live models (`TE_ALIASES`).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from hapo_megatron.convert.base import TE_ALIASES, ModelAdapter, ParamMap, check_hf_state
+from hapo_megatron.convert.hf_io import (
+    HFCheckpointReader,
+    copy_tokenizer_files,
+    load_hf_state_dict,
+    prepare_output_dir,
+    save_hf_checkpoint,
+)
+from hapo_megatron.convert.llama import LlamaAdapter
+from hapo_megatron.convert.megatron_ckpt import load_megatron_checkpoint, read_hf_config, save_megatron_checkpoint
+from hapo_megatron.convert.model_io import (
+    export_hf_weights,
+    gather_hf_state_dict,
+    load_hf_weights_into_mcore,
+    unwrap_model,
+)
+from hapo_megatron.convert.qwen2 import Qwen2Adapter
+from hapo_megatron.convert.qwen3 import Qwen3Adapter
+from hapo_megatron.models.gpt import DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size
+from hapo_megatron.models.hf_config import validate_hf_config
+
+ADAPTERS: dict[str, type[ModelAdapter]] = {"llama": LlamaAdapter, "qwen2": Qwen2Adapter, "qwen3": Qwen3Adapter}
+
+
+def get_adapter(hf_config) -> ModelAdapter:
+    """The adapter of `hf_config`'s architecture; ValueError for unsupported ones."""
+    return ADAPTERS[validate_hf_config(hf_config)](hf_config)
+
+
+def hf_to_mcore(hf_state: Mapping[str, torch.Tensor], config, tp_rank: int, tp_size: int, pp_rank: int,
+                pp_size: int, *, make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY) -> dict:
+    """Megatron state dict (local spec names, stage-local layer indices) of one (TP, PP) rank.
+
+    `config` is the HF config; layers are split evenly over `pp_size` stages; the vocab is padded
+    like `build_gpt_model` does (`padded_vocab_size`).
+    """
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank={tp_rank} must be in [0, tp_size={tp_size})")
+    padded = padded_vocab_size(config.vocab_size, tp_size, make_vocab_size_divisible_by)
+    return get_adapter(config).hf_to_mcore(hf_state, tp_rank, tp_size, pp_rank, pp_size, padded)
+
+
+def mcore_to_hf(shards, config) -> dict[str, torch.Tensor]:
+    """HF state dict from a gathered Megatron state dict or {(tp_rank, pp_rank): state} shards."""
+    if isinstance(shards, Mapping) and shards and all(isinstance(k, str) for k in shards):
+        shards = {(0, 0): shards}
+    if not isinstance(shards, Mapping) or not shards:
+        raise ValueError("shards must be a state dict or a non-empty {(tp_rank, pp_rank): state} mapping")
+    return get_adapter(config).mcore_to_hf(shards)
+
+
+__all__ = [
+    "ADAPTERS", "HFCheckpointReader", "ModelAdapter", "ParamMap", "TE_ALIASES", "check_hf_state",
+    "copy_tokenizer_files", "export_hf_weights", "gather_hf_state_dict", "get_adapter", "hf_to_mcore",
+    "load_hf_state_dict", "load_hf_weights_into_mcore", "load_megatron_checkpoint", "mcore_to_hf",
+    "prepare_output_dir", "read_hf_config", "save_hf_checkpoint", "save_megatron_checkpoint", "unwrap_model",
+]

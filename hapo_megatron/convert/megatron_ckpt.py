@@ -1,0 +1,104 @@
+"""Megatron dist_checkpointing (torch_dist) checkpoints of model weights.
+
+Layout of `<path>`: the dist_checkpointing files (written by every rank; they reshard to any
+TP/PP on load), plus `hf/` (the HF config and tokenizer files, so `megatron-to-hf` and the
+trainer know the architecture) and `hapo_model.json` (how it was written). The state dict key
+is "model" for one model chunk and "model0", "model1", ... for virtual-pipeline chunks, as in
+Megatron-LM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+
+import torch.distributed as dist
+
+from hapo_megatron.convert.hf_io import copy_tokenizer_files
+from hapo_megatron.convert.model_io import _as_chunks
+
+META_NAME = "hapo_model.json"
+HF_SUBDIR = "hf"
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _children_allowed():
+    """Let a daemonic process (e.g. a spawned test rank) start the checkpoint writer processes.
+
+    WHY: the torch_dist writer forks one writer process per bucket and uses a multiprocessing
+    Manager, which Python refuses inside daemonic processes ("daemonic processes are not allowed
+    to have children"). The writers are joined before save() returns, so nothing outlives us.
+    """
+    config = multiprocessing.current_process()._config  # noqa: SLF001 - no public switch exists
+    was = config.get("daemon")
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        if was is not None:
+            config["daemon"] = was
+
+
+def _sharded_state_dict(chunks: list) -> dict:
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def save_megatron_checkpoint(model_chunks, path: str, *, hf_config=None, tokenizer_src: str | None = None,
+                             meta: dict | None = None) -> None:
+    """Save the model weights of every rank to `path` (collective: every rank calls it).
+
+    `hf_config` and the tokenizer files of `tokenizer_src` are stored under `path/hf/`; `meta`
+    (e.g. tp, pp, dtype) in `path/hapo_model.json`.
+    """
+    from megatron.core import dist_checkpointing
+
+    chunks = _as_chunks(model_chunks)
+    if _is_rank0():
+        os.makedirs(path, exist_ok=True)
+    _barrier()
+    with _children_allowed():
+        dist_checkpointing.save(_sharded_state_dict(chunks), path)
+    if _is_rank0():
+        if hf_config is not None:
+            os.makedirs(os.path.join(path, HF_SUBDIR), exist_ok=True)
+            hf_config.save_pretrained(os.path.join(path, HF_SUBDIR))
+            copy_tokenizer_files(tokenizer_src, os.path.join(path, HF_SUBDIR))
+        with open(os.path.join(path, META_NAME), "w") as f:
+            json.dump({"format": "torch_dist", **(meta or {})}, f, indent=2, default=str)
+    _barrier()
+
+
+def load_megatron_checkpoint(model_chunks, path: str, *, strict: bool = True) -> None:
+    """Load weights saved by `save_megatron_checkpoint` into this rank's chunks (any TP/PP)."""
+    from megatron.core import dist_checkpointing
+
+    if not os.path.isdir(path):
+        raise ValueError(f"megatron_path: {path!r} is not a directory")
+    chunks = _as_chunks(model_chunks)
+    state = dist_checkpointing.load(_sharded_state_dict(chunks), path)
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    for key, chunk in zip(keys, chunks):
+        chunk.load_state_dict(state[key], strict=strict)
+
+
+def read_hf_config(megatron_path: str):
+    """The HF config stored with a Megatron checkpoint (`path/hf/config.json`)."""
+    from transformers import AutoConfig
+
+    hf_dir = os.path.join(megatron_path, HF_SUBDIR)
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        raise ValueError(f"megatron_path: no HF config in {hf_dir!r}; pass --hf-config-path")
+    return AutoConfig.from_pretrained(hf_dir)

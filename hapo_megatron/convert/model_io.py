@@ -1,0 +1,154 @@
+"""Moving weights between a live Megatron GPTModel and HF tensors (load and streaming export)."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from hapo_megatron.convert.base import TE_ALIASES, ModelAdapter, ParamMap, check_hf_state, split_dim
+
+
+def unwrap_model(model):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _as_chunks(model_chunks) -> list:
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    return [unwrap_model(c) for c in chunks]
+
+
+def chunk_entries(adapter: ModelAdapter, chunk) -> list[tuple[ParamMap, torch.nn.Parameter]]:
+    """(map, parameter) for every parameter of one GPTModel chunk; layers located by layer_number.
+
+    Handles the Transformer Engine names (norms fused into the following linear). Raises
+    ValueError for parameters no map covers.
+    """
+    layers = [(j, layer.layer_number - 1) for j, layer in enumerate(chunk.decoder.layers)]
+    maps = adapter.stage_maps(layers, chunk.pre_process, chunk.post_process)
+    params = dict(chunk.named_parameters())
+    out, used = [], set()
+    for pm in maps:
+        name = pm.mcore
+        if name not in params:
+            prefix, _, suffix = name.rpartition("layers.")
+            local, _, rest = suffix.partition(".")
+            alias = f"{prefix}layers.{local}.{TE_ALIASES.get(rest, rest)}"
+            name = alias if alias in params else name
+        if name not in params:
+            raise ValueError(f"model has no parameter {pm.mcore!r} (nor a Transformer Engine alias)")
+        out.append((pm, params[name]))
+        used.add(name)
+    unknown = sorted(set(params) - used)
+    if unknown:
+        raise ValueError(f"model parameters without an HF mapping: {unknown}")
+    return out
+
+
+def load_hf_weights_into_mcore(model, hf_model_path_or_state, hf_config, *, tp_rank: int, tp_size: int,
+                               pp_rank: int | None = None, pp_size: int | None = None,
+                               progress: Callable[[str], None] | None = None) -> None:
+    """Copy HF weights into this rank's Megatron model (one chunk or a list of chunks).
+
+    `hf_model_path_or_state`: a safetensors directory (read one tensor at a time) or a state dict.
+    The HF checkpoint is checked against `hf_config` first (ValueError listing missing, unexpected
+    and wrongly shaped tensors). Layers are located by each layer's own global `layer_number`, so
+    pp_rank/pp_size are informational (they are not needed to place layers, also with VPP).
+    """
+    from hapo_megatron.convert import get_adapter
+    from hapo_megatron.convert.hf_io import HFCheckpointReader
+
+    adapter = get_adapter(hf_config)
+    source = hf_model_path_or_state
+    if isinstance(source, str):
+        source = HFCheckpointReader(source)
+    shape_of = source.shape if hasattr(source, "shape") else (lambda n: tuple(source[n].shape))
+    check_hf_state(adapter, list(source.keys()), shape_of)
+    wrong = []
+    with torch.no_grad():
+        for chunk in _as_chunks(model):
+            for pm, param in chunk_entries(adapter, chunk):
+                padded = param.shape[0] * tp_size if pm.kind == "vocab" else None
+                shard = adapter.to_mcore_shard(pm, [source[n] for n in pm.hf], tp_rank, tp_size, padded)
+                if tuple(shard.shape) != tuple(param.shape):
+                    wrong.append(f"{pm.mcore}: converted {tuple(shard.shape)} vs model {tuple(param.shape)}")
+                    continue
+                param.copy_(shard)
+                if progress:
+                    progress(pm.mcore)
+    if wrong:
+        raise ValueError("converted tensors do not fit the model (TP/PP layout or config mismatch):\n  "
+                         + "\n  ".join(wrong))
+
+
+def _gather_tp(param: torch.Tensor, kind: str, tp_group) -> torch.Tensor:
+    """All TP shards of `param` concatenated along its split dim (`param` itself when replicated)."""
+    dim = split_dim(kind)
+    size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    if dim is None or size == 1:
+        return param.detach().clone()  # never hand out a view of a live parameter
+    parts = [torch.empty_like(param) for _ in range(size)]
+    dist.all_gather(parts, param.detach().contiguous(), group=tp_group)
+    return torch.cat(parts, dim=dim)
+
+
+def _gathered_shape(param: torch.Tensor, kind: str, tp_size: int) -> tuple[int, ...]:
+    shape, dim = list(param.shape), split_dim(kind)
+    if dim is not None:
+        shape[dim] *= tp_size
+    return tuple(shape)
+
+
+def _pipeline_plan(local: list[tuple[ParamMap, torch.Tensor]], tp_size: int, pp_group) -> list[tuple]:
+    """Every stage's (order, owner_pp_rank, map, gathered shape, dtype), sorted in HF order."""
+    me = dist.get_rank(pp_group) if pp_group is not None else 0
+    mine = [(pm.order, me, pm, _gathered_shape(p, pm.kind, tp_size), p.dtype) for pm, p in local]
+    if pp_group is None or dist.get_world_size(pp_group) == 1:
+        everyone = [mine]
+    else:
+        everyone = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(everyone, mine, group=pp_group)
+    return sorted((e for rank_entries in everyone for e in rank_entries), key=lambda e: e[0])
+
+
+def export_hf_weights(model_chunks, hf_config, *, tp_group=None, pp_group=None,
+                      dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, tensor)` for the whole model, one tensor at a time, in HF order.
+
+    Every rank of the TP x PP grid must call it and consume it fully (it runs collectives); every
+    rank yields every tensor. Each parameter is all-gathered over `tp_group` on its owning
+    stage, then broadcast over `pp_group` from that stage; at most one full parameter is alive at
+    a time. Tensors are on the parameters' device, cast to `dtype` when given, with the vocab
+    padding removed; the tied `lm_head.weight` is not yielded (HF omits it too).
+    """
+    from hapo_megatron.convert import get_adapter
+
+    adapter = get_adapter(hf_config)
+    chunks = _as_chunks(model_chunks)
+    local = [(pm, p) for c in chunks for pm, p in chunk_entries(adapter, c)
+             if not (adapter.tied and pm.mcore == "output_layer.weight")]
+    by_order = {pm.order: p for pm, p in local}
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    me = dist.get_rank(pp_group) if pp_group is not None else 0
+    device = next(iter(chunks[0].parameters())).device
+    for order, owner, pm, shape, param_dtype in _pipeline_plan(local, tp_size, pp_group):
+        dim = split_dim(pm.kind)
+        if owner == me:
+            full = _gather_tp(by_order[order], pm.kind, tp_group)
+        else:
+            full = torch.empty(shape, dtype=param_dtype, device=device)
+        if pp_group is not None and dist.get_world_size(pp_group) > 1:
+            dist.broadcast(full, src=dist.get_global_rank(pp_group, owner), group=pp_group)
+        shards = [full] if dim is None else list(full.chunk(tp_size, dim=dim))
+        for name, tensor in zip(pm.hf, adapter.to_hf(pm, shards)):
+            yield name, tensor.to(dtype=dtype or tensor.dtype).contiguous()
+
+
+def gather_hf_state_dict(model_chunks, hf_config, **kw) -> dict[str, torch.Tensor]:
+    """The whole HF state dict (CPU) from `export_hf_weights`; for tests and small models."""
+    return {n: t.cpu() for n, t in export_hf_weights(model_chunks, hf_config, **kw)}
+
