@@ -1,0 +1,273 @@
+"""The HAPO loss for Megatron's `forward_backward_func` (`calculate_per_token_loss=True`).
+
+Megatron's per-token-loss path expects a loss function returning `(loss_sum, num_tokens,
+reporting)`: it backpropagates `loss_sum` as is, adds the integer `num_tokens` of every
+micro-batch, and `finalize_model_grads` broadcasts the total from the last pipeline stage,
+SUM-all-reduces it over the data x context parallel group and scales every gradient by
+`1 / total` (data-parallel gradients are summed, not averaged, in this mode). So with
+
+    loss = sum over ranks and micro-batches of loss_sum / sum of num_tokens
+
+the gradient is independent of how the mini-batch is split over DP, CP and micro-batches.
+What `num_tokens` counts depends on `loss_agg_mode`:
+
+- `token-mean`: valid tokens on this rank (CP ranks hold different tokens, so no double count);
+- `seq-mean-token-sum`, `seq-mean-token-mean`: sequences with a valid token, counted on CP rank
+  0 only (a sequence is split over the CP ranks); `seq-mean-token-mean` divides each
+  token by the sequence's full length, SUM-all-reduced over `cp_group`;
+- `seq-mean-token-sum-norm`: sequences as above; `loss_sum` is divided by the horizon
+  (`LossConfig.loss_scale_factor`, default the full, un-split sequence length of the batch) so
+  the count stays an integer as Megatron requires.
+
+Under tensor parallelism every TP rank computes the same loss from its vocab shard
+(`vocab_parallel_logprobs_entropy`); under context parallelism the batch tensors given here
+are already this rank's CP shard (`context_parallel.split_for_cp`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from hapo_megatron.algo import (
+    HH_MODES,
+    KL_TYPES,
+    LOSS_AGG_MODES,
+    EntropyStats,
+    compute_entropy_stats,
+    hapo_policy_loss,
+    normalize_entropy,
+)
+from hapo_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
+
+ENTROPY_STATS_SCOPES = ("global", "microbatch")
+H_HAT_ENTROPIES = ("old", "current")
+_REQUIRED = ("labels", "loss_mask", "old_logprobs", "advantages")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Knobs of the HAPO loss (names as in `AlgoConfig`; see the algorithm spec).
+
+    Attributes:
+        clip_ratio_low / clip_ratio_high / clip_ratio_c: PPO clip ranges and dual-clip bound.
+        adaptive_clip, clip_alpha: asymmetric adaptive clipping (spec section 4).
+        adaptive_advantage, adv_beta: differential advantage redistribution (section 5).
+        loss_agg_mode: one of `LOSS_AGG_MODES`, normalised over the whole mini-batch.
+        h_hat_mode: "signed" (paper) or "reference" (the public code's sign defect).
+        entropy_stats_scope: "global" (stats given by the caller, over the whole rollout batch)
+            or "microbatch" (stats of this micro-batch on this rank, the public code's way).
+        h_hat_entropy: "old" (batch["old_entropy"]) or "current" (the policy's, detached).
+        entropy_pivot: quantile for the microbatch-scope statistics.
+        kl_loss_coef, kl_loss_type: KL penalty to batch["ref_logprobs"] (off at 0).
+        entropy_coeff: entropy bonus (backpropagates through the entropy when != 0).
+        tis_cap: truncated importance sampling cap against batch["rollout_logprobs"], or None.
+        loss_scale_factor: horizon of "seq-mean-token-sum-norm" (None = full sequence length).
+        logprob_chunk_size: tokens per chunk in the fused log-prob/entropy (None = no chunking).
+    """
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    adaptive_clip: bool = True
+    clip_alpha: float = 1.0
+    adaptive_advantage: bool = True
+    adv_beta: float = 1.0
+    loss_agg_mode: str = "token-mean"
+    h_hat_mode: str = "signed"
+    entropy_stats_scope: str = "global"
+    h_hat_entropy: str = "old"
+    entropy_pivot: float = 0.8
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "low_var_kl"
+    entropy_coeff: float = 0.0
+    tis_cap: Optional[float] = None
+    loss_scale_factor: Optional[float] = None
+    logprob_chunk_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        choices = {"loss_agg_mode": LOSS_AGG_MODES, "h_hat_mode": HH_MODES,
+                   "entropy_stats_scope": ENTROPY_STATS_SCOPES, "h_hat_entropy": H_HAT_ENTROPIES,
+                   "kl_loss_type": KL_TYPES}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"LossConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not 0.0 < self.entropy_pivot < 1.0:
+            raise ValueError(f"LossConfig.entropy_pivot must lie in (0, 1), got {self.entropy_pivot}")
+        if self.loss_scale_factor is not None and not (self.loss_scale_factor > 0
+                                                       and math.isfinite(self.loss_scale_factor)):
+            raise ValueError(f"LossConfig.loss_scale_factor must be > 0, got {self.loss_scale_factor}")
+        if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
+            raise ValueError(f"LossConfig.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
+
+    @classmethod
+    def from_algo(cls, algo_cfg: Any, **overrides) -> "LossConfig":
+        """Build from an `AlgoConfig` (or any object/mapping with the same field names)."""
+        get = (lambda k: algo_cfg[k]) if isinstance(algo_cfg, Mapping) else (lambda k: getattr(algo_cfg, k))
+        kw = {}
+        for f in fields(cls):
+            try:
+                kw[f.name] = get(f.name)
+            except (KeyError, AttributeError):
+                pass
+        kw.update(overrides)
+        return cls(**kw)
+
+    @property
+    def needs_h_hat(self) -> bool:
+        return self.adaptive_clip or self.adaptive_advantage
+
+
+def _cp_size(cp_group) -> int:
+    return 1 if cp_group is None else dist.get_world_size(cp_group)
+
+
+def _cp_rank(cp_group) -> int:
+    return 0 if cp_group is None else dist.get_rank(cp_group)
+
+
+def logprobs_entropy_from_logits(logits: torch.Tensor, labels: torch.Tensor, *, tp_group=None,
+                                 temperature: Union[float, torch.Tensor] = 1.0,
+                                 chunk_size: Optional[int] = None, entropy_grad: bool = False):
+    """Per-token `(logprobs, entropy)` `[b, s]` float32 from GPTModel logits `[b, s, V/tp]`.
+
+    For the old-log-prob / reference passes (run it under `torch.no_grad()`), and used by the
+    loss. `labels [b, s]` are the global ids of the tokens predicted at each position."""
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [b, s, V/tp], got shape {tuple(logits.shape)}")
+    return vocab_parallel_logprobs_entropy(logits, labels, tp_group=tp_group, temperature=temperature,
+                                           chunk_size=chunk_size, entropy_grad=entropy_grad)
+
+
+def _check_batch(batch: Mapping[str, torch.Tensor], shape) -> None:
+    for key in _REQUIRED:
+        if key not in batch:
+            raise ValueError(f"batch is missing {key!r} (needs {_REQUIRED})")
+    for key, t in batch.items():
+        if torch.is_tensor(t) and key in _REQUIRED + ("old_entropy", "ref_logprobs", "rollout_logprobs"):
+            if tuple(t.shape) != tuple(shape):
+                raise ValueError(f"batch[{key!r}] must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _h_hat(cfg: LossConfig, stats: Optional[EntropyStats], batch, entropy, valid):
+    """Normalised entropy `[b, s]` (detached) or None when it is neither needed nor computable."""
+    if cfg.h_hat_entropy == "old":
+        if "old_entropy" not in batch:
+            if cfg.needs_h_hat:
+                raise ValueError("batch['old_entropy'] is required with h_hat_entropy='old'")
+            return None, stats
+        source = batch["old_entropy"].detach()
+    else:
+        source = entropy.detach()
+    if cfg.entropy_stats_scope == "microbatch":
+        # The public implementation's behaviour: statistics of this micro-batch on this rank only.
+        stats = compute_entropy_stats(source, valid, entropy_pivot=cfg.entropy_pivot) \
+            if bool(valid.any()) else EntropyStats.neutral()
+    elif stats is None:
+        if cfg.needs_h_hat:
+            raise ValueError("stats is required with entropy_stats_scope='global' (from "
+                             "global_entropy_stats over the rollout batch)")
+        return None, None
+    return normalize_entropy(source, stats, cfg.h_hat_mode), stats
+
+
+def _sequence_counts(valid: torch.Tensor, cp_group):
+    """Full-sequence valid-token counts `[b]` (summed over CP) and this rank's sequence count."""
+    lengths = valid.sum(dim=-1).to(torch.float32)
+    if _cp_size(cp_group) > 1:
+        dist.all_reduce(lengths, group=cp_group)
+    n_seq = int((lengths > 0).sum()) if _cp_rank(cp_group) == 0 else 0
+    return lengths, n_seq
+
+
+def hapo_loss_from_logits(logits: torch.Tensor, batch: Mapping[str, torch.Tensor], *, cfg: LossConfig,
+                          stats: Optional[EntropyStats], tp_group=None, cp_group=None,
+                          temperature: Union[float, torch.Tensor] = 1.0):
+    """HAPO loss of one micro-batch as `(loss_sum, num_tokens, metrics)` for Megatron.
+
+    Args:
+        logits: `[b, s, V/tp]` this rank's vocab shard (GPTModel output, batch first).
+        batch: `[b, s]` tensors (this rank's CP shard): `labels` (int64), `loss_mask`,
+            `old_logprobs`, `advantages`; `old_entropy` (h_hat_entropy "old"); optional
+            `ref_logprobs` (KL), `rollout_logprobs` (tis_cap).
+        cfg: `LossConfig`. stats: the step's global `EntropyStats` (scope "global").
+        tp_group / cp_group: tensor / context parallel groups (None = not split).
+        temperature: float or `[b, s]` tensor dividing the logits (the sampling base temperature).
+
+    Returns:
+        `loss_sum` (0-dim float32, differentiable), `num_tokens` (0-dim int32, see the module
+        docstring) and `metrics`: float64 0-dim SUMS (summable over micro-batches and DP x CP
+        ranks; `algo.finalize_loss_metrics` turns them into means), i.e. the keys of
+        `algo.hapo_policy_loss` (`loss/num_tokens`, `loss/pg_loss_sum`, `loss/clipfrac_*_sum`,
+        `loss/entropy_sum` of the current policy, ...) plus `loss/objective_sum` (this
+        `loss_sum`) and `loss/normalizer` (this `num_tokens`): their global quotient is the loss.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [b, s, V/tp], got shape {tuple(logits.shape)}")
+    shape = logits.shape[:2]
+    _check_batch(batch, shape)
+    valid = batch["loss_mask"].detach() != 0
+    logprobs, entropy = logprobs_entropy_from_logits(
+        logits, batch["labels"], tp_group=tp_group, temperature=temperature,
+        chunk_size=cfg.logprob_chunk_size, entropy_grad=cfg.entropy_coeff != 0.0)
+    h_hat, _ = _h_hat(cfg, stats, batch, entropy, valid)
+
+    mode = cfg.loss_agg_mode
+    lengths, n_seq = _sequence_counts(valid, cp_group)
+    horizon = None
+    if mode == "seq-mean-token-sum-norm":
+        horizon = cfg.loss_scale_factor or float(shape[1] * _cp_size(cp_group))
+    loss_sum, normalizer, metrics = hapo_policy_loss(
+        logprobs, batch["old_logprobs"], batch["advantages"], valid, h_hat,
+        clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+        clip_ratio_c=cfg.clip_ratio_c, adaptive_clip=cfg.adaptive_clip, clip_alpha=cfg.clip_alpha,
+        adaptive_advantage=cfg.adaptive_advantage, adv_beta=cfg.adv_beta, loss_agg_mode=mode,
+        loss_scale_factor=horizon, seq_token_counts=lengths,
+        num_seqs=float(n_seq),
+        entropy=entropy, entropy_coeff=cfg.entropy_coeff,
+        ref_logprobs=batch.get("ref_logprobs"), kl_loss_coef=cfg.kl_loss_coef,
+        kl_loss_type=cfg.kl_loss_type, rollout_logprobs=batch.get("rollout_logprobs"),
+        tis_cap=cfg.tis_cap)
+    if mode == "token-mean":
+        count = int(valid.sum())
+    else:
+        count = n_seq
+        if horizon is not None:  # keep Megatron's count an integer: fold the horizon into the sum
+            loss_sum = loss_sum / horizon
+    num_tokens = torch.tensor(count, dtype=torch.int, device=logits.device)
+    metrics = dict(metrics)
+    metrics["loss/objective_sum"] = loss_sum.detach().to(torch.float64)
+    metrics["loss/normalizer"] = num_tokens.detach().to(torch.float64)
+    return loss_sum, num_tokens, metrics
+
+
+def make_loss_func(batch: Mapping[str, torch.Tensor], **kw) -> Callable[[torch.Tensor], tuple]:
+    """`loss_func(output_tensor)` for `forward_backward_func`; `kw` go to `hapo_loss_from_logits`."""
+
+    def loss_func(output_tensor: torch.Tensor):
+        return hapo_loss_from_logits(output_tensor, batch, **kw)
+
+    return loss_func
+
+
+def make_logprob_func(labels: torch.Tensor, *, tp_group=None, temperature=1.0,
+                      chunk_size: Optional[int] = None) -> Callable[[torch.Tensor], tuple]:
+    """`loss_func` for a `forward_only=True` pass collecting `(logprobs, entropy)` `[b, s]`.
+
+    Returns Megatron's 3-tuple with a zero loss, `num_tokens = 0` and
+    `{"logprobs": ..., "entropy": ...}` (detached float32), which `forward_backward_func` appends to
+    its returned list on the last pipeline stage, one dict per micro-batch."""
+
+    def loss_func(output_tensor: torch.Tensor):
+        with torch.no_grad():
+            lp, ent = logprobs_entropy_from_logits(output_tensor, labels, tp_group=tp_group,
+                                                   temperature=temperature, chunk_size=chunk_size)
+        zero = output_tensor.new_zeros((), dtype=torch.float32)
+        return zero, torch.tensor(0, dtype=torch.int, device=output_tensor.device), \
+            {"logprobs": lp.detach(), "entropy": ent.detach()}
+
+    return loss_func

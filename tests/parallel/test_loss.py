@@ -1,0 +1,245 @@
+"""The HAPO loss under Megatron's per-token normalisation is layout invariant.
+
+One process vs TP2 vs DP2 vs CP2 vs uneven micro-batches, all four loss_agg_modes: the loss
+`sum(loss_sum) / sum(num_tokens)` and its gradient w.r.t. the logits agree to float32
+rounding, and agree with `algo.hapo_policy_loss` on a plain `log_softmax` (the independent
+reference). Megatron's combination rule is simulated exactly: `loss_sum` backpropagated as
+is, gradients summed over DP/CP ranks and micro-batches, divided by the summed count.
+"""
+
+import pytest
+import torch
+
+from hapo_megatron.algo import (
+    LOSS_AGG_MODES,
+    compute_entropy_stats,
+    hapo_policy_loss,
+    normalize_entropy,
+    token_entropy,
+)
+from hapo_megatron.parallel.context_parallel import gather_from_cp, split_for_cp
+from hapo_megatron.parallel.loss import (
+    LossConfig,
+    hapo_loss_from_logits,
+    logprobs_entropy_from_logits,
+    make_logprob_func,
+    make_loss_func,
+)
+from tests.distributed import run_distributed
+
+B, S, V = 6, 8, 12
+DP_ROWS = (0, 2, 6)  # uneven DP split: rank 0 two rows, rank 1 four
+
+
+def _configs():
+    out = []
+    for i, mode in enumerate(LOSS_AGG_MODES):
+        extra = [dict(), dict(kl_loss_coef=0.1, kl_loss_type="k3"), dict(entropy_coeff=0.01),
+                 dict(tis_cap=1.5, clip_ratio_high=0.28)][i]
+        out.append((LossConfig(loss_agg_mode=mode, **extra), "token" if i % 2 else 0.9))
+    out.append((LossConfig(adaptive_clip=False, adaptive_advantage=False, h_hat_mode="reference"), 1.0))
+    return out
+
+
+def _data(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, S, V, generator=g) * 2
+    labels = torch.randint(0, V, (B, S), generator=g)
+    lengths = torch.tensor([8, 3, 0, 6, 1, 5])
+    mask = (torch.arange(S)[None, :] < lengths[:, None]).float()
+    mask[3, 0] = 0  # a hole
+    logp = torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
+    batch = {
+        "labels": labels, "loss_mask": mask,
+        "old_logprobs": logp + 0.3 * torch.randn(B, S, generator=g),
+        "advantages": torch.randn(B, 1, generator=g).expand(B, S).contiguous(),
+        "old_entropy": token_entropy(logits) * torch.exp(0.2 * torch.randn(B, S, generator=g)),
+        "ref_logprobs": logp + 0.1 * torch.randn(B, S, generator=g),
+        "rollout_logprobs": logp + 0.2 * torch.randn(B, S, generator=g),
+    }
+    temp_tok = 0.7 + 0.6 * torch.rand(B, S, generator=g)
+    stats = compute_entropy_stats(batch["old_entropy"], mask)
+    return logits, batch, stats, temp_tok
+
+
+def _temperature(kind, temp_tok):
+    return temp_tok if kind == "token" else kind
+
+
+def _run(logits, batch, cfg, stats, temperature, **groups):
+    """loss_sum, num_tokens, d loss_sum / d logits, metrics of one (rank, micro-batch)."""
+    x = logits.clone().requires_grad_(True)
+    loss_sum, num_tokens, metrics = hapo_loss_from_logits(x, batch, cfg=cfg, stats=stats,
+                                                          temperature=temperature, **groups)
+    assert num_tokens.dtype == torch.int32 and num_tokens.dim() == 0
+    loss_sum.backward()
+    return loss_sum.item(), int(num_tokens), x.grad, {k: float(v) for k, v in metrics.items()}
+
+
+def _select(batch, fn):
+    return {k: fn(v) for k, v in batch.items()}
+
+
+def _loss_worker(rank, world_size):
+    import torch.distributed as dist
+
+    logits, batch, stats, temp_tok = _data()
+    out = []
+    for cfg, tkind in _configs():
+        temp = _temperature(tkind, temp_tok)
+        res = {}
+        shard = V // 2
+        res["tp"] = _run(logits[..., rank * shard:(rank + 1) * shard], batch, cfg, stats, temp,
+                         tp_group=dist.group.WORLD)
+        rows = slice(DP_ROWS[rank], DP_ROWS[rank + 1])
+        t_rows = temp[rows] if torch.is_tensor(temp) else temp
+        res["dp"] = _run(logits[rows], _select(batch, lambda v: v[rows]), cfg, stats, t_rows)
+        t_cp = split_for_cp(temp, 2, rank) if torch.is_tensor(temp) else temp
+        res["cp"] = _run(split_for_cp(logits, 2, rank), _select(batch, lambda v: split_for_cp(v, 2, rank)),
+                         cfg, stats, t_cp, cp_group=dist.group.WORLD)
+        # plain arrays: tensors sent through the result queue would be shared via file descriptors
+        out.append({k: (v[0], v[1], v[2].numpy(), v[3]) for k, v in res.items()})
+    return out
+
+
+def _reference(logits, batch, cfg, stats, temperature):
+    """algo.hapo_policy_loss on an independent log_softmax: (loss, grad)."""
+    x = logits.clone().requires_grad_(True)
+    t = temperature.unsqueeze(-1) if torch.is_tensor(temperature) else temperature
+    logp_all = torch.log_softmax(x / t, -1)
+    logp = logp_all.gather(-1, batch["labels"][..., None]).squeeze(-1)
+    ent = token_entropy(x, temperature)
+    h_hat = normalize_entropy(batch["old_entropy"], stats, cfg.h_hat_mode)
+    loss_sum, norm, _ = hapo_policy_loss(
+        logp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"], h_hat,
+        clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+        clip_ratio_c=cfg.clip_ratio_c, adaptive_clip=cfg.adaptive_clip, clip_alpha=cfg.clip_alpha,
+        adaptive_advantage=cfg.adaptive_advantage, adv_beta=cfg.adv_beta,
+        loss_agg_mode=cfg.loss_agg_mode, entropy=ent, entropy_coeff=cfg.entropy_coeff,
+        ref_logprobs=batch["ref_logprobs"], kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
+        rollout_logprobs=batch["rollout_logprobs"], tis_cap=cfg.tis_cap)
+    loss = loss_sum / norm
+    loss.backward()
+    return loss.item(), x.grad
+
+
+def _combine(parts):
+    """Megatron's rule: sum the loss sums and counts over ranks/micro-batches."""
+    total_n = sum(p[1] for p in parts)
+    loss = sum(p[0] for p in parts) / total_n
+    metrics = {k: sum(p[3][k] for p in parts) for k in parts[0][3]}
+    return loss, total_n, metrics
+
+
+def _close(a, b, what):
+    assert torch.allclose(a, b, rtol=2e-5, atol=2e-7), (what, (a - b).abs().max().item())
+
+
+def _single_and_micro(logits, batch, cfg, stats, temp):
+    single = _run(logits, batch, cfg, stats, temp)
+    parts, grads = [], []
+    for lo, hi in ((0, 1), (1, 4), (4, 6)):  # micro-batches of 1, 3, 2 sequences
+        t = temp[lo:hi] if torch.is_tensor(temp) else temp
+        parts.append(_run(logits[lo:hi], _select(batch, lambda v: v[lo:hi]), cfg, stats, t))
+        grads.append(parts[-1][2])
+    return single, parts, torch.cat(grads)
+
+
+def test_layout_invariance_all_agg_modes():
+    results = run_distributed(_loss_worker, 2, timeout=240)
+    results = [[{k: (v[0], v[1], torch.from_numpy(v[2]), v[3]) for k, v in c.items()} for c in r]
+               for r in results]
+    logits, batch, stats, temp_tok = _data()
+    for ci, (cfg, tkind) in enumerate(_configs()):
+        temp = _temperature(tkind, temp_tok)
+        what = cfg.loss_agg_mode
+        ref_loss, ref_grad = _reference(logits, batch, cfg, stats, temp)
+        single, micro_parts, micro_grad = _single_and_micro(logits, batch, cfg, stats, temp)
+        loss1, n1, m1 = _combine([single])
+        assert abs(loss1 - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss)), (what, loss1, ref_loss)
+        _close(single[2] / n1, ref_grad, (what, "single vs reference"))
+
+        loss_mb, n_mb, m_mb = _combine(micro_parts)
+        assert n_mb == n1 and abs(loss_mb - loss1) <= 1e-6 * max(1.0, abs(loss1)), what
+        _close(micro_grad / n_mb, ref_grad, (what, "micro-batches"))
+
+        tp = [r[ci]["tp"] for r in results]
+        assert tp[0][:2] == tp[1][:2]  # TP ranks compute the same loss and count
+        assert abs(tp[0][0] / tp[0][1] - loss1) <= 1e-5 * max(1.0, abs(loss1)), what
+        _close(torch.cat([tp[0][2], tp[1][2]], -1) / tp[0][1], ref_grad, (what, "tp2"))
+
+        for layout in ("dp", "cp"):
+            parts = [r[ci][layout] for r in results]
+            loss, n, metrics = _combine(parts)
+            assert n == n1, (what, layout, n, n1)
+            assert abs(loss - loss1) <= 1e-5 * max(1.0, abs(loss1)), (what, layout, loss, loss1)
+            grads = [p[2] for p in parts]
+            full = torch.cat(grads, 0) if layout == "dp" else gather_from_cp(grads, dim=1)
+            _close(full / n, ref_grad, (what, layout))
+            for k in ("loss/num_tokens", "loss/num_seqs", "loss/clipfrac_sum", "loss/normalizer",
+                      "loss/num_high_entropy_tokens", "loss/pg_loss_sum"):
+                assert abs(metrics[k] - m1[k]) <= 1e-5 * max(1.0, abs(m1[k])), (what, layout, k)
+
+
+def test_microbatch_scope_uses_current_entropy_stats():
+    logits, batch, _, _ = _data(1)
+    cfg = LossConfig(entropy_stats_scope="microbatch", h_hat_entropy="current")
+    loss_sum, n, metrics = hapo_loss_from_logits(logits, batch, cfg=cfg, stats=None)
+    ent = token_entropy(logits)
+    stats = compute_entropy_stats(ent, batch["loss_mask"])
+    ref = LossConfig(entropy_stats_scope="global", h_hat_entropy="current")
+    loss_sum2, n2, _ = hapo_loss_from_logits(logits, batch, cfg=ref, stats=stats)
+    assert int(n) == int(n2) and torch.allclose(loss_sum, loss_sum2, rtol=1e-5)
+    # h_hat_entropy="old" with microbatch scope: stats of the old entropies of the micro-batch
+    cfg_old = LossConfig(entropy_stats_scope="microbatch", h_hat_entropy="old")
+    l3, _, _ = hapo_loss_from_logits(logits, batch, cfg=cfg_old, stats=None)
+    l4, _, _ = hapo_loss_from_logits(logits, batch, cfg=LossConfig(),
+                                     stats=compute_entropy_stats(batch["old_entropy"], batch["loss_mask"]))
+    assert torch.allclose(l3, l4)
+
+
+def test_make_loss_func_and_logprob_func():
+    logits, batch, stats, _ = _data(2)
+    f = make_loss_func(batch, cfg=LossConfig(), stats=stats)
+    a = f(logits)
+    b = hapo_loss_from_logits(logits, batch, cfg=LossConfig(), stats=stats)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    zero, n, out = make_logprob_func(batch["labels"], temperature=0.8)(logits)
+    lp, ent = logprobs_entropy_from_logits(logits, batch["labels"], temperature=0.8)
+    assert zero.item() == 0.0 and int(n) == 0
+    assert torch.equal(out["logprobs"], lp) and torch.equal(out["entropy"], ent)
+    assert torch.allclose(ent, token_entropy(logits, 0.8), atol=1e-5)
+
+
+def test_empty_microbatch_and_bad_input():
+    logits, batch, stats, _ = _data(3)
+    empty = dict(batch, loss_mask=torch.zeros(B, S))
+    x = logits.clone().requires_grad_(True)
+    loss_sum, n, _ = hapo_loss_from_logits(x, empty, cfg=LossConfig(), stats=stats)
+    loss_sum.backward()
+    assert int(n) == 0 and loss_sum.item() == 0.0 and torch.all(x.grad == 0)
+    with pytest.raises(ValueError, match="advantages"):
+        hapo_loss_from_logits(logits, {k: v for k, v in batch.items() if k != "advantages"},
+                              cfg=LossConfig(), stats=stats)
+    with pytest.raises(ValueError, match="stats"):
+        hapo_loss_from_logits(logits, batch, cfg=LossConfig(), stats=None)
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        LossConfig(loss_agg_mode="mean")
+    with pytest.raises(ValueError, match="old_logprobs"):
+        hapo_loss_from_logits(logits, dict(batch, old_logprobs=batch["old_logprobs"][:, :3]),
+                              cfg=LossConfig(), stats=stats)
+
+
+def test_from_algo():
+    from types import SimpleNamespace
+
+    algo = SimpleNamespace(clip_ratio_high=0.28, loss_agg_mode="seq-mean-token-mean", adv_beta=0.5,
+                           temperature_tau=0.05)
+    cfg = LossConfig.from_algo(algo, logprob_chunk_size=128)
+    assert cfg.clip_ratio_high == 0.28 and cfg.loss_agg_mode == "seq-mean-token-mean"
+    assert cfg.adv_beta == 0.5 and cfg.logprob_chunk_size == 128 and cfg.clip_ratio_low == 0.2
+    try:
+        from hapo_megatron.config import AlgoConfig
+    except ImportError:
+        return
+    assert LossConfig.from_algo(AlgoConfig()).loss_agg_mode == AlgoConfig().loss_agg_mode
