@@ -1,0 +1,81 @@
+"""``HapoConfig``: the whole run configuration, one field per section, plus cross-section checks."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from hapo_megatron.config.base import _fail, _Section
+from hapo_megatron.config.sections import (
+    AlgoConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig,
+)
+from hapo_megatron.config.training_sections import LoggingConfig, OptimConfig, ParallelConfig, TrainerConfig
+
+__all__ = ["HapoConfig"]
+
+
+@dataclass
+class HapoConfig(_Section):
+    """The whole run configuration: one field per section."""
+
+    _path: ClassVar[str] = ""
+
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """Algorithm (HAPO / DAPO / GRPO switches and the loss)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward function and overlong shaping."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt datasets."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy model."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Megatron parallelism."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Training loop."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metric sinks."""
+
+    def _validate(self) -> None:
+        """Checks that span sections, then fill the defaults that point at other fields."""
+        self._check_batching()
+        self._check_rollout()
+        if self.data.tokenizer_path is None:
+            self.data.tokenizer_path = self.model.hf_model_path
+        if self.logging.wandb_project is None:
+            self.logging.wandb_project = self.trainer.project_name
+        if self.logging.wandb_run_name is None:
+            self.logging.wandb_run_name = self.trainer.experiment_name
+        if self.logging.tensorboard_dir is None:
+            self.logging.tensorboard_dir = os.path.join(self.trainer.run_dir, "tensorboard")
+
+    def _check_batching(self) -> None:
+        bsz, mini = self.data.train_batch_size, self.trainer.ppo_mini_batch_size
+        if bsz % mini:
+            _fail(f"data.train_batch_size ({bsz}) must be divisible by trainer.ppo_mini_batch_size ({mini})")
+        seq_len = self.data.max_prompt_length + self.rollout.max_response_length
+        budget = self.parallel.max_tokens_per_micro_batch
+        if budget is not None and budget < seq_len:
+            _fail(f"parallel.max_tokens_per_micro_batch ({budget}) must be >= data.max_prompt_length "
+                  f"+ rollout.max_response_length ({seq_len}) so that every sequence fits")
+
+    def _check_rollout(self) -> None:
+        rw, ro, algo = self.reward, self.rollout, self.algo
+        if rw.overlong_buffer_enable and rw.overlong_buffer_len >= ro.max_response_length:
+            _fail(f"reward.overlong_buffer_len ({rw.overlong_buffer_len}) must be < "
+                  f"rollout.max_response_length ({ro.max_response_length}) when "
+                  "reward.overlong_buffer_enable is true")
+        if algo.filter_groups and ro.n < 2:
+            _fail(f"algo.filter_groups needs rollout.n >= 2 (a group of {ro.n} is always constant)")
+        if ro.engine != "sglang" and ro.sglang.server_urls:
+            _fail(f"rollout.sglang.server_urls is set but rollout.engine is {ro.engine!r}; "
+                  "set rollout.engine=sglang")
+        if algo.old_logprob_source == "rollout" and algo.adaptive_temperature:
+            warnings.warn("algo.old_logprob_source='rollout' with algo.adaptive_temperature: the "
+                          "rollout log-probs are under the adaptive temperatures, not T_base",
+                          stacklevel=3)

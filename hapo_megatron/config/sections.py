@@ -1,0 +1,269 @@
+"""Config sections of the RL side: algorithm, reward, data, rollout (+ SGLang servers), model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+from hapo_megatron.config.base import (
+    ADV_ESTIMATORS, DTYPES, ENTROPY_STATS_SCOPES, FILTER_GROUPS_METRICS, H_HAT_ENTROPIES, H_HAT_MODES,
+    KL_LOSS_TYPES, LOSS_AGG_MODES, OLD_LOGPROB_SOURCES, ROLLOUT_ENGINES, SCORE_FORMATS, WEIGHT_SYNC_MODES,
+    _check_choice, _check_min, _check_open_unit, _fail, _Section,
+)
+
+__all__ = ["AlgoConfig", "RewardConfig", "DataConfig", "SGLangConfig", "RolloutConfig", "ModelConfig"]
+
+
+@dataclass
+class AlgoConfig(_Section):
+    """The policy-optimisation algorithm: HAPO's four switches, the DAPO/GRPO knobs, the loss."""
+
+    _path: ClassVar[str] = "algo"
+
+    adv_estimator: str = "hapo"
+    """Advantage estimator: "hapo" (token-level group average, TLGA) or "grpo" (per response)."""
+    norm_adv_by_std: bool = True
+    """Divide advantages by the group std; false gives Dr.GRPO (grpo) / mean-centred TLGA."""
+    tlga_fallback_threshold: float = 5.0
+    """A TLGA group falls back to GRPO advantages when any valid token has |A| >= this."""
+    adaptive_temperature: bool = True
+    """HAPO component: per-token sampling temperature T = T_base * (1 + tau * h_hat)."""
+    temperature_tau: float = 0.05
+    """tau of the adaptive temperature; in [0, 1) so the temperature stays positive."""
+    entropy_pivot: float = 0.8
+    """Quantile q of the log-entropies used as the pivot of h_hat (tokens above are "high")."""
+    h_hat_mode: str = "signed"
+    """"signed" (the paper: h_hat < 0 for low entropy) or "reference" (the public code's sign defect)."""
+    entropy_stats_scope: str = "global"
+    """Entropy statistics over the whole step batch on all ranks ("global") or per micro-batch."""
+    h_hat_entropy: str = "old"
+    """Which entropy feeds h_hat in the loss: of the rollout policy ("old") or the current one."""
+    adaptive_clip: bool = True
+    """HAPO component: asymmetric adaptive clipping (entropy-dependent clip ranges)."""
+    clip_alpha: float = 1.0
+    """Strength of the adaptive clip widening (>= 0)."""
+    adaptive_advantage: bool = True
+    """HAPO component: differential advantage redistribution by entropy and importance ratio."""
+    adv_beta: float = 1.0
+    """Strength of the advantage redistribution (>= 0): A_ent = A * (1 + adv_beta * h_hat)."""
+    clip_ratio_low: float = 0.2
+    """eps_L: the ratio is clipped below at 1 - eps_L."""
+    clip_ratio_high: float = 0.2
+    """eps_R: the ratio is clipped above at 1 + eps_R (DAPO clip-higher uses 0.28)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound c (> 1) for negative advantages (the paper's recipe uses 10.0)."""
+    loss_agg_mode: str = "token-mean"
+    """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
+    kl_loss_coef: float = 0.0
+    """Coefficient of the KL penalty against the reference model (0 = off, no reference model)."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator: k1 (kl), k2 (mse), k3 (low_var_kl, clamped), abs."""
+    entropy_coeff: float = 0.0
+    """Coefficient of the entropy bonus (0 = off)."""
+    old_logprob_source: str = "recompute"
+    """Old log-probs from a Megatron forward pass ("recompute") or as reported by the rollout engine."""
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling cap on pi_old / pi_rollout (null = no correction)."""
+    filter_groups: bool = False
+    """DAPO dynamic sampling: drop groups whose responses all got the same metric value."""
+    filter_groups_metric: str = "acc"
+    """Metric that dynamic sampling compares within a group: "acc" or "score"."""
+    max_num_gen_batches: int = 16
+    """Dynamic sampling stops after this many generation batches even if the batch is not full."""
+
+    def _validate(self) -> None:
+        p = self._path
+        _check_choice(f"{p}.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
+        _check_min(f"{p}.tlga_fallback_threshold", self.tlga_fallback_threshold, 0.0, strict=True)
+        if not 0 <= self.temperature_tau < 1:
+            _fail(f"{p}.temperature_tau must be in [0, 1), got {self.temperature_tau}")
+        _check_open_unit(f"{p}.entropy_pivot", self.entropy_pivot)
+        _check_choice(f"{p}.h_hat_mode", self.h_hat_mode, H_HAT_MODES)
+        _check_choice(f"{p}.entropy_stats_scope", self.entropy_stats_scope, ENTROPY_STATS_SCOPES)
+        _check_choice(f"{p}.h_hat_entropy", self.h_hat_entropy, H_HAT_ENTROPIES)
+        for name in ("clip_alpha", "adv_beta", "clip_ratio_low", "clip_ratio_high", "kl_loss_coef"):
+            _check_min(f"{p}.{name}", getattr(self, name), 0.0)
+        _check_min(f"{p}.clip_ratio_c", self.clip_ratio_c, 1.0, strict=True)
+        _check_choice(f"{p}.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _check_choice(f"{p}.kl_loss_type", self.kl_loss_type, KL_LOSS_TYPES)
+        _check_choice(f"{p}.old_logprob_source", self.old_logprob_source, OLD_LOGPROB_SOURCES)
+        _check_min(f"{p}.tis_cap", self.tis_cap, 0.0, strict=True)
+        _check_choice(f"{p}.filter_groups_metric", self.filter_groups_metric, FILTER_GROUPS_METRICS)
+        _check_min(f"{p}.max_num_gen_batches", self.max_num_gen_batches, 1)
+
+
+@dataclass
+class RewardConfig(_Section):
+    """The outcome reward and DAPO's overlong reward shaping."""
+
+    _path: ClassVar[str] = "reward"
+
+    reward_fn: str = "math"
+    """A registered reward name ("math") or a dotted path "pkg.module:function"."""
+    score_format: str = "pm1"
+    """Score of the math reward: "pm1" (+1 correct / -1 otherwise, DAPO) or "01"."""
+    reward_kwargs: dict = field(default_factory=dict)
+    """Extra keyword arguments passed to the reward function."""
+    overlong_buffer_enable: bool = False
+    """DAPO overlong shaping: penalise responses that enter the last overlong_buffer_len tokens."""
+    overlong_buffer_len: int = 4096
+    """Length B of the overlong buffer (tokens); must be < rollout.max_response_length when on."""
+    overlong_penalty_factor: float = 1.0
+    """The penalty grows linearly to -overlong_penalty_factor at the maximum response length."""
+
+    def _validate(self) -> None:
+        if not self.reward_fn.strip():
+            _fail("reward.reward_fn must be a reward name or a dotted path, got ''")
+        _check_choice("reward.score_format", self.score_format, SCORE_FORMATS)
+        _check_min("reward.overlong_buffer_len", self.overlong_buffer_len, 1 if self.overlong_buffer_enable else 0)
+        _check_min("reward.overlong_penalty_factor", self.overlong_penalty_factor, 0.0)
+
+
+@dataclass
+class DataConfig(_Section):
+    """Prompt datasets (verl/DAPO parquet or JSONL layout) and batching of prompts."""
+
+    _path: ClassVar[str] = "data"
+
+    train_files: list[str] = field(default_factory=list)
+    """Training prompt files (.parquet or .jsonl)."""
+    val_files: list[str] = field(default_factory=list)
+    """Validation prompt files; each row's data_source names its benchmark in the eval metrics."""
+    prompt_key: str = "prompt"
+    """Column holding the chat messages [{"role", "content"}, ...]."""
+    max_prompt_length: int = 1024
+    """Longest prompt in tokens; a longer prompt is an error when the dataset is loaded."""
+    train_batch_size: int = 512
+    """Prompts per training step (each gets rollout.n responses)."""
+    val_max_samples: Optional[int] = None
+    """Evaluate on at most this many prompts per validation file (null = all)."""
+    shuffle: bool = True
+    """Shuffle the training prompts every epoch (deterministic from seed and epoch)."""
+    seed: int = 1
+    """Seed of the prompt shuffling."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer directory or hub name; null means model.hf_model_path (filled in when the config
+    is built, so the saved config is explicit)."""
+    apply_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template (when it has one); else join the contents."""
+
+    def _validate(self) -> None:
+        if not self.prompt_key:
+            _fail("data.prompt_key must be a non-empty column name")
+        _check_min("data.max_prompt_length", self.max_prompt_length, 1)
+        _check_min("data.train_batch_size", self.train_batch_size, 1)
+        _check_min("data.val_max_samples", self.val_max_samples, 1)
+
+
+@dataclass
+class SGLangConfig(_Section):
+    """SGLang rollout servers (used when rollout.engine is "sglang")."""
+
+    _path: ClassVar[str] = "rollout.sglang"
+
+    server_urls: list[str] = field(default_factory=list)
+    """Attach to running servers at these URLs; empty means launch num_servers servers."""
+    num_servers: int = 1
+    """Servers to launch (ignored when server_urls is set)."""
+    server_tp_size: int = 1
+    """Tensor-parallel size of each launched server."""
+    mem_fraction_static: float = 0.7
+    """SGLang's static GPU memory fraction (weights + KV cache), in (0, 1]."""
+    weight_sync: str = "auto"
+    """How weights reach the servers: auto, tensor (CUDA IPC, colocated), distributed (NCCL), disk."""
+    bucket_size_mb: int = 512
+    """Size of one weight-update bucket (MiB)."""
+    request_timeout_s: float = 600.0
+    """Timeout of one HTTP request to a server (seconds)."""
+    max_retries: int = 3
+    """Retries of a failed generate request before the step fails."""
+    colocate: bool = True
+    """Servers share the training GPUs (memory released/resumed around generation)."""
+    use_router: bool = False
+    """Send requests through an sglang-router instead of round-robin over the servers."""
+    extra_server_args: list[str] = field(default_factory=list)
+    """Extra command-line arguments for launched servers."""
+    port_base: int = 30000
+    """First port of launched servers (server i listens on port_base + i)."""
+
+    def _validate(self) -> None:
+        p = self._path
+        for name in ("num_servers", "server_tp_size", "bucket_size_mb"):
+            _check_min(f"{p}.{name}", getattr(self, name), 1)
+        _check_open_unit(f"{p}.mem_fraction_static", self.mem_fraction_static, right_closed=True)
+        _check_choice(f"{p}.weight_sync", self.weight_sync, WEIGHT_SYNC_MODES)
+        _check_min(f"{p}.request_timeout_s", self.request_timeout_s, 0.0, strict=True)
+        _check_min(f"{p}.max_retries", self.max_retries, 0)
+        if not 1 <= self.port_base <= 65535 - self.num_servers:
+            _fail(f"{p}.port_base must leave room for {self.num_servers} ports below 65536, got {self.port_base}")
+        for i, url in enumerate(self.server_urls):
+            if not url.startswith(("http://", "https://")):
+                _fail(f"{p}.server_urls[{i}] must start with http:// or https://, got {url!r}")
+        if self.weight_sync == "tensor" and not self.colocate:
+            _fail(f"{p}.weight_sync='tensor' (CUDA IPC) needs {p}.colocate=true")
+
+
+@dataclass
+class RolloutConfig(_Section):
+    """Response generation for training (adaptive temperature) and validation."""
+
+    _path: ClassVar[str] = "rollout"
+
+    engine: str = "hf"
+    """Rollout engine: "hf" (embedded HF transformers, CPU / small GPU) or "sglang"."""
+    n: int = 16
+    """Responses per prompt (the group size)."""
+    temperature: float = 1.0
+    """T_base, the base sampling temperature (also the temperature of the training entropies)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold in (0, 1]."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    max_response_length: int = 10240
+    """Maximum response length in tokens."""
+    val_n: int = 8
+    """Responses per prompt at validation (avg@val_n)."""
+    val_temperature: float = 0.5
+    """Fixed validation temperature (0 = greedy); validation never uses the adaptive temperature."""
+    val_top_p: float = 0.7
+    """Validation nucleus threshold."""
+    generate_batch_size: Optional[int] = None
+    """Prompts per generation round (null = data.train_batch_size); with dynamic sampling, rounds
+    repeat until the batch is full."""
+    hf_max_batch_size: int = 64
+    """Sequences decoded together by the "hf" engine."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """SGLang server options."""
+
+    def _validate(self) -> None:
+        _check_choice("rollout.engine", self.engine, ROLLOUT_ENGINES)
+        for name in ("n", "max_response_length", "val_n", "hf_max_batch_size"):
+            _check_min(f"rollout.{name}", getattr(self, name), 1)
+        _check_min("rollout.temperature", self.temperature, 0.0, strict=True)
+        _check_min("rollout.val_temperature", self.val_temperature, 0.0)
+        _check_open_unit("rollout.top_p", self.top_p, right_closed=True)
+        _check_open_unit("rollout.val_top_p", self.val_top_p, right_closed=True)
+        if self.top_k != -1 and self.top_k < 1:
+            _fail(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        _check_min("rollout.generate_batch_size", self.generate_batch_size, 1)
+
+
+@dataclass
+class ModelConfig(_Section):
+    """The policy model."""
+
+    _path: ClassVar[str] = "model"
+
+    hf_model_path: Optional[str] = None
+    """HF checkpoint (directory or hub name) for the architecture, tokenizer and initial weights."""
+    megatron_load_path: Optional[str] = None
+    """Start from this Megatron checkpoint instead of converting the HF weights."""
+    dtype: str = "bf16"
+    """Training parameter dtype: bf16, fp16 or fp32 (CPU runs use fp32)."""
+    use_te: Optional[bool] = None
+    """Use Transformer Engine layers (null = when installed and CUDA is available)."""
+    recompute_activations: bool = False
+    """Full activation recomputation to save memory."""
+
+    def _validate(self) -> None:
+        _check_choice("model.dtype", self.dtype, DTYPES)

@@ -1,0 +1,181 @@
+"""Config sections of the training side: parallelism, optimizer, training loop, logging."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+from hapo_megatron.config.base import LR_DECAY_STYLES, WANDB_MODES, _check_choice, _check_min, _fail, _Section
+
+__all__ = ["ParallelConfig", "OptimConfig", "TrainerConfig", "LoggingConfig"]
+
+
+@dataclass
+class ParallelConfig(_Section):
+    """Megatron parallelism of the actor; data parallelism is what the world size leaves over."""
+
+    _path: ClassVar[str] = "parallel"
+
+    tensor_model_parallel_size: int = 1
+    """Tensor parallel size (TP); must divide the attention heads (checked with the model)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline parallel size (PP)."""
+    context_parallel_size: int = 1
+    """Context parallel size (CP)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (ignored when TP == 1)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch (when max_tokens_per_micro_batch is null)."""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """Pack sequences into micro-batches of at most this many tokens (prompt + response)."""
+
+    def _validate(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size", "micro_batch_size"):
+            _check_min(f"parallel.{name}", getattr(self, name), 1)
+        _check_min("parallel.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, 1)
+
+    @property
+    def model_parallel_size(self) -> int:
+        """tp * pp * cp: ranks holding one replica of the model."""
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                * self.context_parallel_size)
+
+    def validate_world(self, world_size: int) -> int:
+        """Check that ``world_size`` is divisible by tp * pp * cp; returns the DP size."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            _fail(f"world_size must be a positive integer, got {world_size!r}")
+        mp = self.model_parallel_size
+        if world_size % mp:
+            _fail(f"world_size {world_size} is not divisible by parallel.tensor_model_parallel_size "
+                  f"* pipeline_model_parallel_size * context_parallel_size = "
+                  f"{self.tensor_model_parallel_size} * {self.pipeline_model_parallel_size} * "
+                  f"{self.context_parallel_size} = {mp}")
+        return world_size // mp
+
+
+@dataclass
+class OptimConfig(_Section):
+    """Adam optimizer and learning-rate schedule."""
+
+    _path: ClassVar[str] = "optim"
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Final learning rate of the linear/cosine decay."""
+    lr_warmup_steps: int = 10
+    """Linear warm-up steps (optimizer steps)."""
+    lr_decay_style: str = "constant"
+    """Schedule after warm-up: constant, linear or cosine."""
+    lr_decay_steps: Optional[int] = None
+    """Optimizer steps of warm-up + decay (null = all optimizer steps of the run)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1 in [0, 1)."""
+    adam_beta2: float = 0.999
+    """Adam beta2 in [0, 1)."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Gradient-norm clipping (0 = off)."""
+
+    def _validate(self) -> None:
+        _check_min("optim.lr", self.lr, 0.0, strict=True)
+        if not 0 <= self.min_lr <= self.lr:
+            _fail(f"optim.min_lr must be in [0, optim.lr={self.lr}], got {self.min_lr}")
+        _check_min("optim.lr_warmup_steps", self.lr_warmup_steps, 0)
+        _check_choice("optim.lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES)
+        _check_min("optim.lr_decay_steps", self.lr_decay_steps, 1)
+        _check_min("optim.weight_decay", self.weight_decay, 0.0)
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                _fail(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
+        _check_min("optim.adam_eps", self.adam_eps, 0.0, strict=True)
+        _check_min("optim.clip_grad", self.clip_grad, 0.0)
+
+
+@dataclass
+class TrainerConfig(_Section):
+    """The training loop: steps, PPO updates, checkpoints, evaluation, naming."""
+
+    _path: ClassVar[str] = "trainer"
+
+    total_steps: int = 500
+    """Training steps (one rollout batch each)."""
+    ppo_mini_batch_size: int = 32
+    """Prompts per PPO mini-batch (optimizer step); must divide data.train_batch_size."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    seed: int = 1
+    """Seed of model init, sampling and everything else random in the trainer."""
+    project_name: str = "hapo"
+    """Project name (wandb project unless logging.wandb_project is set)."""
+    experiment_name: str = "hapo_run"
+    """Run name (default run_dir and wandb run name)."""
+    run_dir: Optional[str] = None
+    """Run directory (resolved config, metrics.jsonl, checkpoints); null = runs/<experiment_name>
+    (filled in when the config is built)."""
+    save_interval: int = 50
+    """Save a checkpoint every this many steps (0 = only at the end)."""
+    keep_last_k: Optional[int] = 3
+    """Checkpoints to keep (null = all)."""
+    resume: str = "auto"
+    """"auto" (latest checkpoint in run_dir if any), "none", or a checkpoint path."""
+    eval_interval: int = 0
+    """Evaluate on data.val_files every this many steps (0 = never during training)."""
+    val_before_train: bool = False
+    """Evaluate once before the first step."""
+    val_at_end: bool = True
+    """Evaluate after the last step (when data.val_files is set)."""
+    max_consecutive_skips: int = 5
+    """Abort after this many consecutive skipped steps (no usable group or a non-finite loss)."""
+    sft_warmup_steps: int = 0
+    """Supervised warm-up steps on reference solutions before RL (the CPU example)."""
+
+    def _validate(self) -> None:
+        for name, lo in (("total_steps", 1), ("ppo_mini_batch_size", 1), ("ppo_epochs", 1),
+                         ("save_interval", 0), ("keep_last_k", 1), ("eval_interval", 0),
+                         ("max_consecutive_skips", 0), ("sft_warmup_steps", 0)):
+            _check_min(f"trainer.{name}", getattr(self, name), lo)
+        for name in ("project_name", "experiment_name", "resume"):
+            if not getattr(self, name).strip():
+                _fail(f"trainer.{name} must be a non-empty string")
+        if self.run_dir is None:
+            self.run_dir = os.path.join("runs", self.experiment_name)
+
+
+@dataclass
+class LoggingConfig(_Section):
+    """Metric sinks: console, <run_dir>/metrics.jsonl, wandb, TensorBoard."""
+
+    _path: ClassVar[str] = "logging"
+
+    console: bool = True
+    """Print a metrics line every log_interval steps."""
+    jsonl: bool = True
+    """Append metrics to <run_dir>/metrics.jsonl."""
+    wandb: bool = False
+    """Log to Weights & Biases."""
+    wandb_mode: str = "offline"
+    """wandb mode: offline, online or disabled."""
+    wandb_project: Optional[str] = None
+    """wandb project (null = trainer.project_name)."""
+    wandb_entity: Optional[str] = None
+    """wandb entity (null = your default)."""
+    wandb_run_name: Optional[str] = None
+    """wandb run name (null = trainer.experiment_name)."""
+    tensorboard: bool = False
+    """Write TensorBoard event files."""
+    tensorboard_dir: Optional[str] = None
+    """TensorBoard directory (null = <run_dir>/tensorboard)."""
+    log_interval: int = 1
+    """Log every this many steps."""
+
+    def _validate(self) -> None:
+        _check_choice("logging.wandb_mode", self.wandb_mode, WANDB_MODES)
+        _check_min("logging.log_interval", self.log_interval, 1)
