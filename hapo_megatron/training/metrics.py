@@ -88,23 +88,19 @@ class MetricsLogger:
                  wandb_mode: str = "offline", wandb_project: str | None = None,
                  experiment_name: str | None = None, tensorboard: bool = False,
                  log_interval: int = 1, config: Mapping[str, Any] | None = None,
-                 desc: str = "train"):
+                 desc: str = "train", tensorboard_dir: str | None = None):
         self.enabled, self.log_interval = enabled, max(1, int(log_interval))
         self.jsonl_path = os.path.join(run_dir, "metrics.jsonl") if jsonl else None
         self._bar = self._wandb = self._tb = None
-        self.console = console
+        self.console, self._bar_args = console, dict(total=total_steps, initial=initial_step, desc=desc)
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        if console:
-            from tqdm import tqdm
-            self._bar = tqdm(total=total_steps, initial=initial_step, desc=desc, dynamic_ncols=True,
-                             unit="step", mininterval=0)
         if wandb:
             self._wandb = self._init_wandb(run_dir, wandb_mode, wandb_project, experiment_name, config)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
+            self._tb = SummaryWriter(log_dir=tensorboard_dir or os.path.join(run_dir, "tensorboard"))
 
     @staticmethod
     def _init_wandb(run_dir, mode, project, name, config):
@@ -113,8 +109,28 @@ class MetricsLogger:
         return wandb.init(project=project or "hapo_megatron", name=name, mode=mode,
                           dir=run_dir, config=dict(config or {}), resume="allow")
 
-    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Write one step's metrics to every sink and advance the progress bar."""
+    def _progress(self):
+        """The progress bar, created on first use (so an earlier bar, e.g. SFT, closes first)."""
+        if self._bar is None and self.console and self.enabled:
+            from tqdm import tqdm
+            self._bar = tqdm(**self._bar_args, dynamic_ncols=True, unit="step", mininterval=0)
+        return self._bar
+
+    def resume(self, step: int) -> None:
+        """Continue after a checkpoint of ``step``: drop JSONL records of later (re-run) steps
+        and move the progress bar."""
+        if not self.enabled:
+            return
+        if self.jsonl_path:
+            truncate_jsonl(self.jsonl_path, step)
+        self._bar_args["initial"] = step
+        if self._bar is not None:
+            self._bar.n = self._bar.last_print_n = self._bar.initial = step  # ETA from the new rate
+            self._bar.refresh()
+
+    def log(self, step: int, metrics: Mapping[str, Any], *, advance: bool = True) -> None:
+        """Write one step's metrics to every sink and advance the progress bar (``advance=False``
+        for extra records such as an evaluation before the first step)."""
         if not self.enabled:
             return
         record = {"step": int(step), **{k: _clean(v) for k, v in sorted(metrics.items())}}
@@ -127,7 +143,7 @@ class MetricsLogger:
         if self._tb is not None:
             for k, v in numeric.items():
                 self._tb.add_scalar(k, v, int(step))
-        if self._bar is not None:
+        if advance and self._progress() is not None:
             self._bar.set_postfix_str(self.postfix(record), refresh=False)
             self._bar.update(1)
             if step % self.log_interval == 0:

@@ -63,18 +63,22 @@ class RolloutBatch:
 
 def score_samples(samples: Sequence[Sequence[Any]], records: Sequence[Any], *,
                   reward_fn: Callable[..., Any], decode: Callable[[list[int]], str],
-                  score_format: str = "pm1", group_offset: int = 0) -> RolloutBatch:
+                  score_format: str = "pm1", group_offset: int = 0,
+                  reward_kwargs: dict | None = None) -> RolloutBatch:
     """Score the engine's ``samples[prompt][k]`` (`Sample`) against ``records[prompt]`` (`PromptRecord`).
 
-    ``reward_fn(solution_str, ground_truth, score_format=...)`` returns an object with ``score``
-    and ``acc``; prompt ``p`` gets group id ``group_offset + p``.
+    ``reward_fn(solution_str, ground_truth, score_format=..., data_source=..., extra_info=...,
+    **reward_kwargs)`` returns an object with ``score`` and ``acc``; prompt ``p`` gets group id
+    ``group_offset + p``.
     """
     if len(samples) != len(records):
         raise ValueError(f"samples has {len(samples)} prompts but records has {len(records)}")
     out = RolloutBatch()
     for p, (group, rec) in enumerate(zip(samples, records)):
         for smp in group:
-            res = reward_fn(decode(list(smp.response_ids)), rec.ground_truth, score_format=score_format)
+            res = reward_fn(decode(list(smp.response_ids)), rec.ground_truth, score_format=score_format,
+                            data_source=getattr(rec, "data_source", None),
+                            extra_info=getattr(rec, "extra_info", None), **(reward_kwargs or {}))
             out.prompt_ids.append(list(smp.prompt_ids))
             out.response_ids.append(list(smp.response_ids))
             out.rollout_logprobs.append([float(x) for x in smp.rollout_logprobs])

@@ -1,0 +1,66 @@
+"""Prepare the CPU example: arithmetic prompts, the character tokenizer and a tiny random Llama.
+
+    python examples/cpu_tiny/prepare.py --out runs/cpu_tiny_data
+
+Writes ``train.jsonl``, ``val.jsonl`` and ``model/`` (HF config + random weights + tokenizer) under
+``--out``. Deterministic in ``--seed``; does nothing when ``--out`` is already complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+DONE = "prepared.json"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/cpu_tiny_data")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--n-train", type=int, default=20000)
+    p.add_argument("--n-val", type=int, default=128)
+    p.add_argument("--max-digits", type=int, default=2, help="digits per operand")
+    p.add_argument("--ops", default="+", help="operators, e.g. '+' or '+-'")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--force", action="store_true", help="rebuild even if --out is complete")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> str:
+    args = parse_args(argv)
+    marker = os.path.join(args.out, DONE)
+    if os.path.exists(marker) and not args.force:
+        print(f"{args.out}: already prepared ({marker})")
+        return args.out
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hapo_megatron.data import build_char_tokenizer, write_arithmetic_dataset
+    from hapo_megatron.models import tiny_hf_config
+
+    os.makedirs(args.out, exist_ok=True)
+    task = dict(min_digits=1, max_digits=args.max_digits, min_operands=2, max_operands=2, ops=tuple(args.ops))
+    write_arithmetic_dataset(os.path.join(args.out, "train.jsonl"), args.n_train, args.seed, **task)
+    write_arithmetic_dataset(os.path.join(args.out, "val.jsonl"), args.n_val, args.seed + 1000,
+                             data_source="arithmetic_val", **task)
+    model_dir = os.path.join(args.out, "model")
+    tok = build_char_tokenizer(model_dir)
+    hf_config = tiny_hf_config(
+        "llama", vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+        max_position_embeddings=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    torch.manual_seed(args.seed)
+    AutoModelForCausalLM.from_config(hf_config).save_pretrained(model_dir)
+    with open(marker, "w") as f:
+        json.dump(vars(args), f, indent=1)
+    print(f"prepared {args.out}: {args.n_train} train / {args.n_val} val prompts, model {model_dir}")
+    return args.out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""`hapo train` / `torchrun -m hapo_megatron.train`: parse the command line, check the inputs
+before any work, join the process group, print + save the resolved config, and run `fit`.
+
+    torchrun --nproc-per-node 2 -m hapo_megatron.train --config examples/cpu_tiny/config.yaml \\
+        [--preset dapo] [--resume auto|none|PATH] [section.field=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import warnings
+from typing import Optional, Sequence
+
+import torch
+
+from hapo_megatron.training.checkpoint import resolve_resume
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="hapo train", description="RL training (HAPO / DAPO / GRPO) on Megatron-Core.")
+    p.add_argument("--config", help="YAML config file")
+    p.add_argument("--preset", help="algorithm preset (hapo, dapo, grpo, dapo+temp, ...)")
+    p.add_argument("--resume", help="'auto' (newest checkpoint in the run dir), 'none', or a checkpoint path")
+    p.add_argument("overrides", nargs="*", help="dotted overrides such as algo.clip_ratio_high=0.28")
+    return p.parse_args(list(argv) if argv is not None else None)
+
+
+def check_parallel_fits_model(hf_config, parallel) -> None:
+    """TP must divide the attention and KV heads, PP the layers (ValueError naming the fields)."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    heads = int(hf_config.num_attention_heads)
+    kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    if heads % tp or kv % tp:
+        raise ValueError(f"parallel.tensor_model_parallel_size={tp} must divide the model's attention heads "
+                         f"(num_attention_heads={heads}, num_key_value_heads={kv})")
+    if hf_config.num_hidden_layers % pp:
+        raise ValueError(f"parallel.pipeline_model_parallel_size={pp} must divide the model's "
+                         f"num_hidden_layers={hf_config.num_hidden_layers}")
+
+
+def _load_model_config(path: Optional[str]):
+    from hapo_megatron.training.runtime import load_hf_config
+    if not path:
+        raise ValueError("model.hf_model_path must name an HF model directory (config.json + tokenizer)")
+    try:
+        return load_hf_config(path)
+    except Exception as e:  # noqa: BLE001 - any failure here means "no usable model config"
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"model.hf_model_path: {path!r} does not exist") from None
+        raise ValueError(f"model.hf_model_path: cannot read an HF config from {path!r}: {e}") from None
+
+
+def preflight(cfg, world_size: int):
+    """Every check that can fail on the inputs, before any process group or model exists.
+
+    Returns ``(tokenizer, (train_dataset, val_dataset))``. Raises ValueError / FileNotFoundError
+    with a message naming the config field or the file/row.
+    """
+    from hapo_megatron.training.runtime import build_datasets, load_tokenizer
+    cfg.parallel.validate_world(world_size)
+    hf_config = _load_model_config(cfg.model.hf_model_path)
+    check_parallel_fits_model(hf_config, cfg.parallel)
+    if cfg.model.megatron_load_path and not os.path.isdir(cfg.model.megatron_load_path):
+        raise FileNotFoundError(f"model.megatron_load_path: {cfg.model.megatron_load_path!r} does not exist")
+    resolve_resume(cfg.trainer.resume, os.path.join(cfg.trainer.run_dir, "checkpoints"))
+    for i, f in enumerate(list(cfg.data.train_files) + list(cfg.data.val_files)):
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"data file {f!r} does not exist (data.train_files / data.val_files)")
+    try:
+        tokenizer = load_tokenizer(cfg.data.tokenizer_path)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"data.tokenizer_path: cannot load a tokenizer from {cfg.data.tokenizer_path!r}: {e}") from None
+    train, val = build_datasets(cfg, tokenizer)
+    per_round = cfg.rollout.generate_batch_size or cfg.data.train_batch_size
+    if per_round > len(train):
+        raise ValueError(f"data.train_batch_size / rollout.generate_batch_size ({per_round}) is larger than the "
+                         f"training set ({len(train)} prompts)")
+    if len(tokenizer) > hf_config.vocab_size:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                         f"{hf_config.vocab_size} (data.tokenizer_path / model.hf_model_path mismatch)")
+    return tokenizer, (train, val)
+
+
+def _init_distributed() -> None:
+    import torch.distributed as dist
+    if dist.is_initialized() or "RANK" not in os.environ:
+        return  # single process: initialize_parallel creates a 1-process group
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=60))
+
+
+def _set_threads() -> None:
+    if torch.cuda.is_available():
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+
+def quiet_warnings() -> None:
+    """Hide the import-time/deprecation noise of megatron-core and torch on CPU-only installs."""
+    for pattern in ("Transformer Engine and Apex", "Apex is not installed", "full scope is deprecated",
+                    "CUDA_DEVICE_MAX_CONNECTIONS", "The .grad attribute of a Tensor that is not a leaf",
+                    "ShardedTensor", "`load_state_dict` is deprecated", "TypedStorage is deprecated"):
+        warnings.filterwarnings("ignore", message=f".*{pattern}.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of `hapo train`; returns the exit code (2 = bad input, nothing was run)."""
+    quiet_warnings()
+    from hapo_megatron.config import format_config, load_config, save_config
+    args = parse_args(argv)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    overrides = list(args.overrides) + ([f"trainer.resume={args.resume}"] if args.resume else [])
+    try:
+        cfg = load_config(args.config, overrides, preset=args.preset)
+        tokenizer, datasets = preflight(cfg, world)
+    except (ValueError, FileNotFoundError) as e:
+        if rank == 0:
+            print(f"hapo train: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    _set_threads()
+    _init_distributed()
+    if rank == 0:
+        os.makedirs(cfg.trainer.run_dir, exist_ok=True)
+        print(format_config(cfg), flush=True)
+        print(f"config saved to {save_config(cfg, os.path.join(cfg.trainer.run_dir, 'config.yaml'))}", flush=True)
+    from hapo_megatron.training.trainer import fit
+    fit(cfg, tokenizer=tokenizer, datasets=datasets)
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

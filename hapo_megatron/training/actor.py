@@ -1,0 +1,315 @@
+"""The Megatron actor: model chunks wrapped in Megatron DDP, the (distributed) optimizer, the LR
+schedule, forward-only log-prob passes and mini-batch updates through ``forward_backward_func``.
+
+Micro-batches are dicts of ``[b, s]`` tensors from `hapo_megatron.training.batching` (full
+sequences; this class cuts the context-parallel chunk). A loss factory ``make_loss(mb)`` returns
+Megatron's ``loss_func(output_tensor) -> (loss_sum, num_tokens, metrics)`` with
+``calculate_per_token_loss=True``: Megatron divides the gradients by the global token count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+LossFactory = Callable[[dict], Callable]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MB_TENSOR_KEYS = ("input_ids", "position_ids", "labels", "loss_mask", "advantages", "rollout_logprobs",
+                  "temperatures", "old_logprobs", "old_entropy", "ref_logprobs")
+
+
+@dataclass
+class StepResult:
+    """Outcome of one optimizer step: ``metrics`` are this rank's summed loss metrics (tensors)."""
+
+    skipped: bool
+    grad_norm: float
+    lr: float
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def _children_allowed():
+    """Let a daemonic process (a spawned test rank) start dist_checkpointing's writer processes."""
+    config = multiprocessing.current_process()._config  # noqa: SLF001 - no public switch
+    was = config.get("daemon")
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        if was is not None:
+            config["daemon"] = was
+
+
+def transformer_overrides(*, recompute_activations: bool, pp: int) -> dict[str, Any]:
+    """TransformerConfig fields the actor needs on top of the HF-derived ones."""
+    kw: dict[str, Any] = dict(calculate_per_token_loss=True, variable_seq_lengths=pp > 1)
+    if recompute_activations:
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return kw
+
+
+class MegatronActor:
+    """Policy model + optimizer on this rank (Megatron parallel state must be initialised).
+
+    Args:
+        hf_config: transformers config of the policy (Llama / Qwen2 / Qwen3).
+        groups: `hapo_megatron.parallel.groups.ParallelGroups`.
+        dtype: "bf16" | "fp16" | "fp32" (CPU runs use fp32).
+        optim: an ``OptimConfig`` (lr, min_lr, lr_warmup_steps, lr_decay_style, lr_decay_steps,
+            weight_decay, adam_beta1/2, adam_eps, clip_grad).
+        total_optimizer_steps: length of the LR schedule when ``optim.lr_decay_steps`` is null.
+    """
+
+    def __init__(self, hf_config, *, groups, optim, total_optimizer_steps: int, dtype: str = "fp32",
+                 use_te: Optional[bool] = None, sequence_parallel: bool = False,
+                 recompute_activations: bool = False, use_distributed_optimizer: bool = True,
+                 init_hf_path: Optional[str] = None, init_megatron_path: Optional[str] = None):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.hf_config, self.groups, self.dtype = hf_config, groups, DTYPES[dtype]
+        self.model = self._build_model(use_te, sequence_parallel, recompute_activations,
+                                       init_hf_path, init_megatron_path, use_distributed_optimizer)
+        self.optimizer, self.scheduler = self._build_optimizer(optim, total_optimizer_steps,
+                                                               use_distributed_optimizer)
+        self.config = self.model[0].config
+        from megatron.core.distributed import finalize_model_grads
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = self.model[0].no_sync
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.num_skipped = 0
+
+    # ------------------------------------------------------------------ construction
+    def _build_model(self, use_te, sequence_parallel, recompute, init_hf_path, init_megatron_path,
+                     use_distributed_optimizer) -> list:
+        from megatron.core import tensor_parallel
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.transformer.module import Float16Module
+
+        from hapo_megatron.models import build_gpt_model
+
+        g = self.groups
+        model = build_gpt_model(self.hf_config, pre_process=g.is_pipeline_first,
+                                post_process=g.is_pipeline_last, dtype=self.dtype, use_te=use_te,
+                                sequence_parallel=sequence_parallel,
+                                **transformer_overrides(recompute_activations=recompute, pp=g.pp_size))
+        for p in model.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+        if init_megatron_path:
+            from hapo_megatron.convert import load_megatron_checkpoint
+            with _children_allowed():
+                load_megatron_checkpoint([model], init_megatron_path)
+        elif init_hf_path:
+            from hapo_megatron.convert import load_hf_weights_into_mcore
+            load_hf_weights_into_mcore(model, init_hf_path, self.hf_config, tp_rank=g.tp_rank,
+                                       tp_size=g.tp_size, pp_rank=g.pp_rank, pp_size=g.pp_size)
+        if self.dtype != torch.float32:
+            model = Float16Module(model.config, model)
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=use_distributed_optimizer)
+        ddp = DistributedDataParallel(model.config, ddp_cfg, model)
+        return [ddp]
+
+    def _build_optimizer(self, optim, total_optimizer_steps, use_distributed_optimizer):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        ocfg = OptimizerConfig(
+            optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+            adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+            clip_grad=optim.clip_grad, bf16=self.dtype == torch.bfloat16, fp16=self.dtype == torch.float16,
+            params_dtype=self.dtype, use_distributed_optimizer=use_distributed_optimizer)
+        opt = get_megatron_optimizer(ocfg, self.model)
+        warmup = int(optim.lr_warmup_steps)
+        decay = int(optim.lr_decay_steps or max(total_optimizer_steps, warmup + 1))
+        sched = OptimizerParamScheduler(
+            opt, init_lr=0.0 if warmup else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
+            lr_warmup_steps=warmup, lr_decay_steps=max(decay, warmup + 1),
+            lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
+            wd_incr_steps=max(decay, 1), wd_incr_style="constant")
+        if warmup:
+            sched.step(1)  # the first update already uses lr / warmup, not 0
+        return opt, sched
+
+    # ------------------------------------------------------------------ forward / backward
+    def _local(self, mb: dict) -> dict:
+        """This rank's context-parallel chunk of a full-sequence micro-batch."""
+        if self.groups.cp_size == 1:
+            return mb
+        from hapo_megatron.parallel.context_parallel import split_for_cp
+        return {k: (split_for_cp(v, self.groups.cp_size, self.groups.cp_rank, dim=1)
+                    if k in MB_TENSOR_KEYS and torch.is_tensor(v) and v.dim() == 2 else v)
+                for k, v in mb.items()}
+
+    def forward_backward(self, micro_batches: list[dict], make_loss: LossFactory, *,
+                         forward_only: bool) -> list[dict]:
+        """Run Megatron's schedule over ``micro_batches``; returns the loss metrics of each
+        micro-batch (last pipeline stage only; ``[]`` elsewhere)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        local = [self._local(mb) for mb in micro_batches]
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            out = model(mb["input_ids"], mb["position_ids"], None)
+            return out, make_loss(mb)
+
+        seq_len = max(int(mb["input_ids"].shape[1]) for mb in local)
+        mbs = max(int(mb["input_ids"].shape[0]) for mb in local)
+        ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
+        with ctx:
+            out = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(local), model=self.model,
+                num_microbatches=len(local), seq_length=seq_len, micro_batch_size=mbs,
+                forward_only=forward_only)
+        return list(out or [])
+
+    def compute_logprobs_entropy(self, micro_batches: list[dict], *, temperature: float = 1.0,
+                                 chunk_size: Optional[int] = None) -> None:
+        """Old-log-prob pass: sets ``mb["old_logprobs"]`` and ``mb["old_entropy"]`` (``[b, s]``
+        float32, full sequence, zero where ``loss_mask`` is 0) on the last pipeline stage."""
+        from hapo_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
+
+        results: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def make_loss(mb):
+            def loss_func(output):
+                lp, ent = vocab_parallel_logprobs_entropy(output, mb["labels"], tp_group=self.groups.tp,
+                                                          temperature=temperature, chunk_size=chunk_size)
+                mask = mb["loss_mask"]
+                results.append(((lp * mask).float(), (ent * mask).float()))
+                return output.sum() * 0.0, mask.sum().to(torch.int), {}
+            return loss_func
+
+        for mb in micro_batches:
+            mb.pop("old_logprobs", None)
+            mb.pop("old_entropy", None)
+        self.forward_backward(micro_batches, make_loss, forward_only=True)
+        if not self.groups.is_pipeline_last:
+            return
+        for mb, (lp, ent) in zip(micro_batches, results):
+            mb["old_logprobs"], mb["old_entropy"] = self._gather_cp(lp), self._gather_cp(ent)
+
+    def _gather_cp(self, t: torch.Tensor) -> torch.Tensor:
+        if self.groups.cp_size == 1:
+            return t
+        from hapo_megatron.parallel.context_parallel import all_gather_from_cp
+        return all_gather_from_cp(t, self.groups.cp, dim=1)
+
+    def _grads_finite(self, metrics: list[dict]) -> bool:
+        """True when every gradient and loss is finite on every rank (one all-reduce)."""
+        bad = 0.0
+        for chunk in self.model:
+            for buf in list(chunk.buffers) + list(getattr(chunk, "expert_parallel_buffers", [])):
+                if not bool(torch.isfinite(buf.grad_data).all()):
+                    bad = 1.0
+        for m in metrics:
+            for v in m.values():
+                if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                    bad = 1.0
+        flag = torch.tensor([bad])
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() == 0.0
+
+    def train_step(self, micro_batches: list[dict], make_loss: LossFactory) -> StepResult:
+        """One optimizer step over ``micro_batches`` (gradients accumulated, normalised by the
+        global token count). A non-finite loss or gradient skips the update."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        per_mb = self.forward_backward(micro_batches, make_loss, forward_only=False)
+        metrics: dict[str, torch.Tensor] = {}
+        for m in per_mb:
+            for k, v in m.items():
+                v = v.detach().double() if torch.is_tensor(v) else torch.tensor(float(v), dtype=torch.float64)
+                metrics[k] = metrics[k] + v if k in metrics else v
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if not self._grads_finite(per_mb):
+            self.num_skipped += 1
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            return StepResult(skipped=True, grad_norm=float("nan"), lr=lr, metrics=metrics)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(1)
+        return StepResult(skipped=not ok, grad_norm=float(grad_norm or 0.0), lr=lr, metrics=metrics)
+
+    # ------------------------------------------------------------------ weights & checkpoints
+    def export_hf_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full tensor)`` for the whole model; every rank must consume it fully."""
+        from hapo_megatron.convert import export_hf_weights
+        return export_hf_weights(self.model, self.hf_config, tp_group=self.groups.tp,
+                                 pp_group=self.groups.pp, dtype=dtype)
+
+    def _sharded_state_dict(self, is_loading: bool) -> dict:
+        from hapo_megatron.convert import unwrap_model
+        model_sd = unwrap_model(self.model[0]).sharded_state_dict()
+        opt_sd = self.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+        return {"model": model_sd, "optimizer": opt_sd}
+
+    def save(self, path: str) -> None:
+        """Model + optimizer with Megatron dist_checkpointing (collective)."""
+        from megatron.core import dist_checkpointing
+        if dist.get_rank() == 0:
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        with _children_allowed():
+            dist_checkpointing.save(self._sharded_state_dict(is_loading=False), path)
+
+    def load(self, path: str) -> None:
+        """Inverse of `save` (collective)."""
+        from megatron.core import dist_checkpointing
+        from hapo_megatron.convert import unwrap_model
+        state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), path)
+        unwrap_model(self.model[0]).load_state_dict(state["model"])
+        with torch.no_grad():  # fp32 main params are views of the model params
+            self.optimizer.load_state_dict(state["optimizer"])
+        self._fix_adam_steps(state["optimizer"])
+
+    def _fix_adam_steps(self, opt_state: dict) -> None:
+        """Give every param its own Adam ``step`` tensor with the saved value.
+
+        WHY: without Apex/TE, megatron-core's DistributedOptimizer.load_state_dict gives all
+        params ONE shared ``step`` tensor and then overwrites it with the pre-load value, so
+        the bias correction after a resume would differ from an uninterrupted run.
+        """
+        groups = (opt_state.get("optimizer") or {}).get("param_groups") or []
+        steps = {g.get("step") for g in groups if g.get("step") is not None}
+        if len(steps) != 1:
+            return
+        step = float(steps.pop())
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(opt, "optimizer", None)
+            for st in (inner.state.values() if inner is not None else []):
+                if "step" in st:
+                    st["step"] = torch.tensor(step, dtype=torch.float32)
+
+    def scheduler_state(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def load_scheduler_state(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state)
+
+
+def sum_metrics_across_ranks(local: dict[str, Any], *, contribute: bool) -> dict[str, float]:
+    """Sum metric dicts over all ranks; only ranks with ``contribute`` add theirs (e.g. TP rank 0
+    of the last pipeline stage, so TP replicas are not double counted). Same result everywhere."""
+    mine = {k: float(v) for k, v in local.items()} if contribute else {}
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out: dict[str, float] = {}
+    for d in everyone:
+        for k, v in d.items():
+            out[k] = out.get(k, 0.0) + v
+    return out

@@ -1,0 +1,197 @@
+"""Everything a training run holds (`Runtime`), how it is built from a `HapoConfig`, and the RL
+state that goes into checkpoints.
+
+Rank 0 owns the rollout engine and the metric sinks; every rank holds the actor shard, the
+datasets and the per-step metadata (broadcast from rank 0).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from hapo_megatron.training.checkpoint import CheckpointManager
+from hapo_megatron.training.metrics import MetricsLogger, Timer
+from hapo_megatron.training.rl_step import DynamicSampler
+
+
+def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
+    """``obj`` from global rank ``src`` on every rank of ``group`` (pickled)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return obj
+    box = [obj if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_hf_config(path: str):
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path)
+
+
+def has_hf_weights(path: Optional[str]) -> bool:
+    """True when ``path`` is a directory holding safetensors / bin weights."""
+    if not path or not os.path.isdir(path):
+        return False
+    return bool(glob.glob(os.path.join(path, "*.safetensors")) or glob.glob(os.path.join(path, "*.bin")))
+
+
+def build_datasets(cfg, tokenizer):
+    """(train, val or None) PromptDatasets; malformed rows / long prompts raise ValueError here."""
+    from hapo_megatron.data import PromptDataset
+    kw = dict(prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
+              apply_chat_template=cfg.data.apply_chat_template)
+    if not cfg.data.train_files:
+        raise ValueError("data.train_files is empty: name at least one .parquet or .jsonl file")
+    train = PromptDataset(cfg.data.train_files, tokenizer, **kw)
+    val = PromptDataset(cfg.data.val_files, tokenizer, **kw) if cfg.data.val_files else None
+    return train, val
+
+
+def optimizer_steps_per_rl_step(cfg) -> int:
+    return max(1, cfg.data.train_batch_size // cfg.trainer.ppo_mini_batch_size) * cfg.trainer.ppo_epochs
+
+
+@dataclass
+class Runtime:
+    """The live state of one run on this rank."""
+
+    cfg: Any
+    groups: Any
+    rank: int
+    world_size: int
+    tokenizer: Any
+    hf_config: Any
+    train_ds: Any
+    val_ds: Any
+    sampler: Any
+    actor: Any
+    engine: Any  # rank 0 only
+    reward_fn: Any
+    logger: MetricsLogger
+    ckpt: CheckpointManager
+    dyn: DynamicSampler
+    timer: Timer = field(default_factory=Timer)
+    step: int = 0
+    entropy_stats: Any = None
+    consecutive_skips: int = 0
+    sft_done: bool = False
+    start_step: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def run_dir(self) -> str:
+        return self.cfg.trainer.run_dir
+
+    @property
+    def contributes_metrics(self) -> bool:
+        """This rank's loss metrics count (TP rank 0 of the last pipeline stage, CP/DP all)."""
+        return self.groups.tp_rank == 0 and self.groups.is_pipeline_last
+
+    def sampling_seed(self, step: int, gen_index: int) -> int:
+        """Seed of one generation batch: a pure function of (trainer.seed, step, batch index),
+        so a resumed run samples exactly what the uninterrupted run sampled."""
+        return (int(self.cfg.trainer.seed) * 1_000_003 + step * 1_009 + gen_index) % (2**31 - 1)
+
+    # ------------------------------------------------------------------ checkpoint state
+    def rl_state(self) -> dict[str, Any]:
+        return {
+            "sampler": self.sampler.state_dict(),
+            "entropy_stats": self.entropy_stats.to_dict() if self.entropy_stats is not None else None,
+            "consecutive_skips": self.consecutive_skips,
+            "num_skipped_updates": self.actor.num_skipped,
+            "sft_done": self.sft_done,
+            "dynamic_sampling": self.dyn.state_dict(),
+            "scheduler": self.actor.scheduler_state(),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        from hapo_megatron.algo import EntropyStats
+        self.step = self.start_step = int(state["step"])
+        self.sampler.load_state_dict(state["sampler"])
+        es = state.get("entropy_stats")
+        self.entropy_stats = EntropyStats.from_dict(es) if es else None
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
+        self.actor.num_skipped = int(state.get("num_skipped_updates", 0))
+        self.sft_done = bool(state.get("sft_done", True))
+        self.dyn.load_state_dict(state.get("dynamic_sampling", {}))
+        if state.get("scheduler"):
+            self.actor.load_scheduler_state(state["scheduler"])
+
+    def save_checkpoint(self) -> str:
+        return self.ckpt.save(self.step, rl_state=self.rl_state(), save_model=self.actor.save)
+
+
+def build_engine(cfg, hf_config, tokenizer):
+    """The rollout engine (call on rank 0 only)."""
+    from hapo_megatron.rollout.engine import make_engine
+    on_gpu = torch.cuda.is_available()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.model.dtype, torch.float32) \
+        if on_gpu else torch.float32
+    src = cfg.model.hf_model_path if cfg.rollout.engine == "sglang" else hf_config
+    return make_engine(cfg.rollout, hf_config_or_path=src, tokenizer=tokenizer,
+                       device="cuda" if on_gpu else "cpu", dtype=dtype)
+
+
+def build_runtime(cfg, groups, *, tokenizer=None, datasets=None) -> Runtime:
+    """Build datasets, actor, engine (rank 0), sinks and checkpoint manager; resume if asked."""
+    from hapo_megatron.data import PromptSampler
+    from hapo_megatron.rewards import get_reward_fn
+    from hapo_megatron.training.actor import MegatronActor
+    from hapo_megatron.training.checkpoint import resolve_resume
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer_path)
+    train_ds, val_ds = datasets or build_datasets(cfg, tokenizer)
+    hf_config = load_hf_config(cfg.model.hf_model_path)
+    init_hf = cfg.model.hf_model_path if has_hf_weights(cfg.model.hf_model_path) else None
+    if init_hf is None and not cfg.model.megatron_load_path and rank == 0:
+        warnings.warn(f"model.hf_model_path {cfg.model.hf_model_path!r} has no weights: random init")
+    total_opt = cfg.trainer.total_steps * optimizer_steps_per_rl_step(cfg) + cfg.trainer.sft_warmup_steps
+    actor = MegatronActor(
+        hf_config, groups=groups, optim=cfg.optim, total_optimizer_steps=total_opt,
+        dtype=cfg.model.dtype if torch.cuda.is_available() else "fp32", use_te=cfg.model.use_te,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        recompute_activations=cfg.model.recompute_activations,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        init_hf_path=init_hf, init_megatron_path=cfg.model.megatron_load_path)
+    ckpt_root = os.path.join(cfg.trainer.run_dir, "checkpoints")
+    resume_from = resolve_resume(cfg.trainer.resume, ckpt_root)
+    lg = cfg.logging
+    logger = MetricsLogger(
+        cfg.trainer.run_dir, total_steps=cfg.trainer.total_steps, enabled=rank == 0, console=lg.console,
+        jsonl=lg.jsonl, wandb=lg.wandb, wandb_mode=lg.wandb_mode, wandb_project=lg.wandb_project,
+        experiment_name=lg.wandb_run_name, tensorboard=lg.tensorboard, log_interval=lg.log_interval,
+        config=cfg.to_dict(), desc=cfg.trainer.experiment_name, tensorboard_dir=lg.tensorboard_dir,
+        initial_step=0)
+    rt = Runtime(
+        cfg=cfg, groups=groups, rank=rank, world_size=world, tokenizer=tokenizer, hf_config=hf_config,
+        train_ds=train_ds, val_ds=val_ds,
+        sampler=PromptSampler(train_ds, cfg.data.train_batch_size if cfg.rollout.generate_batch_size is None
+                              else cfg.rollout.generate_batch_size, seed=cfg.data.seed,
+                              shuffle=cfg.data.shuffle),
+        actor=actor, engine=build_engine(cfg, hf_config, tokenizer) if rank == 0 else None,
+        reward_fn=get_reward_fn(cfg.reward.reward_fn), logger=logger,
+        ckpt=CheckpointManager(ckpt_root, keep_last_k=cfg.trainer.keep_last_k or 10**9, rank=rank,
+                               barrier=dist.barrier),
+        dyn=DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
+                           max_num_gen_batches=cfg.algo.max_num_gen_batches))
+    if resume_from:
+        rt.restore(rt.ckpt.load(resume_from, load_model=actor.load))
+        logger.resume(rt.step)
+        logger.write(f"resumed from {resume_from} at step {rt.step}")
+    return rt

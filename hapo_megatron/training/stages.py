@@ -1,0 +1,186 @@
+"""The stages of one training step (one function each, in data-path order; see trainer.fit).
+
+rollout (rank 0) -> sequences + advantages (every rank, same answer) -> micro-batch layout ->
+old-log-prob pass + global entropy statistics -> PPO updates -> weight sync -> eval/checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hapo_megatron.training.actor import sum_metrics_across_ranks
+from hapo_megatron.training.batching import build_rank_micro_batches, split_mini_batches
+from hapo_megatron.training.rl_step import (RolloutBatch, rollout_metrics, score_samples, sequence_advantages,
+                                            shape_rewards, to_sequences)
+from hapo_megatron.training.runtime import Runtime, broadcast_object
+
+
+def _stop_ids(rt: Runtime) -> list[int]:
+    eos = getattr(rt.tokenizer, "eos_token_id", None)
+    return [int(eos)] if eos is not None else []
+
+
+def _generate_round(rt: Runtime, step: int, gen_index: int, group_offset: int) -> RolloutBatch:
+    """One generation batch on rank 0: sample, score, shape."""
+    from hapo_megatron.rollout.engine import SamplingParams
+    cfg = rt.cfg
+    records = rt.sampler.next_batch()
+    params = SamplingParams.from_config(cfg.rollout, cfg.algo, entropy_stats=rt.entropy_stats,
+                                        seed=rt.sampling_seed(step, gen_index), stop_token_ids=_stop_ids(rt))
+    samples = rt.engine.generate([r.prompt_ids for r in records], params)
+    batch = score_samples(samples, records, reward_fn=rt.reward_fn,
+                          decode=lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True),
+                          score_format=cfg.reward.score_format, group_offset=group_offset,
+                          reward_kwargs=cfg.reward.reward_kwargs)
+    return shape_rewards(batch, max_response_length=cfg.rollout.max_response_length,
+                         overlong_buffer_enable=cfg.reward.overlong_buffer_enable,
+                         overlong_buffer_len=cfg.reward.overlong_buffer_len,
+                         overlong_penalty_factor=cfg.reward.overlong_penalty_factor)
+
+
+def rollout(rt: Runtime, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+    """Generate, score and filter (dynamic sampling) until the step's batch is full; rank 0 works,
+    every rank receives the kept batch. ``rollout/*`` metrics cover every generated response."""
+    payload = None
+    if rt.is_main:
+        target = rt.cfg.data.train_batch_size
+        rt.dyn.reset()
+        generated, offset = [], 0
+        while True:
+            b = _generate_round(rt, step, rt.dyn.num_gen_batches, offset)
+            generated.append(b)
+            offset += len(set(b.group_ids))
+            rt.dyn.add(b)
+            if not rt.dyn.needs_more(target):
+                break
+        kept = rt.dyn.take(target)
+        metrics = {**rollout_metrics(RolloutBatch.concat(generated),
+                                     max_response_length=rt.cfg.rollout.max_response_length),
+                   **rt.dyn.metrics(),
+                   "batch/reward_mean": sum(kept.rewards) / max(len(kept), 1),
+                   "batch/acc": sum(kept.accs) / max(len(kept), 1),
+                   "batch/num_groups": float(len(set(kept.group_ids)))}
+        payload = (kept.to_dict(), metrics, rt.sampler.state_dict())
+    kept_d, metrics, sampler_state = broadcast_object(payload)
+    rt.sampler.load_state_dict(sampler_state)
+    return RolloutBatch.from_dict(kept_d), metrics
+
+
+def _pad_multiple(rt: Runtime) -> int:
+    g, m = rt.groups, 1
+    if rt.cfg.parallel.sequence_parallel and g.tp_size > 1:
+        m = math.lcm(m, g.tp_size)
+    if g.cp_size > 1:
+        m = math.lcm(m, 2 * g.cp_size)
+    return m
+
+
+def layout(rt: Runtime, batch: RolloutBatch) -> tuple[list[list[dict]], dict[str, float]]:
+    """Advantages from per-sequence (reward, length, group) and this rank's micro-batches of each
+    PPO mini-batch (DP-balanced by token count; identical assignment on every rank)."""
+    cfg, g = rt.cfg, rt.groups
+    adv, metrics = sequence_advantages(batch.rewards, batch.response_lengths, batch.group_ids,
+                                       adv_estimator=cfg.algo.adv_estimator,
+                                       norm_adv_by_std=cfg.algo.norm_adv_by_std,
+                                       fallback_threshold=cfg.algo.tlga_fallback_threshold)
+    seqs = to_sequences(batch, adv)
+    minis = split_mini_batches(list(dict.fromkeys(batch.group_ids)), batch.group_ids,
+                               cfg.trainer.ppo_mini_batch_size)
+    mbs = [build_rank_micro_batches([seqs[i] for i in idx], dp_rank=g.dp_rank, dp_size=g.dp_size,
+                                    micro_batch_size=cfg.parallel.micro_batch_size,
+                                    max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
+                                    pad_multiple=_pad_multiple(rt)) for idx in minis]
+    return mbs, metrics
+
+
+def old_logprob_pass(rt: Runtime, minis: list[list[dict]]):
+    """Old log-probs + entropies at T_base for every micro-batch, the exact global entropy
+    statistics, and the rollout/training mismatch. Returns (EntropyStats, metrics)."""
+    from hapo_megatron.algo import EntropyStats
+    from hapo_megatron.parallel.stats import global_entropy_stats
+    cfg, g = rt.cfg, rt.groups
+    all_mbs = [mb for mini in minis for mb in mini]
+    rt.actor.compute_logprobs_entropy(all_mbs, temperature=cfg.rollout.temperature)
+    sums: dict[str, float] = {}
+    stats = None
+    if g.is_pipeline_last:
+        ent = torch.cat([mb["old_entropy"].reshape(-1) for mb in all_mbs])
+        mask = torch.cat([mb["loss_mask"].reshape(-1) for mb in all_mbs])
+        stats = global_entropy_stats(ent, mask, group=g.dp_cp, entropy_pivot=cfg.algo.entropy_pivot)
+        diff = sum(float(((mb["old_logprobs"] - mb["rollout_logprobs"]).abs() * mb["loss_mask"]).sum())
+                   for mb in all_mbs)
+        sums = {"n": float(mask.sum()), "ent": float((ent * mask).sum()), "diff": diff}
+        if cfg.algo.old_logprob_source == "rollout":
+            for mb in all_mbs:
+                mb["old_logprobs"] = mb["rollout_logprobs"] * mb["loss_mask"]
+    if g.pp_size > 1:  # the rollout (rank 0, first stage) needs the statistics
+        last = dist.get_global_rank(g.pp, g.pp_size - 1)
+        stats = broadcast_object(stats.to_dict() if stats is not None else None, src=last, group=g.pp)
+        stats = EntropyStats.from_dict(stats)
+    tot = sum_metrics_across_ranks(sums, contribute=rt.contributes_metrics and g.is_pipeline_last)
+    n = max(tot.get("n", 0.0), 1.0)
+    metrics = {"entropy/mean": tot.get("ent", 0.0) / n, "rollout/logprob_abs_diff": tot.get("diff", 0.0) / n,
+               **{f"entropy/{k}": float(v) for k, v in stats.to_dict().items()}}
+    return stats, metrics
+
+
+def policy_loss_factory(rt: Runtime, stats):
+    """``make_loss(mb)`` for `MegatronActor.train_step` with the HAPO loss of `parallel.loss`."""
+    from hapo_megatron.parallel.loss import LossConfig, make_loss_func
+    loss_cfg = LossConfig.from_algo(rt.cfg.algo)
+    g = rt.groups
+    return lambda mb: make_loss_func(mb, cfg=loss_cfg, stats=stats, tp_group=g.tp,
+                                     cp_group=g.cp if g.cp_size > 1 else None,
+                                     temperature=rt.cfg.rollout.temperature)
+
+
+def ppo_update(rt: Runtime, minis: list[list[dict]], stats) -> dict[str, float]:
+    """``trainer.ppo_epochs`` passes of one optimizer step per mini-batch; loss metrics are
+    token-weighted over the whole step and every rank."""
+    from hapo_megatron.algo import finalize_loss_metrics
+    make_loss = policy_loss_factory(rt, stats)
+    sums: dict[str, Any] = {}
+    norms, skipped, lr = [], 0, 0.0
+    for _ in range(rt.cfg.trainer.ppo_epochs):
+        for mbs in minis:
+            res = rt.actor.train_step(mbs, make_loss)
+            for k, v in res.metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            skipped += int(res.skipped)
+            lr = res.lr
+            if not res.skipped:
+                norms.append(res.grad_norm)
+    tot = sum_metrics_across_ranks(sums, contribute=rt.contributes_metrics)
+    return {**finalize_loss_metrics(tot), "actor/grad_norm": sum(norms) / max(len(norms), 1),
+            "actor/lr": lr, "actor/skipped_updates": float(skipped),
+            "actor/num_updates": float(len(minis) * rt.cfg.trainer.ppo_epochs)}
+
+
+def sync_weights(rt: Runtime) -> None:
+    """Stream the actor's weights (HF names, gathered over TP/PP) into the rollout engine."""
+    dtype = getattr(rt.engine, "dtype", None) if rt.engine is not None else None
+    named = rt.actor.export_hf_weights(dtype=dtype)
+    if rt.engine is not None:
+        rt.engine.update_weights(named)
+    for _ in named:  # every rank consumes the generator fully (it runs collectives)
+        pass
+
+
+def evaluate(rt: Runtime, step: int) -> dict[str, float]:
+    """Validation on rank 0 (fixed temperature, val_n samples); {} elsewhere or without val files."""
+    if rt.val_ds is None or not rt.is_main:
+        return {}
+    from hapo_megatron.rollout.engine import SamplingParams
+    from hapo_megatron.training.evaluation import evaluate as run_eval
+    cfg = rt.cfg
+    records = list(rt.val_ds)
+    if cfg.data.val_max_samples:
+        records = records[: cfg.data.val_max_samples]
+    params = SamplingParams.from_config(cfg.rollout, cfg.algo, validation=True, seed=cfg.trainer.seed,
+                                        stop_token_ids=_stop_ids(rt))
+    return run_eval(rt.engine, records, rt.reward_fn, params, tokenizer=rt.tokenizer,
+                    reward_kwargs={"score_format": cfg.reward.score_format, **cfg.reward.reward_kwargs})

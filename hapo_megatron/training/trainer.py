@@ -1,0 +1,136 @@
+"""`fit(cfg)`: the RL loop, one line per stage of the data path (see shared/spec/architecture.md).
+
+Every rank runs `fit`; rank 0 also drives the rollout engine, the metric sinks and the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from hapo_megatron.training import stages
+from hapo_megatron.training.metrics import read_jsonl
+from hapo_megatron.training.runtime import Runtime, build_runtime
+from hapo_megatron.training.sft import run_sft
+
+
+def fit(cfg, *, tokenizer=None, datasets=None) -> dict[str, Any]:
+    """Train with ``cfg`` (a `HapoConfig`); returns the run summary (same on every rank)."""
+    from hapo_megatron.parallel.groups import initialize_parallel
+    p = cfg.parallel
+    groups = initialize_parallel(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                                 cp=p.context_parallel_size, seed=cfg.trainer.seed)
+    rt = build_runtime(cfg, groups, tokenizer=tokenizer, datasets=datasets)
+    t0, timer, start_eval = time.time(), rt.timer, {}
+    if not rt.sft_done and rt.step == 0 and cfg.trainer.sft_warmup_steps > 0:
+        with timer("sft"):
+            rt.logger.write(f"sft warm start done: {run_sft(rt)}")
+    rt.sft_done = True
+    stages.sync_weights(rt)  # the engine starts from the actor (fresh, after SFT, or resumed)
+    if cfg.trainer.val_before_train and rt.step == 0:
+        start_eval = stages.evaluate(rt, 0)
+        rt.logger.log(0, start_eval, advance=False)
+    for step in range(rt.step + 1, cfg.trainer.total_steps + 1):
+        rt.step, t_step = step, time.time()
+        with timer("rollout"):
+            batch, metrics = stages.rollout(rt, step)
+        if len(batch) == 0:
+            _skip(rt, step, metrics, "dynamic sampling kept no group")
+            continue
+        with timer("old_logprob"):
+            minis, adv_metrics = stages.layout(rt, batch)
+            stats, ent_metrics = stages.old_logprob_pass(rt, minis)
+        with timer("update"):
+            upd_metrics = stages.ppo_update(rt, minis, stats)
+        rt.entropy_stats = stats  # the next rollout's adaptive temperature uses them
+        with timer("sync"):
+            stages.sync_weights(rt)
+        metrics.update({**adv_metrics, **ent_metrics, **upd_metrics})
+        if upd_metrics["actor/skipped_updates"] > 0:
+            _skip(rt, step, metrics, "non-finite loss or gradient", logged=False)
+        else:
+            rt.consecutive_skips = 0
+        if cfg.trainer.eval_interval and step % cfg.trainer.eval_interval == 0:
+            with timer("eval"):
+                metrics.update(stages.evaluate(rt, step))
+        tokens = sum(len(a) + len(b) for a, b in zip(batch.prompt_ids, batch.response_ids))
+        elapsed = time.time() - t_step
+        metrics.update({**timer.pop(), "perf/step_time_s": elapsed, "perf/tokens_per_s": tokens / max(elapsed, 1e-9),
+                        "actor/consecutive_skips": float(rt.consecutive_skips)})
+        rt.logger.log(step, metrics)
+        _check_skips(rt)
+        if cfg.trainer.save_interval and step % cfg.trainer.save_interval == 0:
+            rt.save_checkpoint()
+    return _finish(rt, t0, start_eval)
+
+
+def _skip(rt: Runtime, step: int, metrics: dict, why: str, logged: bool = True) -> None:
+    rt.consecutive_skips += 1
+    rt.logger.write(f"step {step}: update skipped ({why}); {rt.consecutive_skips} in a row")
+    if logged:
+        rt.logger.log(step, {**metrics, "actor/consecutive_skips": float(rt.consecutive_skips)})
+        _check_skips(rt)
+
+
+def _check_skips(rt: Runtime) -> None:
+    limit = rt.cfg.trainer.max_consecutive_skips
+    if limit and rt.consecutive_skips >= limit:
+        raise RuntimeError(
+            f"stopping: {rt.consecutive_skips} consecutive steps were skipped (no usable group after "
+            f"dynamic sampling, or a non-finite loss/gradient); trainer.max_consecutive_skips={limit}. "
+            "Lower optim.lr, check the reward/data, or raise algo.max_num_gen_batches.")
+
+
+def _finish(rt: Runtime, t0: float, start_eval: dict) -> dict[str, Any]:
+    """Final checkpoint and evaluation, then the summary (printed and saved by rank 0)."""
+    cfg = rt.cfg
+    last_saved = rt.ckpt.root and os.path.isdir(os.path.join(rt.ckpt.root, f"step_{rt.step:06d}"))
+    if rt.step > rt.start_step and not last_saved:
+        rt.save_checkpoint()
+    end_eval = stages.evaluate(rt, rt.step) if cfg.trainer.val_at_end else {}
+    if end_eval:
+        rt.logger.log(rt.step, end_eval, advance=False)
+    summary = summarize(rt, time.time() - t0, start_eval, end_eval)
+    rt.logger.close()
+    if rt.is_main:
+        with open(os.path.join(rt.run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        print(format_summary(summary), flush=True)
+    if rt.engine is not None:
+        rt.engine.shutdown()
+    return summary
+
+
+def summarize(rt: Runtime, wall_s: float, start_eval: dict, end_eval: dict, k: int = 5) -> dict[str, Any]:
+    """First-vs-last-k-steps reward/accuracy from metrics.jsonl, wall time, evals."""
+    recs = [r for r in read_jsonl(os.path.join(rt.run_dir, "metrics.jsonl"))
+            if r.get("rollout/reward_mean") is not None]
+    k = max(1, min(k, len(recs) // 2)) if recs else 0
+
+    def mean(rows, key):
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+    return {"run_dir": rt.run_dir, "steps": rt.step, "wall_time_s": wall_s, "k": k,
+            "first_reward_mean": mean(recs[:k], "rollout/reward_mean") if k else None,
+            "last_reward_mean": mean(recs[-k:], "rollout/reward_mean") if k else None,
+            "first_acc": mean(recs[:k], "rollout/acc") if k else None,
+            "last_acc": mean(recs[-k:], "rollout/acc") if k else None,
+            "eval_start": start_eval, "eval_end": end_eval}
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    def f(v, pct=False):
+        return "n/a" if v is None else (f"{100 * v:.1f}%" if pct else f"{v:+.3f}")
+    lines = ["", "=" * 64, f"run: {s['run_dir']}   steps: {s['steps']}   wall time: {s['wall_time_s'] / 60:.1f} min",
+             f"reward mean   first {s['k']} steps: {f(s['first_reward_mean'])}   last {s['k']} steps: "
+             f"{f(s['last_reward_mean'])}",
+             f"accuracy      first {s['k']} steps: {f(s['first_acc'], True)}   last {s['k']} steps: "
+             f"{f(s['last_acc'], True)}"]
+    for name, ev in (("eval before", s["eval_start"]), ("eval after", s["eval_end"])):
+        accs = {k: v for k, v in ev.items() if "/avg@" in k}
+        if accs:
+            lines.append(f"{name}: " + ", ".join(f"{k} = {100 * v:.1f}%" for k, v in sorted(accs.items())))
+    lines.append("=" * 64)
+    return "\n".join(lines)
