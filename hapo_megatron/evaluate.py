@@ -107,17 +107,19 @@ def _hf_config_from_run(path: str) -> str | None:
     return None
 
 
-def convert_megatron_checkpoint(ckpt: str, hf_config: str, out_dir: str) -> str:
-    """Convert a Megatron checkpoint to an HF directory with `hapo_megatron.convert`."""
-    try:
-        from hapo_megatron.convert.cli import main as convert_main
-    except ImportError as e:
-        raise ValueError("converting a Megatron checkpoint needs hapo_megatron.convert.cli, which "
-                         f"is not available in this install ({e})") from e
-    rc = convert_main(["megatron-to-hf", "--megatron-path", ckpt, "--hf-model-path", hf_config,
-                       "--output", out_dir, "--overwrite"])
+def convert_megatron_checkpoint(ckpt: str, hf_config: str | None, out_dir: str) -> str:
+    """Convert a Megatron checkpoint to an HF directory with `hapo convert megatron-to-hf`.
+
+    `hf_config` (an HF model dir) is needed only when the checkpoint lacks its `hf/` subdir.
+    """
+    from hapo_megatron.convert.cli import main as convert_main
+
+    argv = ["megatron-to-hf", "--megatron-path", ckpt, "--hf-model-path", out_dir, "--overwrite"]
+    if hf_config:
+        argv += ["--hf-config-path", hf_config]
+    rc = convert_main(argv)
     if rc not in (0, None):
-        raise ValueError(f"conversion of {ckpt} to HF failed (exit status {rc})")
+        raise ValueError(f"conversion of {ckpt} to HF failed (exit status {rc}, see above)")
     return out_dir
 
 
@@ -128,10 +130,11 @@ def resolve_model(model: str, hf_config: str | None, convert_dir: str | None) ->
     if is_hf_model_dir(model):
         return model, "hf"
     ckpt = find_megatron_checkpoint(model)
-    hf_config = hf_config or _hf_config_from_run(model)
-    if not hf_config:
-        raise ValueError(f"--model {model!r} is a Megatron checkpoint: pass --hf-config with the "
-                         "HF model directory it was trained from (config + tokenizer)")
+    if not is_hf_model_dir(os.path.join(ckpt, "hf")):
+        hf_config = hf_config or _hf_config_from_run(model)
+        if not hf_config:
+            raise ValueError(f"--model {model!r} is a Megatron checkpoint without an hf/ config: "
+                             "pass --hf-config with the HF model directory it was trained from")
     out = convert_dir or tempfile.mkdtemp(prefix="hapo_eval_hf_")
     logger.info("converting Megatron checkpoint %s to HF in %s", ckpt, out)
     return convert_megatron_checkpoint(ckpt, hf_config, out), f"megatron:{ckpt}"
@@ -187,8 +190,8 @@ def run(args) -> dict:
     cfg = load_config(args.config, args.overrides)
     rollout_cfg, device, dtype = _resolve_settings(args, cfg)
     model_dir, source = resolve_model(args.model, args.hf_config, args.convert_dir)
-    tok_path = args.tokenizer or cfg.data.tokenizer_path or (
-        args.hf_config if source != "hf" and args.hf_config else model_dir)
+    # A converted checkpoint carries its tokenizer files (copied from its hf/ or --hf-config).
+    tok_path = args.tokenizer or cfg.data.tokenizer_path or model_dir
     tokenizer = AutoTokenizer.from_pretrained(tok_path)
     dataset = PromptDataset(args.data, tokenizer, prompt_key=args.prompt_key or cfg.data.prompt_key,
                             max_prompt_length=args.max_prompt_length or cfg.data.max_prompt_length,

@@ -191,8 +191,7 @@ def run(args) -> dict:
     model_dir, source = resolve_model(args.model, args.hf_config, None)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, _DTYPES[args.dtype or ("bf16" if device.startswith("cuda") else "fp32")])
-    tokenizer = AutoTokenizer.from_pretrained(args.hf_config if source != "hf" and args.hf_config
-                                              else model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)  # conversion copies the tokenizer
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     texts = calibration_texts(args.calib_data, tokenizer, args.calib_size)
     t0 = time.perf_counter()
