@@ -44,7 +44,6 @@ import torch
 from hapo_megatron.rollout import sglang_launch as launch
 from hapo_megatron.rollout.engine import Sample, SamplingParams, check_prompt_ids
 from hapo_megatron.rollout.sglang_client import SGLangError, SGLangHTTP, ServerHandle
-from hapo_megatron.rollout.sglang_processor import AdaptiveTemperatureProcessor
 from hapo_megatron.rollout import weight_sync as ws
 
 WEIGHT_SYNC_MODES = ("auto", "tensor", "distributed", "disk")
@@ -52,6 +51,14 @@ _SEED_MOD = 2**63 - 1
 
 
 # --------------------------------------------------------------------------- pure request helpers
+def _processor():
+    """The processor class, imported on first adaptive request (importing SGLang is slow and
+    patches transformers, so a non-adaptive client never pays for it)."""
+    from hapo_megatron.rollout.sglang_processor import AdaptiveTemperatureProcessor
+
+    return AdaptiveTemperatureProcessor
+
+
 def row_sampling_params(params: SamplingParams, *, seed: Optional[int] = None) -> dict:
     """SGLang ``sampling_params`` of one row (adaptive rows carry our ``custom_params``)."""
     sp: dict[str, Any] = {
@@ -62,7 +69,7 @@ def row_sampling_params(params: SamplingParams, *, seed: Optional[int] = None) -
     if params.stop_token_ids:
         sp["stop_token_ids"] = list(params.stop_token_ids)
     if params.uses_adaptive:
-        sp["custom_params"] = AdaptiveTemperatureProcessor.custom_params(
+        sp["custom_params"] = _processor().custom_params(
             params.entropy_stats, params.temperature, params.temperature_tau, params.h_hat_mode)
     if seed is not None:
         sp["sampling_seed"] = int(seed)
@@ -89,7 +96,7 @@ def generate_payload(input_ids: list[list[int]], params: SamplingParams, *,
         "return_logprob": True,
     }
     if params.uses_adaptive:
-        body["custom_logit_processor"] = [AdaptiveTemperatureProcessor.to_str()] * len(input_ids)
+        body["custom_logit_processor"] = [_processor().to_str()] * len(input_ids)
     return body
 
 
@@ -172,6 +179,7 @@ class SGLangEngine:
         self.http = SGLangHTTP(timeout_s=request_timeout_s, max_retries=max_retries, session=session)
         self.rank, self.world_size = _dist_info()
         self._nccl_group = None
+        self._sync_device = "cuda"  # where broadcast buckets live (NCCL); tests use "cpu"
         self._server_groups: Optional[dict] = None
         self.router: Optional[ServerHandle] = None
         if server_urls:
@@ -366,7 +374,7 @@ class SGLangEngine:
                 body = ws.distributed_update_payload(bucket, group_name=self.group_name, flush_cache=last)
                 futs = [pool.submit(self.http.request, srv, "/update_weights_from_distributed", body, retries=0)
                         for srv in self.servers]
-                torch.distributed.broadcast(flat.cuda(), group=self._nccl_group, group_src=0)
+                torch.distributed.broadcast(flat.to(self._sync_device), group=self._nccl_group, group_src=0)
                 for f in futs:
                     _check_success(f.result(), "update_weights_from_distributed")
 

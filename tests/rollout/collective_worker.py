@@ -1,0 +1,52 @@
+"""Module-level worker for the 2-rank SGLangEngine test (kept light: no SGLang import)."""
+
+import torch
+
+from hapo_megatron.rollout import sglang_engine as se
+from hapo_megatron.rollout.engine import SamplingParams
+
+from .fake_sglang import FakeSession
+
+URLS = ["http://a:1", "http://b:2"]
+
+
+def named_weights():
+    g = torch.Generator().manual_seed(0)
+    return [("model.embed_tokens.weight", torch.randn(64, 32, generator=g).bfloat16()),
+            ("model.layers.0.mlp.up_proj.weight", torch.randn(64, 32, generator=g).bfloat16()),
+            ("model.norm.weight", torch.randn(32, generator=g).bfloat16()),
+            ("lm_head.weight", torch.randn(64, 32, generator=g).bfloat16())]
+
+
+def collective_worker(rank, world_size, tmp_dir):
+    from hapo_megatron.rollout import weight_sync as ws
+
+    ws.serialize_bucket_for_sglang = lambda bucket: (f"rank{rank}:" + ",".join(n for n, _ in bucket), None)
+    out = {}
+    # one colocated server with tp=2 spanning both ranks: tensor sync gathers both ranks' handles
+    sess = FakeSession()
+    eng = se.SGLangEngine(server_urls=URLS[:1], server_tp_size=2, colocate=True, weight_sync="tensor",
+                          session=sess, launch=False, bucket_size_mb=1)
+    eng.bucket_bytes = 64 * 32 * 2
+    samples = eng.generate([[10], [20]], SamplingParams(n=2, max_new_tokens=3))
+    out["samples"] = [[s.response_ids for s in g] for g in samples]
+    eng.update_weights(iter(named_weights()))
+    eng.release_memory()
+    out["tensor_posts"] = [b["serialized_named_tensors"] for _, b in sess.posts("/update_weights_from_tensor")]
+    out["generate_posts"] = len(sess.posts("/generate"))
+    out["release_posts"] = len(sess.posts("/release_memory_occupation"))
+    # disk sync: rank 0 writes and posts, rank 1 only drains its iterator
+    sess2 = FakeSession()
+    eng2 = se.SGLangEngine(server_urls=URLS, colocate=False, weight_sync="disk", session=sess2, launch=False,
+                           disk_sync_dir=tmp_dir)
+    drained = []
+
+    def stream():
+        for item in named_weights():
+            drained.append(item[0])
+            yield item
+
+    eng2.update_weights(stream())
+    out["disk_posts"] = len(sess2.posts("/update_weights_from_disk"))
+    out["drained"] = len(drained)
+    return out

@@ -1,0 +1,289 @@
+"""SGLangEngine up to the HTTP call, with a fake transport: payloads, parsing, spreading, retries,
+dead servers, weight-sync requests and bucket contents."""
+
+import pytest
+import requests
+import torch
+
+from hapo_megatron.algo import EntropyStats
+from hapo_megatron.rollout import sglang_engine as se
+from hapo_megatron.rollout.engine import SamplingParams
+from hapo_megatron.rollout.sglang_client import SGLangError, SGLangHTTP, ServerDiedError, ServerHandle
+from hapo_megatron.rollout.sglang_launch import router_command, server_command, sglang_dtype
+from hapo_megatron.rollout.sglang_processor import PARAM_KEY, SGLANG_AVAILABLE, AdaptiveTemperatureProcessor
+
+from .fake_sglang import FakeProcess, FakeSession
+
+STATS = EntropyStats(pivot=1.1, std=0.4, pos_max=2.0, neg_min=-2.5)
+URLS = ["http://a:1", "http://b:2"]
+
+
+def engine(session, **kw):
+    kw.setdefault("server_urls", URLS)
+    kw.setdefault("colocate", False)
+    kw.setdefault("weight_sync", "disk")
+    return se.SGLangEngine(session=session, launch=False, **kw)
+
+
+# ---------------------------------------------------------------- payloads and parsing
+def test_generate_payload_adaptive_and_plain():
+    params = SamplingParams(n=2, temperature=0.8, top_p=0.9, top_k=5, max_new_tokens=7, stop_token_ids=(3,),
+                            adaptive=True, entropy_stats=STATS, temperature_tau=0.1, h_hat_mode="reference", seed=9)
+    body = se.generate_payload([[1, 2], [3]], params, seeds=se.row_seeds(params, [0, 1]))
+    assert body["input_ids"] == [[1, 2], [3]] and body["return_logprob"] is True
+    assert body["custom_logit_processor"] == [AdaptiveTemperatureProcessor.to_str()] * 2
+    sp = body["sampling_params"][0]
+    assert {k: sp[k] for k in ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids")} == {
+        "temperature": 0.8, "top_p": 0.9, "top_k": 5, "max_new_tokens": 7, "stop_token_ids": [3]}
+    # the request temperature and the processor's base temperature are the same number
+    assert sp["custom_params"] == AdaptiveTemperatureProcessor.custom_params(STATS, 0.8, 0.1, "reference")
+    assert sp["custom_params"][PARAM_KEY]["base_temperature"] == sp["temperature"]
+    assert [s["sampling_seed"] for s in body["sampling_params"]] == se.row_seeds(params, [0, 1])
+    assert len(set(se.row_seeds(params, range(10)))) == 10
+    plain = se.generate_payload([[1]], params.with_(adaptive=False))
+    assert "custom_logit_processor" not in plain and "custom_params" not in plain["sampling_params"][0]
+    assert "sampling_seed" not in plain["sampling_params"][0]
+    greedy = se.generate_payload([[1]], params.with_(temperature=0.0))
+    assert "custom_logit_processor" not in greedy  # greedy never uses the processor
+    with pytest.raises(ValueError, match="seeds"):
+        se.generate_payload([[1]], params, seeds=[1, 2])
+
+
+@pytest.mark.skipif(not SGLANG_AVAILABLE, reason="sglang not installed")
+def test_generate_payload_passes_sglang_request_contract():
+    from sglang.srt.entrypoints.api_contract import generate_contract_error
+
+    params = SamplingParams(n=1, adaptive=True, entropy_stats=EntropyStats.neutral(), seed=1, stop_token_ids=(2,))
+    assert generate_contract_error(se.generate_payload([[1, 2], [4]], params, seeds=[5, 6])) is None
+    assert generate_contract_error(se.generate_payload([[1]], params.with_(adaptive=False))) is None
+
+
+def test_parse_generate_item():
+    item = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "stop", "matched": 6},
+                                                 "output_token_logprobs": [[-0.5, 5, None], [-1.5, 6, None]]}}
+    assert se.parse_generate_item(item) == ([5, 6], [-0.5, -1.5], "stop")
+    item["meta_info"]["finish_reason"] = {"type": "length", "length": 2}
+    assert se.parse_generate_item(item)[2] == "length"
+    with pytest.raises(SGLangError, match="abort"):
+        se.parse_generate_item({"meta_info": {"finish_reason": {"type": "abort", "message": "x"}}})
+    with pytest.raises(SGLangError, match="output_token_logprobs"):
+        se.parse_generate_item({"meta_info": {"finish_reason": {"type": "stop"}}})
+    with pytest.raises(SGLangError, match="disagree"):
+        se.parse_generate_item(dict(item, output_ids=[5]))
+    with pytest.raises(SGLangError):
+        se.parse_generate_item(["not a dict"])
+
+
+# ---------------------------------------------------------------- generation
+def test_generate_orders_samples_and_spreads_requests():
+    sess = FakeSession()
+    eng = engine(sess, requests_per_call=3)
+    prompts = [[10], [20, 1], [30], [40]]
+    params = SamplingParams(n=2, max_new_tokens=4, stop_token_ids=(22,), adaptive=True, entropy_stats=STATS)
+    out = eng.generate(prompts, params)
+    assert [[(s.prompt_index, s.sample_index) for s in g] for g in out] == [[(p, 0), (p, 1)] for p in range(4)]
+    for p, g in enumerate(out):
+        for s in g:
+            assert s.prompt_ids == prompts[p]
+            assert s.temperatures == [] and not s.has_temperatures  # SGLang cannot report them
+            assert s.rollout_logprobs == pytest.approx([-0.1 * (i + 1) for i in range(len(s.response_ids))])
+    assert out[1][0].response_ids == [21, 22] and out[1][0].finish_reason == "stop"
+    assert out[0][0].response_ids == [11, 12, 13, 14] and out[0][0].finish_reason == "length"
+    gens = sess.posts("/generate")
+    assert sorted(len(b["input_ids"]) for _, b in gens) == [2, 3, 3]  # 8 rows in chunks of 3
+    assert {u.rsplit("/", 1)[0] for u, _ in gens} == set(URLS)  # both servers used
+    # every row's custom params reached the server
+    assert all(sp["custom_params"][PARAM_KEY]["pivot"] == STATS.pivot for _, b in gens for sp in b["sampling_params"])
+
+
+def test_generate_bad_input():
+    eng = engine(FakeSession())
+    with pytest.raises(ValueError, match="params"):
+        eng.generate([[1]], {"n": 1})
+    with pytest.raises(ValueError, match="prompt_ids"):
+        eng.generate([[]], SamplingParams())
+
+
+# ---------------------------------------------------------------- retries and dead servers
+def test_retries_with_backoff_then_success():
+    sleeps = []
+    sess = FakeSession(failures={"/generate": [503, requests.ConnectionError("reset"), 502]})
+    http = SGLangHTTP(max_retries=3, backoff_s=0.5, session=sess, sleep=sleeps.append)
+    ans = http.request(ServerHandle(URLS[0]), "/generate", {"input_ids": [[1]], "sampling_params": [{"max_new_tokens": 1}]})
+    assert len(ans) == 1 and sleeps == [0.5, 1.0, 2.0]
+
+
+def test_retries_exhausted_and_non_retryable():
+    sleeps = []
+    sess = FakeSession(failures={"/generate": [503] * 10, "/update_weights_from_disk": [400]})
+    http = SGLangHTTP(max_retries=2, backoff_s=1.0, session=sess, sleep=sleeps.append)
+    with pytest.raises(SGLangError, match="after 3 attempt"):
+        http.request(ServerHandle(URLS[0]), "/generate", {})
+    assert len(sess.posts("/generate")) == 3 and sleeps == [1.0, 2.0]
+    with pytest.raises(SGLangError, match="HTTP 400"):
+        http.request(ServerHandle(URLS[0]), "/update_weights_from_disk", {})
+    assert len(sess.posts("/update_weights_from_disk")) == 1  # 4xx: no retry
+
+
+def test_dead_launched_server_raises_with_log_tail(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("CUDA out of memory while loading weights\n")
+    dead = ServerHandle("http://a:1", process=FakeProcess(returncode=-9), log_path=str(log))
+    http = SGLangHTTP(session=FakeSession(), sleep=lambda s: None)
+    with pytest.raises(ServerDiedError, match="exited with code -9(.|\n)*CUDA out of memory"):
+        http.request(dead, "/generate", {})
+    with pytest.raises(ServerDiedError, match="start-up"):
+        http.wait_healthy(dead, timeout_s=10)
+
+
+def test_dead_attached_server_is_named_during_generate():
+    sess = FakeSession(failures={"/generate": [requests.ConnectionError("refused")] * 10}, dead={URLS[1]})
+    eng = engine(sess, max_retries=1)
+    eng.http.sleep = lambda s: None
+    with pytest.raises(ServerDiedError, match="http://b:2 is not answering"):
+        eng.generate([[1]] * 4, SamplingParams(n=1, max_new_tokens=2))
+
+
+def test_wait_healthy_times_out():
+    now = [0.0]
+
+    def sleep(s):
+        now[0] += s
+
+    http = SGLangHTTP(session=FakeSession(dead={URLS[0]}), sleep=sleep)
+    with pytest.raises(SGLangError, match="not healthy after 10 s"):
+        http.wait_healthy(ServerHandle(URLS[0]), timeout_s=10, poll_s=3, clock=lambda: now[0])
+
+
+# ---------------------------------------------------------------- weight sync requests
+def named_weights():
+    g = torch.Generator().manual_seed(0)
+    return [("model.embed_tokens.weight", torch.randn(64, 32, generator=g).bfloat16()),
+            ("model.layers.0.mlp.up_proj.weight", torch.randn(64, 32, generator=g).bfloat16()),
+            ("model.norm.weight", torch.randn(32, generator=g).bfloat16()),
+            ("lm_head.weight", torch.randn(64, 32, generator=g).bfloat16())]
+
+
+def test_disk_sync_writes_checkpoint_and_posts_every_server(tmp_path):
+    from safetensors.torch import load_file
+
+    sess = FakeSession()
+    eng = engine(sess, weight_sync="disk", disk_sync_dir=str(tmp_path / "w"), bucket_size_mb=1)
+    eng.update_weights(iter(named_weights()))
+    posts = sess.posts("/update_weights_from_disk")
+    assert [u.rsplit("/", 1)[0] for u, _ in posts] == URLS
+    assert all(b == {"model_path": str(tmp_path / "w"), "flush_cache": True} for _, b in posts)
+    loaded = {}
+    for f in sorted((tmp_path / "w").glob("*.safetensors")):
+        loaded.update(load_file(str(f)))
+    assert all(torch.equal(loaded[n], t) for n, t in named_weights())
+
+
+def test_distributed_sync_payloads_and_broadcast_order(monkeypatch):
+    sess = FakeSession()
+    eng = engine(sess, weight_sync="distributed", bucket_size_mb=1)
+    eng._nccl_group, eng._sync_device = "fake-group", "cpu"
+    sent = []
+    monkeypatch.setattr(torch.distributed, "broadcast",
+                        lambda t, group=None, group_src=None: sent.append((t.clone(), group, group_src)))
+    eng.bucket_bytes = 64 * 32 * 2 + 100  # one big tensor (+ the small norm) per bucket
+    eng.update_weights(iter(named_weights()))
+    posts = sess.posts("/update_weights_from_distributed")
+    assert len(posts) == 2 * len(sent)  # each bucket announced to both servers, broadcast once
+    bodies = [b for _, b in posts[::2]]
+    assert [b["names"] for b in bodies] == [["model.embed_tokens.weight"], ["model.layers.0.mlp.up_proj.weight",
+                                            "model.norm.weight"], ["lm_head.weight"]]
+    assert all(b["dtypes"] == ["bfloat16"] * len(b["names"]) and b["load_format"] == "flattened_bucket" for b in bodies)
+    assert [b["flush_cache"] for b in bodies] == [False, False, True]  # flush once, at the end
+    flat_all = torch.cat([t for t, _, _ in sent])
+    want = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named_weights()])
+    assert torch.equal(flat_all, want) and all(g == "fake-group" and s == 0 for _, g, s in sent)
+
+
+@pytest.mark.skipif(not SGLANG_AVAILABLE, reason="sglang not installed")
+def test_tensor_sync_single_process_payloads():
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    sess = FakeSession()
+    eng = engine(sess, server_urls=URLS[:1], colocate=True, weight_sync="auto", server_tp_size=2,
+                 bucket_size_mb=1)
+    assert eng.weight_sync == "tensor"
+    eng.bucket_bytes = 64 * 32 * 2
+    eng.update_weights(iter(named_weights()))
+    posts = sess.posts("/update_weights_from_tensor")
+    got = []
+    for _, body in posts:
+        assert body["load_format"] == "flattened_bucket" and len(body["serialized_named_tensors"]) == 2
+        data = MultiprocessingSerializer.deserialize(body["serialized_named_tensors"][0])
+        got.append(FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"],
+                                         metadata=data["metadata"]).reconstruct_tensors())
+    assert [b["flush_cache"] for _, b in posts] == [False] * (len(posts) - 1) + [True]
+    flat = [x for b in got for x in b]
+    assert [n for n, _ in flat] == [n for n, _ in named_weights()]
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, w) for (_, t), (_, w) in zip(flat, named_weights()))
+
+
+def test_release_resume_only_when_colocated():
+    sess = FakeSession()
+    eng = engine(sess, colocate=True, weight_sync="disk")
+    eng.release_memory()
+    eng.resume_memory(tags=["weights"])
+    assert [b for _, b in sess.posts("/release_memory_occupation")] == [{"tags": None}] * 2
+    assert [b for _, b in sess.posts("/resume_memory_occupation")] == [{"tags": ["weights"]}] * 2
+    sess2 = FakeSession()
+    eng2 = engine(sess2, colocate=False)
+    eng2.release_memory()
+    eng2.resume_memory()
+    assert sess2.calls == []
+
+
+# ---------------------------------------------------------------- config, launch commands
+def test_from_config_and_weight_sync_resolution():
+    from hapo_megatron.config import SGLangConfig
+
+    cfg = SGLangConfig(server_urls=URLS, colocate=False, weight_sync="auto", bucket_size_mb=8, max_retries=5)
+    eng = se.SGLangEngine.from_config(cfg, model_path="/m", session=FakeSession(), launch=False)
+    assert (eng.weight_sync, eng.bucket_bytes, eng.http.max_retries, len(eng.servers)) == ("distributed", 8 << 20, 5, 2)
+    assert se.resolve_weight_sync("auto", colocate=True) == "tensor"
+    with pytest.raises(ValueError, match="colocate"):
+        se.resolve_weight_sync("tensor", colocate=False)
+    with pytest.raises(ValueError, match="weight_sync"):
+        se.resolve_weight_sync("nccl", colocate=False)
+    with pytest.raises(ValueError, match="launch=False"):
+        se.SGLangEngine(server_urls=[], launch=False, session=FakeSession())
+
+
+def test_launch_commands():
+    cmd = server_command("/models/q", port=30001, tp_size=2, base_gpu_id=4, mem_fraction_static=0.6,
+                         dtype=sglang_dtype(torch.bfloat16), enable_memory_saver=True, extra_args=["--x", 1])
+    s = " ".join(cmd)
+    for part in ("-m sglang.launch_server", "--model-path /models/q", "--port 30001", "--tp-size 2",
+                 "--base-gpu-id 4", "--mem-fraction-static 0.6", "--dtype bfloat16",
+                 "--enable-custom-logit-processor", "--enable-memory-saver", "--skip-tokenizer-init"):
+        assert part in s
+    assert cmd[-2:] == ["--x", "1"]
+    assert "--enable-memory-saver" not in server_command("/m", port=1)
+    r = " ".join(router_command(URLS, port=31000))
+    assert "-m sglang_router.launch_router --worker-urls http://a:1 http://b:2" in r and "--port 31000" in r
+    assert sglang_dtype("bf16") == "bfloat16" and sglang_dtype(torch.float32) == "float32"
+    with pytest.raises(ValueError):
+        sglang_dtype(torch.int8)
+
+
+# ---------------------------------------------------------------- collective behaviour (2 gloo ranks)
+def test_collective_generate_and_weight_sync_on_two_ranks(tmp_path):
+    from tests.distributed import run_distributed
+
+    from .collective_worker import collective_worker, named_weights as nw
+
+    assert [n for n, _ in nw()] == [n for n, _ in named_weights()]
+    r0, r1 = run_distributed(collective_worker, 2, str(tmp_path / "w"), timeout=120)
+    assert r0["samples"] == r1["samples"] == [[[11, 12, 13]] * 2, [[21, 22, 23]] * 2]
+    assert (r0["generate_posts"], r1["generate_posts"]) == (1, 0)  # only rank 0 talks to the servers
+    names = [n for n, _ in named_weights()]
+    assert r0["tensor_posts"] == [[f"rank0:{n}", f"rank1:{n}"] for n in names]  # server TP rank order
+    assert r1["tensor_posts"] == []
+    assert (r0["release_posts"], r1["release_posts"]) == (1, 0)
+    assert (r0["disk_posts"], r1["disk_posts"]) == (2, 0)
+    assert r0["drained"] == r1["drained"] == len(names)
