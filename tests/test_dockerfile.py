@@ -1,0 +1,286 @@
+"""Checks of the Dockerfile and the requirement files it copies (`docker build` cannot run in CI).
+
+Offline: the Dockerfile parses (known instructions, only ARG before the first FROM, an NGC
+PyTorch base), every COPY source exists, every requirement line is a valid PEP 508 requirement,
+the torch stack is never (re)installed, SGLang goes in with --no-deps, the package is installed
+with --no-deps, and the pins satisfy setup.cfg. Online (skipped with a reason when PyPI cannot be
+reached): every `name==version` pin is a released, non-yanked version with a file installable on
+the image's Python (3.12, Linux x86_64).
+"""
+
+import configparser
+import json
+import os
+import re
+import shlex
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.tags import compatible_tags, cpython_tags
+from packaging.utils import canonicalize_name, parse_wheel_filename
+from packaging.version import Version
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCKERFILE = os.path.join(ROOT, "Dockerfile")
+INSTRUCTIONS = {"FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT",
+                "VOLUME", "USER", "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK",
+                "SHELL", "MAINTAINER"}
+# Never installed from PyPI in the image: the NGC container's own builds are kept.
+TORCH_STACK = {"torch", "torchvision", "torchaudio", "triton", "pytorch-triton", "torchcodec",
+               "torchao", "transformer-engine", "apex"}
+IMAGE_PYTHON = (3, 12)  # Python of nvcr.io/nvidia/pytorch:26.xx-py3
+
+
+def parse_dockerfile(path=DOCKERFILE):
+    """[(INSTRUCTION, argument text)] with line continuations joined and comments dropped."""
+    instructions, buf = [], ""
+    with open(path, encoding="utf-8") as f:
+        for raw in f:
+            line = raw.rstrip("\n")
+            if not buf and (not line.strip() or line.lstrip().startswith("#")):
+                continue
+            if buf and line.lstrip().startswith("#"):  # comment inside a continuation
+                continue
+            if line.rstrip().endswith("\\"):
+                buf += line.rstrip()[:-1] + " "
+                continue
+            buf += line
+            keyword, _, rest = buf.strip().partition(" ")
+            instructions.append((keyword.upper(), rest.strip()))
+            buf = ""
+    assert not buf, "Dockerfile ends inside a line continuation"
+    return instructions
+
+
+def copied_requirement_files(instructions):
+    """Requirement files referenced with `-r` in RUN lines."""
+    files = []
+    for kw, arg in instructions:
+        if kw == "RUN":
+            files += re.findall(r"-r\s+(\S+\.txt)", arg)
+    return files
+
+
+def shell_commands(run):
+    """The simple commands of a RUN line as word lists (split at &&, ||, |, ;)."""
+    lexer = shlex.shlex(run, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    cmds, cur = [], []
+    for tok in lexer:
+        if tok in ("&&", "||", "|", ";", "&"):
+            cmds.append(cur)
+            cur = []
+        else:
+            cur.append(tok)
+    return [c for c in cmds + [cur] if c]
+
+
+def read_requirements(path):
+    reqs = []
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.split(" #", 1)[0].strip()
+            if line and not line.startswith("#"):
+                try:
+                    reqs.append(Requirement(line))
+                except Exception as e:  # noqa: BLE001 - reported with the file and line
+                    pytest.fail(f"{path}:{lineno}: invalid requirement {line!r}: {e}")
+    return reqs
+
+
+def pins(reqs):
+    """{canonical name: version} of the `==` pins."""
+    out = {}
+    for r in reqs:
+        for spec in r.specifier:
+            if spec.operator == "==":
+                out[canonicalize_name(r.name)] = spec.version
+    return out
+
+
+@pytest.fixture(scope="module")
+def instructions():
+    return parse_dockerfile()
+
+
+@pytest.fixture(scope="module")
+def requirement_files(instructions):
+    files = copied_requirement_files(instructions)
+    assert files, "the Dockerfile installs no requirement file"
+    return {f: read_requirements(f) for f in files}
+
+
+def test_instructions_are_valid_and_from_comes_first(instructions):
+    for kw, arg in instructions:
+        assert kw in INSTRUCTIONS, f"unknown Dockerfile instruction {kw!r}"
+        assert arg, f"{kw} without arguments"
+    first = next(i for i, (kw, _) in enumerate(instructions) if kw != "ARG")
+    assert instructions[first][0] == "FROM", "only ARG may precede the first FROM"
+    args = dict(a.split("=", 1) for kw, a in instructions[:first] if "=" in a)
+    image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], instructions[first][1].split()[0])
+    assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d{2}\.\d{2}-py3", image), image
+
+
+def test_copy_sources_exist(instructions):
+    for kw, arg in instructions:
+        if kw not in ("COPY", "ADD"):
+            continue
+        parts = [p for p in shlex.split(arg) if not p.startswith("--")]
+        assert len(parts) >= 2, f"{kw} {arg}: needs a source and a destination"
+        for src in parts[:-1]:
+            assert os.path.exists(os.path.join(ROOT, src)), f"{kw} source {src!r} is not in the repo"
+
+
+def test_requirement_files_are_copied_before_use(instructions):
+    copied = [shlex.split(a)[0] for kw, a in instructions if kw == "COPY"]
+    for i, (kw, arg) in enumerate(instructions):
+        for req in re.findall(r"-r\s+(\S+)", arg) if kw == "RUN" else []:
+            earlier = [c for kw2, a in instructions[:i] if kw2 == "COPY"
+                       for c in shlex.split(a)[:-1]]
+            assert any(req == c or req.startswith(c.rstrip("/") + "/") for c in earlier), (
+                f"{req} is used before it is copied (copied: {copied})")
+
+
+def test_requirement_files_parse_and_never_touch_torch(requirement_files):
+    for path, reqs in requirement_files.items():
+        assert reqs, f"{path} is empty"
+        names = [canonicalize_name(r.name) for r in reqs]
+        assert len(names) == len(set(names)), f"{path}: duplicate requirement"
+        bad = TORCH_STACK & set(names)
+        assert not bad, f"{path} would reinstall {sorted(bad)} over the container's build"
+
+
+def test_our_packages_are_pinned(requirement_files):
+    for path in ("requirements/base.txt", "requirements/sglang.txt"):
+        for r in requirement_files[path]:
+            ops = {s.operator for s in r.specifier}
+            assert ops == {"=="}, f"{path}: {r} must be pinned with =="
+
+
+def run_line_problems(instructions):
+    """What in the RUN/ENV lines would reinstall torch or install the package with deps."""
+    runs = [a for kw, a in instructions if kw == "RUN"]
+    envs = " ".join(a for kw, a in instructions if kw == "ENV")
+    problems = []
+    for run in runs:
+        for words in shell_commands(run):
+            if "install" not in words or "pip" not in " ".join(words[:3]):
+                continue
+            pkgs = {canonicalize_name(re.split(r"[<>=\[ ]", w)[0]) for w in words
+                    if not w.startswith("-") and w not in ("pip", "pip3", "install", "python",
+                                                           "python3")}
+            if TORCH_STACK & pkgs:
+                problems.append(f"installs the torch stack: {' '.join(words)}")
+            if {"--force-reinstall", "-U", "--upgrade"} & set(words):
+                problems.append(f"force/upgrade install: {' '.join(words)}")
+    if not ("PIP_CONSTRAINT=" in envs and "keep-torch.txt" in envs):
+        problems.append("no PIP_CONSTRAINT pinning the container's torch stack")
+    if not any("pip list --format=freeze" in r and "keep-torch.txt" in r for r in runs):
+        problems.append("the torch constraints file is not generated from the container")
+    if not any(re.search(r"pip install --no-deps -r requirements/sglang\.txt", r) for r in runs):
+        problems.append("sglang is not installed with --no-deps")
+    if not any(re.search(r"pip install --no-deps (-e )?\.(\s|$)", r) for r in runs):
+        problems.append("the package is not installed with pip install --no-deps")
+    if not any("torch-version.txt" in r and "torch.__version__" in r for r in runs[1:]):
+        problems.append("no final check that torch is unchanged")
+    return problems
+
+
+def test_run_lines_keep_torch_and_install_package_without_deps(instructions):
+    assert run_line_problems(instructions) == []
+
+
+@pytest.mark.parametrize("bad", [
+    "RUN pip install torch==2.5.1",
+    "RUN python -m pip install --upgrade transformers",
+    "RUN pip install -r requirements/base.txt && pip install --force-reinstall torchvision",
+])
+def test_run_line_checks_catch_torch_reinstalls(instructions, bad):
+    kw, _, arg = bad.partition(" ")
+    assert run_line_problems(instructions + [(kw, arg)])
+
+
+def test_run_line_checks_catch_missing_no_deps(instructions):
+    edited = [(kw, a.replace("pip install --no-deps -e .", "pip install -e ."))
+              for kw, a in instructions]
+    assert any("--no-deps" in p for p in run_line_problems(edited))
+
+
+def test_pins_satisfy_setup_cfg(requirement_files):
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"))
+    needed = [Requirement(line) for line in cfg["options"]["install_requires"].split("\n")
+              if line.strip()]
+    pinned = {}
+    for reqs in requirement_files.values():
+        pinned.update(pins(reqs))
+    for req in needed:
+        name = canonicalize_name(req.name)
+        if name in TORCH_STACK:
+            continue
+        assert name in pinned, f"setup.cfg needs {req} but the image does not pin {name}"
+        assert req.specifier.contains(pinned[name], prereleases=True), (
+            f"image pins {name}=={pinned[name]}, setup.cfg requires {req}")
+
+
+# ---------------------------------------------------------------------- registry (online)
+def _fetch(name):
+    url = f"https://pypi.org/pypi/{name}/json"
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return json.load(resp)
+
+
+def _pypi_reachable():
+    try:
+        _fetch("pip")
+        return True
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _image_tags():
+    platforms = [f"manylinux_2_{m}_x86_64" for m in range(39, 4, -1)]
+    platforms += ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64",
+                  "linux_x86_64"]
+    return set(cpython_tags(IMAGE_PYTHON, platforms=platforms)) | set(
+        compatible_tags(IMAGE_PYTHON, platforms=platforms))
+
+
+def _installable(files, tags):
+    for f in files:
+        if f.get("yanked"):
+            continue
+        name = f["filename"]
+        if name.endswith((".tar.gz", ".zip")):
+            return True
+        if name.endswith(".whl") and set(parse_wheel_filename(name)[3]) & tags:
+            return True
+    return False
+
+
+def test_pinned_versions_exist_on_pypi(requirement_files):
+    if not _pypi_reachable():
+        pytest.skip("PyPI (https://pypi.org/pypi/<name>/json) is unreachable: pinned versions "
+                    "not checked against the registry (offline checks above still ran)")
+    wanted = {}
+    for reqs in requirement_files.values():
+        wanted.update(pins(reqs))
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        projects = dict(zip(wanted, pool.map(_fetch, wanted)))
+    tags = _image_tags()
+    problems = []
+    for name, version in sorted(wanted.items()):
+        # `==1.4` matches 1.4.0 (PEP 440 zero padding): compare parsed versions
+        files = next((f for v, f in projects[name]["releases"].items()
+                      if Version(v) == Version(version)), None)
+        if files is None:
+            problems.append(f"{name}=={version}: no such release")
+        elif not files or all(f.get("yanked") for f in files):
+            problems.append(f"{name}=={version}: yanked or without files")
+        elif not _installable(files, tags):
+            problems.append(f"{name}=={version}: no sdist or wheel for Python "
+                            f"{IMAGE_PYTHON[0]}.{IMAGE_PYTHON[1]} on Linux x86_64")
+    assert not problems, "\n".join(problems)
