@@ -75,6 +75,13 @@ class ModelAdapter:
     def _has_qkv_bias(self) -> bool:
         return has_qkv_bias(self.hf_config)
 
+    def check_tp(self, tp_size: int) -> None:
+        """TP must split attention heads, query groups and the MLP evenly (Megatron's layout)."""
+        for what, n in (("num_attention_heads", self.heads), ("num_key_value_heads", self.groups),
+                        ("intermediate_size", self.ffn)):
+            if tp_size <= 0 or n % tp_size:
+                raise ValueError(f"tp_size={tp_size} must divide {what}={n}")
+
     # ----------------------------------------------------------------------------- the maps
     def layer_maps(self, local: int, layer: int) -> list[ParamMap]:
         """Maps of one decoder layer: `local` index inside the stage, `layer` global HF index."""
@@ -190,6 +197,7 @@ class ModelAdapter:
     def hf_to_mcore(self, hf_state: Mapping[str, torch.Tensor], tp_rank: int, tp_size: int, pp_rank: int,
                     pp_size: int, padded_vocab: int | None = None) -> dict[str, torch.Tensor]:
         """Megatron state dict (local spec names) of TP rank `tp_rank`, pipeline stage `pp_rank`."""
+        self.check_tp(tp_size)
         check_hf_state(self, hf_state.keys(), lambda n: tuple(hf_state[n].shape))
         out = {}
         for pm in self.uniform_stage_maps(pp_rank, pp_size):

@@ -63,6 +63,7 @@ def load_hf_weights_into_mcore(model, hf_model_path_or_state, hf_config, *, tp_r
     from hapo_megatron.convert.hf_io import HFCheckpointReader
 
     adapter = get_adapter(hf_config)
+    adapter.check_tp(tp_size)
     source = hf_model_path_or_state
     if isinstance(source, str):
         source = HFCheckpointReader(source)

@@ -12,6 +12,11 @@ import torch.distributed as dist
 
 ARCHS = ("llama", "qwen2", "qwen3")
 SEQ = 12
+# Llama with Llama-3.1 RoPE scaling; the short original context makes every frequency band
+# (kept, interpolated, divided) occur at head_dim 16.
+ARCH_OVERRIDES = {"llama": dict(rope_theta=10000.0, rope_scaling={
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32})}
 
 
 def random_hf_model(arch: str, seed: int = 0, **overrides):
@@ -20,7 +25,7 @@ def random_hf_model(arch: str, seed: int = 0, **overrides):
 
     from hapo_megatron.models import tiny_hf_config
 
-    cfg = tiny_hf_config(arch, **overrides)
+    cfg = tiny_hf_config(arch, **{**ARCH_OVERRIDES.get(arch, {}), **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     gen = torch.Generator().manual_seed(seed + 1)
@@ -90,7 +95,8 @@ def check_layout(tp: int, pp: int, tmpdir: str, save_arch: str | None = None) ->
                 ref = hf(ids).logits
             assert torch.all(logits[..., cfg.vocab_size:] == PADDED_VOCAB_LOGIT)
             diff = (logits[..., : cfg.vocab_size] - ref).abs().max().item()
-        exported = list(export_hf_weights([model], cfg, tp_group=g.tp, pp_group=g.pp))
+        chunks = [_ddp(model) if (tp, arch) == (2, "llama") else model]  # the trainer passes DDP chunks
+        exported = list(export_hf_weights(chunks, cfg, tp_group=g.tp, pp_group=g.pp))
         names = [n for n, _ in exported]
         assert sorted(names) == sorted(ref_state), (sorted(set(names) ^ set(ref_state)))
         not_equal = [n for n, t in exported if not torch.equal(t, ref_state[n])]
@@ -100,6 +106,12 @@ def check_layout(tp: int, pp: int, tmpdir: str, save_arch: str | None = None) ->
             save_megatron_checkpoint([model], f"{tmpdir}/mcore_{arch}", hf_config=cfg, meta={"tp": tp, "pp": pp})
     destroy_parallel()
     return result
+
+
+def _ddp(model):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    return DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
 
 
 def check_reload(tp: int, pp: int, tmpdir: str, arch: str) -> bool:
@@ -119,15 +131,10 @@ def check_reload(tp: int, pp: int, tmpdir: str, arch: str) -> bool:
     return True
 
 
-def tp_ranks(rank: int, world: int, tmpdir: str) -> dict:
-    """TP1 (as DP2), then TP2 with a torch_dist save, then reload that checkpoint at TP1."""
-    out = {"tp1": check_layout(1, 1, tmpdir), "tp2": check_layout(2, 1, tmpdir, save_arch="qwen3")}
-    out["reload_tp1"] = check_reload(1, 1, tmpdir, "qwen3")
-    return out
-
-
-def pp_ranks(rank: int, world: int, tmpdir: str) -> dict:
-    """PP2 (layer 0 | layer 1) with a torch_dist save, then reload that checkpoint at TP2."""
-    out = {"pp2": check_layout(1, 2, tmpdir, save_arch="qwen2")}
-    out["reload_tp2"] = check_reload(2, 1, tmpdir, "qwen2")
+def all_layouts(rank: int, world: int, tmpdir: str) -> dict:
+    """TP1 (as DP2), TP2, PP2 (layer 0 | layer 1), and torch_dist checkpoints resharded TP2 <-> PP2."""
+    out = {"tp1": check_layout(1, 1, tmpdir), "tp2": check_layout(2, 1, tmpdir, save_arch="qwen3"),
+           "pp2": check_layout(1, 2, tmpdir, save_arch="qwen2")}
+    out["reload qwen3 tp2 -> pp2"] = check_reload(1, 2, tmpdir, "qwen3")
+    out["reload qwen2 pp2 -> tp2"] = check_reload(2, 1, tmpdir, "qwen2")
     return out

@@ -1,0 +1,79 @@
+"""The CPU shims: inactive when CUDA is available, active (and reversible) otherwise."""
+
+import pytest
+import torch
+from torch.overrides import _get_current_function_mode_stack
+
+from hapo_megatron import compat
+from hapo_megatron.compat import cpu_shims
+
+
+def _mode_installed() -> bool:
+    return any(isinstance(m, cpu_shims._CudaToCpuMode) for m in _get_current_function_mode_stack())
+
+
+@pytest.fixture
+def fresh_shims():
+    """Run with the shims off and restore the state found (another test may have activated them)."""
+    was_active = compat.cpu_shims_active()
+    compat.deactivate_cpu_shims()
+    yield
+    compat.deactivate_cpu_shims()
+    if was_active:
+        compat.activate_cpu_shims()
+
+
+def test_every_shim_inactive_when_cuda_is_available(monkeypatch, fresh_shims):
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker_cls, get_state = mrandom.CudaRNGStatesTracker, mrandom._get_cuda_rng_state
+    runtime = {n: getattr(torch.cuda, n) for n in ("current_device", "synchronize", "Stream", "manual_seed")}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert compat.activate_cpu_shims() is False
+    assert not compat.cpu_shims_active()
+    assert not _mode_installed()  # 1. device mode
+    assert all(getattr(torch.cuda, n) is f for n, f in runtime.items())  # 2. runtime no-ops
+    assert mrandom.CudaRNGStatesTracker is tracker_cls and mrandom._get_cuda_rng_state is get_state  # 3. RNG
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_every_shim_active_without_cuda_and_reversible(fresh_shims):
+    from megatron.core.tensor_parallel import random as mrandom
+
+    original_tracker, original_sync = mrandom.CudaRNGStatesTracker, torch.cuda.synchronize
+    assert compat.activate_cpu_shims() is True
+    assert compat.activate_cpu_shims() is True  # idempotent: one mode on the stack
+    assert sum(isinstance(m, cpu_shims._CudaToCpuMode) for m in _get_current_function_mode_stack()) == 1
+
+    # 1. device mode
+    t = torch.ones(3)
+    assert torch.zeros(2, device="cuda").device.type == "cpu"
+    assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
+    assert torch.empty(2, device=torch.device("cuda", 0), pin_memory=True).device.type == "cpu"
+    assert t.cuda() is t and t.to("cuda").device.type == "cpu"
+    assert t.to("cuda", torch.float64).dtype == torch.float64
+    assert t.type() == "torch.cuda.FloatTensor" and t.bfloat16().type() == "torch.cuda.BFloat16Tensor"
+    assert t.long().type() == "torch.LongTensor"
+    # 2. CUDA runtime no-ops
+    assert torch.cuda.current_device() == 0
+    torch.cuda.synchronize()
+    torch.cuda.Stream().wait_stream(torch.cuda.current_stream())
+    # 3. RNG tracker on the CPU generator: forks restore the default stream, the fork advances.
+    tracker = mrandom.get_cuda_rng_tracker()
+    assert type(tracker).__name__ == "CpuRNGStatesTracker"
+    tracker.add("test-stream", 77)
+    torch.manual_seed(5)
+    expected_default = torch.rand(2)
+    torch.manual_seed(5)
+    with tracker.fork("test-stream"):
+        first = torch.rand(2)
+    assert torch.equal(torch.rand(2), expected_default)
+    with tracker.fork("test-stream"):
+        second = torch.rand(2)
+    torch.manual_seed(77)
+    assert torch.equal(torch.cat([first, second]), torch.rand(4))
+
+    compat.deactivate_cpu_shims()
+    assert not _mode_installed() and not compat.cpu_shims_active()
+    assert mrandom.CudaRNGStatesTracker is original_tracker and torch.cuda.synchronize is original_sync
+    assert torch.ones(1).type() == "torch.FloatTensor"
