@@ -41,3 +41,32 @@ def test_helpers():
     assert gen.type_name(list[str]) == "list[str]"
     assert gen.cell("a |\n b") == "a \\| b"
     assert gen.fmt_default(None) == "`null`" and gen.fmt_default([1]) == "`[1]`"
+
+
+def _slug(title):
+    """GitHub's heading anchor: lower case, punctuation dropped, spaces -> '-'."""
+    import re
+
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def test_docs_relative_links_resolve():
+    import os
+    import re
+
+    docs = os.path.dirname(gen.DEFAULT_OUT)
+    pages = {f: open(os.path.join(docs, f), encoding="utf-8").read()
+             for f in os.listdir(docs) if f.endswith(".md")}
+    anchors = {f: {_slug(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+               for f, text in pages.items()}
+    for name, text in pages.items():
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = target.partition("#")
+            page = path or name
+            if page.endswith(".md"):
+                assert page in pages, f"{name}: broken link {target}"
+                assert not anchor or anchor in anchors[page], f"{name}: missing anchor {target}"
+            else:
+                assert os.path.exists(os.path.join(docs, path)), f"{name}: broken link {target}"
