@@ -13,6 +13,7 @@ Saved-rollout format (`write_rollouts` / `read_rollouts`): one file per step,
 `<run_dir>/rollouts/step_<step:06d>.jsonl` (optionally `.jsonl.gz` or `.parquet`), one record per
 response with the fields of `ROLLOUT_FIELDS`. Per-token lists all have the response's length;
 a missing optional field is `null`/absent and the diagnostics that need it are skipped.
+`hapo_token_fields` recomputes `h_hat`, `adv_after` and the clip flags from the loss inputs.
 Offline: `python -m hapo_megatron.diagnostics <file> [--tokenizer DIR] [--top-k 20]`.
 
 Pure python/torch; `torch.distributed` only inside `all_reduce`.
@@ -102,6 +103,35 @@ def clip_flags(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: torch.Te
     high = (advantages > 0) & (ratio > 1.0 + clip_high)
     dual = (advantages < 0) & (ratio > clip_ratio_c)
     return low, high, dual
+
+
+def hapo_token_fields(entropy: torch.Tensor, stats, advantages: torch.Tensor,
+                      ratio: torch.Tensor, *, clip_ratio_low: float = 0.2,
+                      clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
+                      adaptive_clip: bool = True, clip_alpha: float = 1.0,
+                      adaptive_advantage: bool = True, adv_beta: float = 1.0,
+                      h_hat_mode: str = "signed") -> dict[str, torch.Tensor]:
+    """The per-token HAPO quantities of a saved-rollout record, recomputed from the inputs of
+    the loss with `hapo_megatron.algo` (so they match the loss exactly).
+
+    `entropy`, `advantages` (A, before redistribution), `ratio`: `[B, T]`; `stats`: the step's
+    `EntropyStats`. Returns `h_hat`, `adv_after` (A'), `clip_low`, `clip_high`, `clip_dual`,
+    all `[B, T]`.
+    """
+    from hapo_megatron.algo import (adaptive_clip_ranges, normalize_entropy,
+                                    redistribute_advantages)
+
+    h_hat = normalize_entropy(entropy, stats, h_hat_mode=h_hat_mode)
+    if adaptive_clip:
+        eps_low, eps_high = adaptive_clip_ranges(h_hat, clip_ratio_low, clip_ratio_high, clip_alpha)
+    else:
+        eps_low = torch.full_like(h_hat, clip_ratio_low)
+        eps_high = torch.full_like(h_hat, clip_ratio_high)
+    adv = (redistribute_advantages(advantages, h_hat, ratio, eps_low, eps_high, adv_beta)
+           if adaptive_advantage else advantages)
+    low, high, dual = clip_flags(ratio, adv, eps_low, eps_high, clip_ratio_c)
+    return {"h_hat": h_hat, "adv_after": adv, "clip_low": low, "clip_high": high,
+            "clip_dual": dual}
 
 
 def _select(t: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
