@@ -350,3 +350,26 @@ def test_hapo_eval_megatron_checkpoint_matches_hf(tiny_model_and_data, tmp_path)
     assert mg["model_source"].startswith("megatron:") and hf["model_source"] == "hf"
     assert [p["responses"] for p in mg["per_prompt"]] == [p["responses"] for p in hf["per_prompt"]]
     assert mg["metrics"] == hf["metrics"]
+
+
+def test_hapo_eval_sglang_settings_reach_make_engine(tiny_model_and_data, monkeypatch):
+    """--engine/--sglang-url/--set become the RolloutConfig handed to make_engine (no server)."""
+    import hapo_megatron.rollout.engine as engine_mod
+    from hapo_megatron.evaluate import main
+
+    root, model_dir, data = tiny_model_and_data
+    seen = {}
+
+    def fake_make_engine(cfg, *, hf_config_or_path, tokenizer, device, dtype):
+        seen.update(cfg=cfg, path=hf_config_or_path, device=device, dtype=dtype)
+        return OracleEngine(tokenizer)
+
+    monkeypatch.setattr(engine_mod, "make_engine", fake_make_engine)
+    assert main(["--model", model_dir, "--data", data[0], "--n", "1", "--out",
+                 str(root / "sg.json"), "--sglang-url", "http://10.0.0.1:30000",
+                 "--set", "rollout.sglang.request_timeout_s=7", "--device", "cpu",
+                 "--dtype", "bf16"]) == 0
+    cfg = seen["cfg"]
+    assert cfg.engine == "sglang" and cfg.sglang.server_urls == ["http://10.0.0.1:30000"]
+    assert cfg.sglang.request_timeout_s == 7
+    assert seen["path"] == model_dir and str(seen["dtype"]) == "torch.bfloat16"
