@@ -373,3 +373,37 @@ def test_hapo_eval_sglang_settings_reach_make_engine(tiny_model_and_data, monkey
     assert cfg.engine == "sglang" and cfg.sglang.server_urls == ["http://10.0.0.1:30000"]
     assert cfg.sglang.request_timeout_s == 7
     assert seen["path"] == model_dir and str(seen["dtype"]) == "torch.bfloat16"
+
+
+def test_find_megatron_checkpoint_layouts(tmp_path):
+    """Run dir, checkpoints dir, step dir and dist-ckpt dir all resolve to the newest model/."""
+    from hapo_megatron.evaluate import find_megatron_checkpoint
+
+    root = tmp_path / "run" / "checkpoints"
+    for step, complete in ((1, True), (2, True), (3, False)):
+        model = root / f"step_{step:06d}" / "model"
+        model.mkdir(parents=True)
+        (model / "metadata.json").write_text("{}")
+        if complete:
+            (root / f"step_{step:06d}" / "COMPLETE").write_text("")
+    (root / "latest").write_text("step_000002")
+    want = str(root / "step_000002" / "model")
+    with pytest.warns(UserWarning, match="half-written"):
+        assert find_megatron_checkpoint(str(tmp_path / "run")) == want
+        assert find_megatron_checkpoint(str(root)) == want
+    assert find_megatron_checkpoint(str(root / "step_000001")) == str(root / "step_000001" / "model")
+    assert find_megatron_checkpoint(want) == want
+    with pytest.raises(ValueError, match="neither"):
+        find_megatron_checkpoint(str(tmp_path))
+
+
+def test_hf_config_found_in_saved_run_config(tmp_path):
+    from hapo_megatron.config import load_config, save_config
+    from hapo_megatron.evaluate import _hf_config_from_run
+
+    save_config(load_config(None, ["model.hf_model_path=/models/qwen"]),
+                str(tmp_path / "run" / "config.yaml"))
+    step = tmp_path / "run" / "checkpoints" / "step_000004" / "model"
+    step.mkdir(parents=True)
+    assert _hf_config_from_run(str(step)) == "/models/qwen"
+    assert _hf_config_from_run(str(tmp_path / "run")) == "/models/qwen"
