@@ -117,7 +117,6 @@ def preset_table() -> list[str]:
 def generate() -> str:
     """The whole page."""
     import hapo_megatron.config as C
-    from hapo_megatron.config.base import _hints  # noqa: F401  (re-exported name check)
 
     root_hints = C._hints(C.HapoConfig)
     root_docs = C.field_docs(C.HapoConfig)

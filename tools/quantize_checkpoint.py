@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import os
 import shutil
@@ -184,11 +185,9 @@ def run(args) -> dict:
     from hapo_megatron.evaluate import resolve_model
 
     check_args(args)
-    try:
-        import modelopt  # noqa: F401
-    except ImportError as e:
-        raise ValueError("nvidia-modelopt is not installed: pip install nvidia-modelopt") from e
-    model_dir, source = resolve_model(args.model, args.hf_config, None)
+    if importlib.util.find_spec("modelopt") is None:
+        raise ValueError("nvidia-modelopt is not installed: pip install nvidia-modelopt")
+    model_dir, _ = resolve_model(args.model, args.hf_config, None)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, _DTYPES[args.dtype or ("bf16" if device.startswith("cuda") else "fp32")])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)  # conversion copies the tokenizer
