@@ -3,7 +3,8 @@
 Pure state-dict adapters (no process groups):
 - `get_adapter(hf_config) -> ModelAdapter`
 - `hf_to_mcore(hf_state, config, tp_rank, tp_size, pp_rank, pp_size, *, make_vocab_size_divisible_by=128)`
-- `mcore_to_hf(shards, config)`: shards = one gathered state dict, or {(tp_rank, pp_rank): state}
+- `mcore_to_hf(shards, config)`: shards = one gathered state dict, {(tp_rank, pp_rank): state}
+  or nested lists shards[pp_rank][tp_rank]
 Live models and process groups:
 - `load_hf_weights_into_mcore(model, hf_model_path_or_state, hf_config, *, tp_rank, tp_size, ...)`
 - `export_hf_weights(model_chunks, hf_config, *, tp_group=None, pp_group=None, dtype=None)`:
@@ -66,11 +67,17 @@ def hf_to_mcore(hf_state: Mapping[str, torch.Tensor], config, tp_rank: int, tp_s
 
 
 def mcore_to_hf(shards, config) -> dict[str, torch.Tensor]:
-    """HF state dict from a gathered Megatron state dict or {(tp_rank, pp_rank): state} shards."""
+    """HF state dict (HF order) from Megatron shards with stage-local layer indices.
+
+    `shards`: one gathered state dict (TP1/PP1 layout), a mapping {(tp_rank, pp_rank): state},
+    or nested lists `shards[pp_rank][tp_rank]`.
+    """
+    if isinstance(shards, (list, tuple)):
+        shards = {(t, p): s for p, row in enumerate(shards) for t, s in enumerate(row)}
     if isinstance(shards, Mapping) and shards and all(isinstance(k, str) for k in shards):
         shards = {(0, 0): shards}
     if not isinstance(shards, Mapping) or not shards:
-        raise ValueError("shards must be a state dict or a non-empty {(tp_rank, pp_rank): state} mapping")
+        raise ValueError("shards must be a state dict, {(tp_rank, pp_rank): state} or [pp_rank][tp_rank] lists")
     return get_adapter(config).mcore_to_hf(shards)
 
 

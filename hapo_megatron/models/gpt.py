@@ -129,22 +129,20 @@ def layer_spec_for(hf_config, use_te: bool | None = None):
 def _mask_padded_vocab_hook(vocab_size: int) -> Callable:
     """Forward hook for the output layer: padded vocab ids get PADDED_VOCAB_LOGIT.
 
-    The output is `[s, b, V/tp]` (this rank's shard) or `[s, b, V]` when gathered.
+    The output is `[s, b, V/tp]` (this rank's shard) or `[s, b, V]` when gathered (told apart by
+    its width, since `runtime_gather_output` may gather per call).
     """
     import torch.distributed as dist
 
     def hook(module, inputs, output):
         logits, bias = output
-        if getattr(module, "gather_output", False) or module.tp_group is None:
-            start = 0
-        else:
-            start = dist.get_rank(module.tp_group) * module.output_size_per_partition
+        sharded = module.tp_group is not None and logits.shape[-1] == module.output_size_per_partition
+        start = dist.get_rank(module.tp_group) * module.output_size_per_partition if sharded else 0
         first_pad = vocab_size - start
         if first_pad >= logits.shape[-1]:
             return output
         ids = torch.arange(logits.shape[-1], device=logits.device)
-        logits = logits.masked_fill(ids >= max(first_pad, 0), PADDED_VOCAB_LOGIT)
-        return logits, bias
+        return logits.masked_fill(ids >= max(first_pad, 0), PADDED_VOCAB_LOGIT), bias
 
     return hook
 
@@ -193,6 +191,10 @@ def build_gpt_model(hf_config, *, pre_process: bool | None = None, post_process:
         rotary_base=float(rope_parameters(hf_config)["rope_theta"]),
         vp_stage=vp_stage,
     )
+    if config.params_dtype != torch.float32:
+        # The local spec's torch norms ignore params_dtype; cast them like Megatron's Float16Module
+        # (and TE's norms) would, so every parameter has the model dtype.
+        model.to(config.params_dtype)
     inv_freq = rope_inv_freq(hf_config)
     if inv_freq is not None:  # scaled RoPE: HF's own inverse frequencies (see hf_config.py)
         rotary = model.rotary_pos_emb

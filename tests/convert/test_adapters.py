@@ -34,6 +34,8 @@ def test_round_trip_is_bit_exact_for_every_layout(models, arch):
         assert set(back) == set(ref), (tp, pp, set(back) ^ set(ref))
         bad = [n for n in ref if not (back[n].dtype == ref[n].dtype and torch.equal(back[n], ref[n]))]
         assert not bad, (tp, pp, bad)
+    nested = [[hf_to_mcore(ref, cfg, t, 2, p, 2) for t in range(2)] for p in range(2)]
+    assert all(torch.equal(v, ref[k]) for k, v in mcore_to_hf(nested, cfg).items())
     # the export order is deterministic and follows HF's layer order
     assert list(mcore_to_hf(hf_to_mcore(ref, cfg, 0, 1, 0, 1), cfg)) == list(get_adapter(cfg).hf_shapes())
 
