@@ -136,10 +136,51 @@ def check_reload(tp: int, pp: int, tmpdir: str, arch: str) -> bool:
     return True
 
 
+def train_step(tp: int, pp: int) -> dict:
+    """One optimizer step through the CPU shims: DDP + DistributedOptimizer + forward_backward_func
+    (1F1B over gloo at PP2). Every rank sees the same data, so any layout gives the same numbers."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from hapo_megatron.convert import gather_hf_state_dict, load_hf_weights_into_mcore
+    from hapo_megatron.models import build_gpt_model
+    from hapo_megatron.parallel.groups import destroy_parallel, initialize_parallel
+
+    g = initialize_parallel(tp=tp, pp=pp)
+    cfg, hf = random_hf_model("qwen2")  # tied: PP2 needs the embedding-group gradient sync
+    model = build_gpt_model(cfg)
+    load_hf_weights_into_mcore(model, hf_state(cfg, hf), cfg, tp_rank=g.tp_rank, tp_size=tp)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    ddp = _ddp(model)
+    # adam_eps=1: Adam's first step is lr * g / (|g| + eps), about lr * g here; with a tiny eps it is
+    # lr * sign(g), which would turn rounding noise in near-zero gradients into full steps.
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.5, adam_eps=1.0, weight_decay=0.0,
+                                                 use_distributed_optimizer=True, clip_grad=0.0), [ddp])
+    ids = input_ids(cfg, batch=4)
+    pos = torch.arange(SEQ).unsqueeze(0)
+
+    def step(it, m):
+        x = next(it)
+        out = m(x, pos, None, labels=x)  # [b, s] per-token losses on the last stage
+        return out, lambda o: (o.sum() / o.numel(), {"loss": (o.sum() / o.numel()).detach()})
+
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    losses = get_forward_backward_func()(forward_step_func=step, data_iterator=iter(ids.split(1)), model=[ddp],
+                                         num_microbatches=4, seq_length=SEQ, micro_batch_size=1)
+    ok, grad_norm, _ = opt.step()
+    exported = gather_hf_state_dict([ddp], cfg, tp_group=g.tp, pp_group=g.pp)
+    destroy_parallel()
+    return {"ok": ok, "grad_norm": grad_norm, "losses": [float(x["loss"]) for x in losses] if losses else None,
+            "embed": exported["model.embed_tokens.weight"]}
+
+
 def all_layouts(rank: int, world: int, tmpdir: str) -> dict:
     """TP1 (as DP2), TP2, PP2 (layer 0 | layer 1), and torch_dist checkpoints resharded TP2 <-> PP2."""
     out = {"tp1": check_layout(1, 1, tmpdir), "tp2": check_layout(2, 1, tmpdir, save_arch="qwen3"),
            "pp2": check_layout(1, 2, tmpdir, save_arch="qwen2")}
     out["reload qwen3 tp2 -> pp2"] = check_reload(1, 2, tmpdir, "qwen3")
     out["reload qwen2 pp2 -> tp2"] = check_reload(2, 1, tmpdir, "qwen2")
+    out["train"] = {"tp1": train_step(1, 1), "tp2": train_step(2, 1), "pp2": train_step(1, 2)}
     return out
