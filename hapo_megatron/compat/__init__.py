@@ -15,7 +15,10 @@
 3. RNG tracker on the CPU generator: megatron's `CudaRNGStatesTracker` (weight init under TP,
    dropout, activation recompute) stores CUDA generator states; ours stores CPU ones.
 
-Context-parallel attention needs Transformer Engine and is not shimmed.
+Context-parallel attention needs Transformer Engine and is not shimmed. The device mode is a
+TorchFunctionMode, hence per thread: megatron code run in another thread than the one that
+activated the shims does not see it. Its cost is a Python call per torch op (CPU runs only).
+`deactivate_cpu_shims()` undoes everything (tests).
 """
 
 from hapo_megatron.compat.cpu_shims import activate_cpu_shims, cpu_shims_active, deactivate_cpu_shims

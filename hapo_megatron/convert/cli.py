@@ -50,16 +50,28 @@ def _hf_dtype(hf_config) -> torch.dtype:
     return value if value in DTYPE_NAMES else torch.float32
 
 
+_OWNED: list[str] = []  # what _init set up and _finish must tear down (not a caller's groups)
+
+
 def _init(tp: int, pp: int):
     """Join torchrun's process group (or a 1-process one) and initialise TP x PP (DP must be 1)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if world != tp * pp:
         raise ConversionError(f"--tp {tp} --pp {pp} needs exactly {tp * pp} ranks, got WORLD_SIZE={world}: "
                               f"run under `torchrun --nproc-per-node {tp * pp} ...`")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    from megatron.core import parallel_state
+
     from hapo_megatron.parallel.groups import initialize_parallel
 
+    _OWNED.clear()
+    if not dist.is_initialized():
+        _OWNED.append("process_group")
+    if not parallel_state.model_parallel_is_initialized():
+        _OWNED.append("model_parallel")
     return initialize_parallel(tp=tp, pp=pp)
 
 
@@ -68,9 +80,11 @@ def _finish() -> None:
 
     from hapo_megatron.parallel.groups import destroy_parallel
 
-    destroy_parallel()
-    if dist.is_initialized():
+    if "model_parallel" in _OWNED:
+        destroy_parallel()
+    if "process_group" in _OWNED and dist.is_initialized():
         dist.destroy_process_group()
+    _OWNED.clear()
 
 
 def _build(hf_config, dtype: torch.dtype, parallel_output: bool = True):
@@ -297,6 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefix = f"[rank {_rank()}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
         print(f"{prefix}error: {err}", file=sys.stderr)
         return 1
+    finally:
+        if _OWNED:  # an error left groups behind that this command created
+            _finish()
 
 
 if __name__ == "__main__":
