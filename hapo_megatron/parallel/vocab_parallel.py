@@ -24,7 +24,8 @@ back in the input's dtype.
 
 Entries of `-inf` (masked vocabulary) are fine: after the shift any `z - m < -1e4` has
 `exp(z - m) == 0` exactly in float32, so clamping it to -1e4 changes nothing but keeps
-`0 * -inf` NaNs out of the sums.
+`0 * -inf` NaNs out of the sums. The clamp pass only runs when a row holds such an entry
+(found with the row max via `aminmax`, one host sync per call).
 """
 
 from __future__ import annotations
@@ -52,13 +53,16 @@ def _vocab_start(partition_vocab: int, tp_group) -> int:
     return vocab_range(partition_vocab, dist.get_rank(tp_group))[0]
 
 
-def _shifted_chunk(logits_c: torch.Tensor, temp_c: Optional[torch.Tensor],
-                   m_c: torch.Tensor) -> torch.Tensor:
-    """`logits_c / temp - m` as a NEW float32 tensor `[n, V/tp]` (never aliases the input)."""
-    if temp_c is None:
-        return logits_c - m_c.unsqueeze(-1)  # type promotion gives float32 for bf16/fp16
-    z = torch.div(logits_c, temp_c.unsqueeze(-1))  # promotes bf16/fp16 to float32
-    return z.sub_(m_c.unsqueeze(-1))
+def _shifted_chunk(out: torch.Tensor, logits_c: torch.Tensor, temp_c: Optional[torch.Tensor],
+                   shift_c: torch.Tensor) -> torch.Tensor:
+    """`logits_c / temp - shift` in float32, written into the reused buffer `out` `[n, V/tp]`.
+
+    Writing into a preallocated buffer matters on CPU, where every fresh large tensor costs
+    page faults; the input chunk is only read."""
+    out.copy_(logits_c)
+    if temp_c is not None:
+        out.div_(temp_c.unsqueeze(-1))
+    return out.sub_(shift_c.unsqueeze(-1))
 
 
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
@@ -73,25 +77,34 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         local_t = torch.where(in_range, local_t, torch.zeros_like(local_t))
 
         # Division by a positive temperature is monotone, so max(l / T) == max(l) / T exactly.
-        m = logits.max(dim=-1).values.float() if n > 0 else logits.new_zeros(0, dtype=torch.float32)
+        if n > 0:  # amax/amin: no index output, much cheaper than max()/aminmax() on CPU
+            lo, m = logits.amin(dim=-1).float(), logits.amax(dim=-1).float()
+        else:
+            lo = m = logits.new_zeros(0, dtype=torch.float32)
         if temperature is not None:
-            m = m / temperature
+            lo, m = lo / temperature, m / temperature
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf row: avoid nan shift
+        # Clamping costs a pass over the chunk: only needed when some shifted logit is -inf.
+        clamp = bool(n > 0 and not torch.isfinite(lo - m).all())
 
         packed = torch.zeros(n, 3, dtype=torch.float32, device=logits.device)
-        step = chunk_size or max(n, 1)
+        step = min(chunk_size or max(n, 1), max(n, 1))
+        zbuf = torch.empty(step, vp, dtype=torch.float32, device=logits.device)
+        ebuf = torch.empty_like(zbuf)
         for s in range(0, n, step):
             e_ = min(s + step, n)
-            z = _shifted_chunk(logits[s:e_], None if temperature is None else temperature[s:e_], m[s:e_])
+            t_c = None if temperature is None else temperature[s:e_]
+            z = _shifted_chunk(zbuf[: e_ - s], logits[s:e_], t_c, m[s:e_])
             zt = z.gather(1, local_t[s:e_].unsqueeze(1)).squeeze(1)
             packed[s:e_, 2] = torch.where(in_range[s:e_], zt, torch.zeros_like(zt))
-            z.clamp_(min=_CLAMP_LOW)
-            ez = torch.exp(z)
+            if clamp:
+                z.clamp_(min=_CLAMP_LOW)
+            ez = torch.exp(z, out=ebuf[: e_ - s])
             packed[s:e_, 0] = ez.sum(dim=-1)
-            packed[s:e_, 1] = torch.bmm(ez.unsqueeze(1), z.unsqueeze(2)).view(-1)  # sum exp(z) z
-            del z, ez
+            packed[s:e_, 1] = z.mul_(ez).sum(dim=-1)  # sum exp(z) z (z is not needed after this)
+        del zbuf, ebuf
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
             dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
 
@@ -100,41 +113,44 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         entropy = log_z - packed[:, 1] / packed[:, 0]
 
         ctx.tp_group, ctx.chunk_size, ctx.entropy_grad = tp_group, chunk_size, entropy_grad
-        ctx.has_temperature = temperature is not None
+        ctx.has_temperature, ctx.clamp = temperature is not None, clamp
         saved_t = temperature if temperature is not None else m.new_empty(0)
-        ctx.save_for_backward(logits, local_t, in_range, saved_t, m, log_z, entropy)
+        # The softmax is recomputed in backward from logits - (m + log Z): keep just that shift.
+        ctx.save_for_backward(logits, local_t, in_range, saved_t, m + log_z, entropy)
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        logits, local_t, in_range, temperature, m, log_z, entropy = ctx.saved_tensors
-        temperature = temperature if ctx.has_temperature else None
+        logits, local_t, in_range, temperature, shift, entropy = ctx.saved_tensors
         n, vp = logits.shape
-        g1 = grad_logprobs if grad_logprobs is not None else torch.zeros_like(log_z)
+        g1 = grad_logprobs if grad_logprobs is not None else torch.zeros_like(shift)
         g2 = grad_entropy if (ctx.entropy_grad and grad_entropy is not None) else None
+        if ctx.has_temperature:  # d/dlogits = d/dz / T: fold 1/T into the per-row factors
+            g1 = g1 / temperature
+            g2 = None if g2 is None else g2 / temperature
+        g1_hit = torch.where(in_range, g1, torch.zeros_like(g1)).unsqueeze(-1)
         grad_input = torch.empty_like(logits)
-        rows = torch.arange(n, device=logits.device)
-        step = ctx.chunk_size or max(n, 1)
+        step = min(ctx.chunk_size or max(n, 1), max(n, 1))
+        lbuf = torch.empty(step, vp, dtype=torch.float32, device=logits.device)
+        # float32 input: the gradient is computed straight into grad_input (no second buffer)
+        pbuf = None if logits.dtype == torch.float32 else torch.empty_like(lbuf)
         for s in range(0, n, step):
             e_ = min(s + step, n)
-            t_c = None if temperature is None else temperature[s:e_]
-            logp = _shifted_chunk(logits[s:e_], t_c, m[s:e_])
-            logp.sub_(log_z[s:e_].unsqueeze(-1)).clamp_(min=_CLAMP_LOW)
-            p = torch.exp(logp)
-            g1_c = g1[s:e_].unsqueeze(-1)
-            if g2 is None:
-                grad = p.mul_(g1_c).neg_()
+            t_c = temperature[s:e_] if ctx.has_temperature else None
+            logp = _shifted_chunk(lbuf[: e_ - s], logits[s:e_], t_c, shift[s:e_])  # log softmax
+            if ctx.clamp:
+                logp.clamp_(min=_CLAMP_LOW)
+            p = torch.exp(logp, out=grad_input[s:e_] if pbuf is None else pbuf[: e_ - s])
+            if g2 is None:  # -p * g1
+                grad = p.mul_(-g1[s:e_].unsqueeze(-1))
             else:  # -p * (g1 + g2 * (log p + H))
                 grad = logp.add_(entropy[s:e_].unsqueeze(-1)).mul_(g2[s:e_].unsqueeze(-1))
-                grad = grad.add_(g1_c).mul_(p).neg_()
-            hit = in_range[s:e_]
-            grad[rows[: e_ - s][hit], local_t[s:e_][hit]] += g1[s:e_][hit]
-            if t_c is not None:
-                grad.div_(t_c.unsqueeze(-1))
-            grad_input[s:e_].copy_(grad)
-            del logp, p, grad
+                grad = p.mul_(grad.add_(g1[s:e_].unsqueeze(-1))).neg_()
+            grad.scatter_add_(1, local_t[s:e_].unsqueeze(-1), g1_hit[s:e_])  # + g1 * onehot
+            if pbuf is not None:
+                grad_input[s:e_].copy_(grad)
         return grad_input, None, None, None, None, None
 
 
