@@ -60,9 +60,9 @@ def preflight(cfg, world_size: int):
     with a message naming the config field or the file/row.
     """
     from hapo_megatron.training.runtime import build_datasets, load_tokenizer
-    cfg.parallel.validate_world(world_size)
     hf_config = _load_model_config(cfg.model.hf_model_path)
     check_parallel_fits_model(hf_config, cfg.parallel)
+    cfg.parallel.validate_world(world_size)
     if cfg.model.megatron_load_path and not os.path.isdir(cfg.model.megatron_load_path):
         raise FileNotFoundError(f"model.megatron_load_path: {cfg.model.megatron_load_path!r} does not exist")
     resolve_resume(cfg.trainer.resume, os.path.join(cfg.trainer.run_dir, "checkpoints"))
@@ -130,10 +130,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.makedirs(cfg.trainer.run_dir, exist_ok=True)
         print(format_config(cfg), flush=True)
         print(f"config saved to {save_config(cfg, os.path.join(cfg.trainer.run_dir, 'config.yaml'))}", flush=True)
-    from hapo_megatron.training.trainer import fit
-    fit(cfg, tokenizer=tokenizer, datasets=datasets)
     import torch.distributed as dist
-    if dist.is_initialized():
+
+    from hapo_megatron.training.trainer import TrainingStopped, fit
+    try:
+        fit(cfg, tokenizer=tokenizer, datasets=datasets)
+    except TrainingStopped as e:
+        if rank == 0:
+            print(f"hapo train: stopped: {e}", file=sys.stderr, flush=True)
+        return 1
+    if dist.is_initialized() and "RANK" in os.environ:
         dist.barrier()
         dist.destroy_process_group()
     return 0

@@ -26,6 +26,8 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--solution", choices=("answer", "expression"), default="answer",
+                   help="warm-start target: 'Answer: 85' or '37 + 48 = 85\\nAnswer: 85'")
     p.add_argument("--force", action="store_true", help="rebuild even if --out is complete")
     return p.parse_args(argv)
 
@@ -39,14 +41,18 @@ def main(argv=None) -> str:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hapo_megatron.data import build_char_tokenizer, write_arithmetic_dataset
+    from hapo_megatron.data import build_char_tokenizer, generate_arithmetic_rows, write_rows
     from hapo_megatron.models import tiny_hf_config
 
     os.makedirs(args.out, exist_ok=True)
     task = dict(min_digits=1, max_digits=args.max_digits, min_operands=2, max_operands=2, ops=tuple(args.ops))
-    write_arithmetic_dataset(os.path.join(args.out, "train.jsonl"), args.n_train, args.seed, **task)
-    write_arithmetic_dataset(os.path.join(args.out, "val.jsonl"), args.n_val, args.seed + 1000,
-                             data_source="arithmetic_val", **task)
+    for name, n, seed, source in (("train", args.n_train, args.seed, "arithmetic"),
+                                  ("val", args.n_val, args.seed + 1000, "arithmetic_val")):
+        rows = generate_arithmetic_rows(n, seed, data_source=source, **task)
+        if args.solution == "answer":  # short targets: fast rollouts, the warm start learns the format
+            for row in rows:
+                row["extra_info"]["solution"] = f"Answer: {row['reward_model']['ground_truth']}"
+        write_rows(rows, os.path.join(args.out, f"{name}.jsonl"))
     model_dir = os.path.join(args.out, "model")
     tok = build_char_tokenizer(model_dir)
     hf_config = tiny_hf_config(

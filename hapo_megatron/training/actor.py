@@ -268,12 +268,37 @@ class MegatronActor:
     def load(self, path: str) -> None:
         """Inverse of `save` (collective)."""
         from megatron.core import dist_checkpointing
+
         from hapo_megatron.convert import unwrap_model
+        self._ensure_adam_state()
         state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), path)
         unwrap_model(self.model[0]).load_state_dict(state["model"])
         with torch.no_grad():  # fp32 main params are views of the model params
             self.optimizer.load_state_dict(state["optimizer"])
         self._fix_adam_steps(state["optimizer"])
+
+    def _torch_adams(self) -> list:
+        """The torch Adam(W) optimizers inside Megatron's wrappers (empty with Apex/TE optimizers)."""
+        from megatron.core.optimizer import distrib_optimizer
+        if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
+            return []
+        inner = [getattr(o, "optimizer", None) for o in getattr(self.optimizer, "chained_optimizers",
+                                                                  [self.optimizer])]
+        return [o for o in inner if isinstance(o, torch.optim.Adam | torch.optim.AdamW)]
+
+    def _ensure_adam_state(self) -> None:
+        """Give a fresh torch Adam zero state with a ``step`` before loading a checkpoint.
+
+        WHY: megatron-core's DistributedOptimizer.state_dict() (needed to build the sharded state
+        dict it loads into) asserts on the per-param ``step`` of torch optimizers, which a fresh
+        optimizer does not have yet; its init_state_fn creates exp_avg/exp_avg_sq only.
+        """
+        for opt in self._torch_adams():
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if not opt.state[p]:
+                        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p.data),
+                                        "exp_avg_sq": torch.zeros_like(p.data)}
 
     def _fix_adam_steps(self, opt_state: dict) -> None:
         """Give every param its own Adam ``step`` tensor with the saved value.
@@ -287,9 +312,8 @@ class MegatronActor:
         if len(steps) != 1:
             return
         step = float(steps.pop())
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = getattr(opt, "optimizer", None)
-            for st in (inner.state.values() if inner is not None else []):
+        for opt in self._torch_adams():
+            for st in opt.state.values():
                 if "step" in st:
                     st["step"] = torch.tensor(step, dtype=torch.float32)
 

@@ -16,6 +16,10 @@ from hapo_megatron.training.runtime import Runtime, build_runtime
 from hapo_megatron.training.sft import run_sft
 
 
+class TrainingStopped(RuntimeError):
+    """The run stopped itself (e.g. too many consecutive skipped steps); the message says why."""
+
+
 def fit(cfg, *, tokenizer=None, datasets=None) -> dict[str, Any]:
     """Train with ``cfg`` (a `HapoConfig`); returns the run summary (same on every rank)."""
     from hapo_megatron.parallel.groups import initialize_parallel
@@ -77,8 +81,8 @@ def _skip(rt: Runtime, step: int, metrics: dict, why: str, logged: bool = True) 
 def _check_skips(rt: Runtime) -> None:
     limit = rt.cfg.trainer.max_consecutive_skips
     if limit and rt.consecutive_skips >= limit:
-        raise RuntimeError(
-            f"stopping: {rt.consecutive_skips} consecutive steps were skipped (no usable group after "
+        raise TrainingStopped(
+            f"{rt.consecutive_skips} consecutive steps were skipped (no usable group after "
             f"dynamic sampling, or a non-finite loss/gradient); trainer.max_consecutive_skips={limit}. "
             "Lower optim.lr, check the reward/data, or raise algo.max_num_gen_batches.")
 

@@ -1,0 +1,97 @@
+"""End to end: the CPU example on 2 gloo ranks (TP=2) for a few steps with tiny settings, and a
+run killed after a checkpoint that resumes to exactly the metrics of the uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hapo_megatron.training.metrics import read_jsonl, strip_timing
+from tests.training.tiny_setup import ROOT, prepare_tiny, tiny_overrides
+
+CONFIG = os.path.join(ROOT, "examples", "cpu_tiny", "config.yaml")
+pytestmark = pytest.mark.slow
+
+
+def _cmd(data, run_dir, *extra):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "hapo_megatron.train", "--config", CONFIG, *tiny_overrides(data, run_dir), *extra]
+
+
+def _run(cmd, timeout=400):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout + proc.stderr
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun's workers (they run in their own sessions), then torchrun: a crash."""
+    import psutil
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    for child in children:
+        try:
+            child.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(children, timeout=30)
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return prepare_tiny(str(tmp_path_factory.mktemp("cpu_tiny_data")))
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny, tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("full"))
+    out = _run(_cmd(tiny, run_dir))
+    return run_dir, out
+
+
+def test_cpu_example_runs_and_logs(full_run):
+    run_dir, out = full_run
+    recs = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "rollout/reward_mean" in r]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    for key in ("rollout/reward_mean", "rollout/acc", "entropy/mean", "entropy/pivot", "loss/pg_loss",
+                "loss/clipfrac_low", "loss/clipfrac_high", "rollout/logprob_abs_diff", "actor/lr",
+                "timing/rollout_s", "timing/update_s", "timing/sync_s", "perf/tokens_per_s"):
+        assert key in recs[-1], key
+    ckpts = sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
+    assert ckpts == ["latest", "step_000002", "step_000004"]
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["steps"] == 4 and "eval/arithmetic_val/avg@2" in summary["eval_end"]
+    assert os.path.exists(os.path.join(run_dir, "config.yaml"))
+    assert "reward mean" in out and "wall time" in out
+
+
+def test_killed_run_resumes_to_identical_metrics(tiny, full_run, tmp_path):
+    run_dir = str(tmp_path / "killed")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(_cmd(tiny, run_dir), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    pointer = os.path.join(run_dir, "checkpoints", "latest")
+    deadline = time.time() + 400
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            if os.path.exists(pointer) and open(pointer).read().strip() == "step_000002":
+                break
+            time.sleep(0.05)
+    finally:
+        _kill_tree(proc)
+    assert open(pointer).read().strip() == "step_000002", "the run never wrote its step-2 checkpoint"
+    _run(_cmd(tiny, run_dir, "--resume", "auto"))
+    full = [strip_timing(r) for r in read_jsonl(os.path.join(full_run[0], "metrics.jsonl"))]
+    resumed = [strip_timing(r) for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
+    assert resumed == full

@@ -1,0 +1,52 @@
+"""Bad input fails with a clear message before any work (no run directory, no process group)."""
+
+import json
+import os
+
+import pytest
+
+from hapo_megatron.train import main
+from tests.training.tiny_setup import ROOT, prepare_tiny, tiny_overrides
+
+CONFIG = os.path.join(ROOT, "examples", "cpu_tiny", "config.yaml")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return prepare_tiny(str(tmp_path_factory.mktemp("tiny")), n_train=40, n_val=4)
+
+
+def _fails(capsys, tiny, run_dir, *extra, match):
+    rc = main(["--config", CONFIG, *tiny_overrides(tiny, str(run_dir), **{"parallel.tensor_model_parallel_size": 1}),
+               *extra])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "hapo train: error:" in err and match in err, err
+    assert not os.path.exists(run_dir), "work started before the error"
+    return err
+
+
+def test_malformed_dataset_row(tiny, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    rows = [json.loads(line) for line in open(os.path.join(tiny, "train.jsonl"))][:20]
+    del rows[7]["reward_model"]
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    err = _fails(capsys, tiny, tmp_path / "run", f"data.train_files=[{bad}]", match="bad.jsonl")
+    assert "7" in err and "reward_model" in err
+
+
+def test_prompt_longer_than_limit(tiny, tmp_path, capsys):
+    _fails(capsys, tiny, tmp_path / "run", "data.max_prompt_length=10", match="max_prompt_length")
+
+
+def test_tp_not_dividing_heads(tiny, tmp_path, capsys):
+    _fails(capsys, tiny, tmp_path / "run", "parallel.tensor_model_parallel_size=3",
+           match="must divide the model's attention heads")
+
+
+def test_missing_checkpoint_path(tiny, tmp_path, capsys):
+    _fails(capsys, tiny, tmp_path / "run", "--resume", str(tmp_path / "no_such_ckpt"), match="no_such_ckpt")
+
+
+def test_missing_model_path(tiny, tmp_path, capsys):
+    _fails(capsys, tiny, tmp_path / "run", f"model.hf_model_path={tmp_path}/nope", match="does not exist")
