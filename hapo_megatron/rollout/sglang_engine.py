@@ -4,13 +4,21 @@ Servers: launched (``python -m sglang.launch_server ... --enable-custom-logit-pr
 per rollout GPU group of ``server_tp_size`` GPUs) or attached by URL. Requests are spread
 round-robin over the servers (or sent through ``sglang_router`` when installed and asked for).
 
-Multi-process use (torchrun): when ``torch.distributed`` is initialised, every public method is
-COLLECTIVE: all trainer ranks call it with the same arguments. Rank 0 talks to the servers for
-generation and broadcasts the samples; ``update_weights`` must be fed the same HF-named tensors in
-the same order on every rank (``export_hf_weights`` output).
+Two ways to use it from a torchrun job:
 
-Colocated layout (``colocate=True``): trainer rank ``r`` shares its GPU with TP rank ``r % tp`` of
-server ``r // tp``; the first rank of each group launches that server on its local GPU.
+- ``collective=False`` (default; what the trainer does today): only global rank 0 builds and calls
+  the engine. Launched servers start on rank 0's node (GPUs ``s * tp ...``, after the trainer's
+  GPUs when not colocated); servers on other nodes are started beforehand (``python -m
+  hapo_megatron.rollout.serve``) and attached by URL. Weight sync: ``tensor`` (CUDA IPC) reaches
+  only servers on rank 0's node; ``distributed`` (NCCL) needs servers on GPUs other than rank 0's;
+  ``disk`` works everywhere the servers see the directory (``disk_sync_dir`` or the environment
+  variable ``HAPO_SGLANG_SYNC_DIR``, e.g. on a shared file system).
+- ``collective=True``: every rank builds the engine and calls every public method with the same
+  arguments. Trainer rank ``r`` shares its GPU with TP rank ``r % tp`` of server ``r // tp`` (the
+  first rank of each group launches it on its own node); rank 0 generates and broadcasts the
+  samples; each rank sends CUDA-IPC handles of ITS copy of every bucket for its own server, so
+  tensor sync scales to many nodes. ``update_weights`` must get the same HF-named tensors in the
+  same order on every rank.
 
 Weight sync (``weight_sync``):
 - ``"tensor"`` (colocated): every rank serialises its copy of each bucket as CUDA-IPC handles, the
@@ -155,6 +163,8 @@ class SGLangEngine:
             it, e.g. ``--sampling-backend pytorch``).
         disk_sync_dir: directory for ``weight_sync="disk"`` (default: a temporary directory).
         log_dir: where launched servers write ``sglang_server_<i>.log``.
+        collective: see the module docstring.
+        wait_for_servers: attached servers: wait (up to ``launch_timeout_s``) until they are healthy.
         session: injectable HTTP transport (tests); ``launch=False`` never starts processes.
     """
 
@@ -165,8 +175,8 @@ class SGLangEngine:
                  extra_server_args: Sequence[str] = (), port_base: int = 30000, tokenizer: Any = None,
                  dtype: Any = torch.bfloat16, launch_timeout_s: float = 900.0, requests_per_call: int = 64,
                  send_sampling_seed: bool = False, disk_sync_dir: Optional[str] = None,
-                 log_dir: Optional[str] = None, session: Any = None, launch: bool = True,
-                 group_name: str = "hapo_weight_sync") -> None:
+                 log_dir: Optional[str] = None, collective: bool = False, wait_for_servers: bool = True,
+                 session: Any = None, launch: bool = True, group_name: str = "hapo_weight_sync") -> None:
         if int(bucket_size_mb) < 1 or int(requests_per_call) < 1 or int(server_tp_size) < 1:
             raise ValueError("bucket_size_mb, requests_per_call and server_tp_size must be >= 1")
         self.model_path, self.tokenizer, self.colocate = model_path, tokenizer, bool(colocate)
@@ -175,15 +185,21 @@ class SGLangEngine:
         self.tp = int(server_tp_size)
         self.requests_per_call = int(requests_per_call)
         self.send_sampling_seed = bool(send_sampling_seed)
-        self.disk_sync_dir, self.group_name = disk_sync_dir, group_name
+        self.disk_sync_dir = disk_sync_dir or os.environ.get("HAPO_SGLANG_SYNC_DIR") or None
+        self.group_name = group_name
+        self.dtype = dtype if isinstance(dtype, torch.dtype) else None  # export dtype for the trainer
         self.http = SGLangHTTP(timeout_s=request_timeout_s, max_retries=max_retries, session=session)
-        self.rank, self.world_size = _dist_info()
+        self.collective = bool(collective)
+        self.rank, self.world_size = _dist_info() if self.collective else (0, 1)
         self._nccl_group = None
         self._sync_device = "cuda"  # where broadcast buckets live (NCCL); tests use "cpu"
         self._server_groups: Optional[dict] = None
         self.router: Optional[ServerHandle] = None
         if server_urls:
             self.servers = [ServerHandle(url=u.rstrip("/"), tp_size=self.tp) for u in server_urls]
+            if wait_for_servers and self.rank == 0:
+                for srv in self.servers:
+                    self.http.wait_healthy(srv, float(launch_timeout_s))
         elif not launch:
             raise ValueError("server_urls is empty and launch=False: nothing to talk to")
         else:
@@ -227,6 +243,10 @@ class SGLangEngine:
                 gpu = (0 if self.colocate else int(os.environ.get("LOCAL_WORLD_SIZE", 1))) + s * self.tp
             else:
                 continue
+            if torch.cuda.is_available() and gpu + self.tp > torch.cuda.device_count():
+                raise ValueError(f"server {s} would need GPUs {gpu}..{gpu + self.tp - 1} but this node has "
+                                 f"{torch.cuda.device_count()}: fewer num_servers, or start servers on the "
+                                 "other nodes with `python -m hapo_megatron.rollout.serve` and attach by URL")
             port = port_base + s
             cmd = launch.server_command(self.model_path, port=port, tp_size=self.tp, base_gpu_id=gpu,
                                         mem_fraction_static=mem_fraction, dtype=launch.sglang_dtype(dtype),

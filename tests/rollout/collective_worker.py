@@ -26,7 +26,7 @@ def collective_worker(rank, world_size, tmp_dir):
     # one colocated server with tp=2 spanning both ranks: tensor sync gathers both ranks' handles
     sess = FakeSession()
     eng = se.SGLangEngine(server_urls=URLS[:1], server_tp_size=2, colocate=True, weight_sync="tensor",
-                          session=sess, launch=False, bucket_size_mb=1)
+                          session=sess, launch=False, bucket_size_mb=1, collective=True)
     eng.bucket_bytes = 64 * 32 * 2
     samples = eng.generate([[10], [20]], SamplingParams(n=2, max_new_tokens=3))
     out["samples"] = [[s.response_ids for s in g] for g in samples]
@@ -38,6 +38,7 @@ def collective_worker(rank, world_size, tmp_dir):
     # disk sync: rank 0 writes and posts, rank 1 only drains its iterator
     sess2 = FakeSession()
     eng2 = se.SGLangEngine(server_urls=URLS, colocate=False, weight_sync="disk", session=sess2, launch=False,
+                           collective=True,
                            disk_sync_dir=tmp_dir)
     drained = []
 
@@ -49,4 +50,15 @@ def collective_worker(rank, world_size, tmp_dir):
     eng2.update_weights(stream())
     out["disk_posts"] = len(sess2.posts("/update_weights_from_disk"))
     out["drained"] = len(drained)
+    # rank-0-only engine (the trainer's default) inside a 2-rank job: no collectives (else: hang)
+    if rank == 0:
+        sess3 = FakeSession()
+        eng3 = se.SGLangEngine(server_urls=URLS[:1], server_tp_size=2, colocate=True, weight_sync="tensor",
+                               session=sess3, launch=False)
+        eng3.bucket_bytes = 64 * 32 * 2
+        eng3.generate([[10]], SamplingParams(n=1, max_new_tokens=2))
+        eng3.update_weights(iter(named_weights()))
+        eng3.release_memory()
+        out["solo_tensor_posts"] = [b["serialized_named_tensors"] for _, b in sess3.posts("/update_weights_from_tensor")]
+    torch.distributed.barrier()
     return out

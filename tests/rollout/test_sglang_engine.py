@@ -138,10 +138,16 @@ def test_dead_launched_server_raises_with_log_tail(tmp_path):
 
 def test_dead_attached_server_is_named_during_generate():
     sess = FakeSession(failures={"/generate": [requests.ConnectionError("refused")] * 10}, dead={URLS[1]})
-    eng = engine(sess, max_retries=1)
+    eng = engine(sess, max_retries=1, wait_for_servers=False)
     eng.http.sleep = lambda s: None
     with pytest.raises(ServerDiedError, match="http://b:2 is not answering"):
         eng.generate([[1]] * 4, SamplingParams(n=1, max_new_tokens=2))
+
+
+def test_attach_waits_for_servers_to_become_healthy():
+    sess = FakeSession()
+    engine(sess)
+    assert [u for m, u, _ in sess.calls if m == "GET"] == [u + "/health" for u in URLS]
 
 
 def test_wait_healthy_times_out():
@@ -235,7 +241,7 @@ def test_release_resume_only_when_colocated():
     eng2 = engine(sess2, colocate=False)
     eng2.release_memory()
     eng2.resume_memory()
-    assert sess2.calls == []
+    assert [c for c in sess2.calls if c[0] == "POST"] == []
 
 
 # ---------------------------------------------------------------- config, launch commands
@@ -287,3 +293,4 @@ def test_collective_generate_and_weight_sync_on_two_ranks(tmp_path):
     assert (r0["release_posts"], r1["release_posts"]) == (1, 0)
     assert (r0["disk_posts"], r1["disk_posts"]) == (2, 0)
     assert r0["drained"] == r1["drained"] == len(names)
+    assert r0["solo_tensor_posts"] == [[f"rank0:{n}"] * 2 for n in names]  # same handle for both TP ranks
