@@ -405,7 +405,15 @@ class SGLangEngine:
             return
         path = self.disk_sync_dir or os.path.join(tempfile.gettempdir(), f"hapo_sglang_weights_{os.getpid()}")
         shutil.rmtree(path, ignore_errors=True)
-        ws.write_hf_checkpoint(named, path, shard_bytes=self.bucket_bytes, config_dir=self.model_path)
+        config_dir = self.model_path if self.model_path and os.path.isdir(self.model_path) else None
+        ws.write_hf_checkpoint(named, path, shard_bytes=self.bucket_bytes, config_dir=config_dir)
+        if config_dir is None and self.model_path:  # a hub name: its config from the local cache
+            try:
+                import transformers
+
+                transformers.AutoConfig.from_pretrained(self.model_path, local_files_only=True).save_pretrained(path)
+            except Exception as e:  # noqa: BLE001 - SGLang keeps its own config; only a warning
+                warnings.warn(f"disk weight sync: no config.json for {self.model_path!r} in {path} ({e})")
         for srv in self.servers:
             _check_success(self.http.request(srv, "/update_weights_from_disk",
                                              {"model_path": path, "flush_cache": True}, retries=0),

@@ -1,0 +1,101 @@
+"""Start this node's SGLang rollout servers and keep them running (multi-node recipes).
+
+    python -m hapo_megatron.rollout.serve --model-path Qwen/Qwen2.5-Math-7B \\
+        --num-servers 4 --tp-size 2 --port-base 30000 --mem-fraction-static 0.45 --colocate \\
+        --log-dir runs/x/sglang -- --context-length 11264
+
+Server ``i`` uses GPUs ``base_gpu_id + i * tp .. + tp - 1`` and port ``port_base + i``, always with
+``--enable-custom-logit-processor`` (``--enable-memory-saver`` with ``--colocate``). The command
+prints one URL per line once every server answers ``/health``, then waits; SIGTERM / SIGINT stop
+the servers. The trainer attaches with ``rollout.sglang.server_urls=[...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from typing import Optional, Sequence
+
+from hapo_megatron.rollout import sglang_launch as launch
+from hapo_megatron.rollout.sglang_client import SGLangHTTP
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hapo_megatron.rollout.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--num-servers", type=int, default=1)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--base-gpu-id", type=int, default=0)
+    p.add_argument("--port-base", type=int, default=30000)
+    p.add_argument("--host", default="0.0.0.0", help="bind address")
+    p.add_argument("--advertise-host", default=None, help="host in the printed URLs (default: this node's IP)")
+    p.add_argument("--mem-fraction-static", type=float, default=0.7)
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--colocate", action="store_true", help="enable release/resume of GPU memory")
+    p.add_argument("--log-dir", default="sglang_logs")
+    p.add_argument("--url-file", default=None, help="also write the URLs to this file")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="start-up time limit")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra sglang.launch_server arguments")
+    a = p.parse_args(argv)
+    if a.extra and a.extra[0] == "--":
+        a.extra = a.extra[1:]
+    for name in ("num_servers", "tp_size"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return a
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = parse_args(argv)
+    os.makedirs(a.log_dir, exist_ok=True)
+    host = a.advertise_host or launch.node_ip()
+    http = SGLangHTTP(timeout_s=30)
+    servers = []
+    for i in range(a.num_servers):
+        port = a.port_base + i
+        cmd = launch.server_command(a.model_path, port=port, host=a.host, tp_size=a.tp_size,
+                                    base_gpu_id=a.base_gpu_id + i * a.tp_size,
+                                    mem_fraction_static=a.mem_fraction_static, dtype=launch.sglang_dtype(a.dtype),
+                                    enable_memory_saver=a.colocate, extra_args=a.extra)
+        servers.append(launch.start_process(cmd, f"http://{host}:{port}", tp_size=a.tp_size,
+                                            log_path=os.path.join(a.log_dir, f"sglang_server_{i}.log")))
+
+    def stop_all() -> None:
+        for s in servers:
+            launch.stop_process(s)
+
+    def on_signal(*_):
+        stop_all()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        for s in servers:
+            http.wait_healthy(s, a.timeout_s)
+    except Exception as e:  # noqa: BLE001 - report, stop the others, fail
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        stop_all()
+        return 1
+    urls = [s.url for s in servers]
+    print("\n".join(urls), flush=True)
+    if a.url_file:
+        tmp = a.url_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write("\n".join(urls) + "\n")
+        os.replace(tmp, a.url_file)  # readers never see a half-written file
+    while True:  # keep the servers; a dead one ends this command with its exit code
+        for s in servers:
+            code = s.exit_code()
+            if code is not None:
+                print(f"error: SGLang server {s.url} exited with code {code}", file=sys.stderr, flush=True)
+                stop_all()
+                return 1
+        time.sleep(5)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
