@@ -161,7 +161,8 @@ class SGLangEngine:
         requests_per_call: rows per ``/generate`` call; calls run concurrently.
         send_sampling_seed: pass per-row ``sampling_seed`` (needs a sampling backend that supports
             it, e.g. ``--sampling-backend pytorch``).
-        disk_sync_dir: directory for ``weight_sync="disk"`` (default: a temporary directory).
+        disk_sync_dir: directory for ``weight_sync="disk"`` (default: ``$HAPO_SGLANG_SYNC_DIR``, else a
+            temporary directory on rank 0's node).
         log_dir: where launched servers write ``sglang_server_<i>.log``.
         collective: see the module docstring.
         wait_for_servers: attached servers: wait (up to ``launch_timeout_s``) until they are healthy.

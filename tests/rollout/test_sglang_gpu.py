@@ -63,7 +63,7 @@ def test_generate_with_and_without_adaptive_processor(engine, tiny_models):
     stats = compute_entropy_stats(ent, torch.ones_like(ent, dtype=torch.bool))
     plain = SamplingParams(n=4, temperature=1.0, max_new_tokens=12, ignore_eos=True)
     adaptive = plain.with_(adaptive=True, entropy_stats=stats, temperature_tau=0.9)
-    err_plain, err_adapt_vs_base = [], []
+    err_adapt_vs_base = []
     for params in (plain, adaptive):
         for group in engine.generate(prompts, params):
             for s in group:
