@@ -88,9 +88,6 @@ def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234)
 
         activate_cpu_shims()
     _ensure_default_group()
-    world = dist.get_world_size()
-    if world % (tp * pp * cp) != 0:
-        raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -100,6 +97,9 @@ def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234)
             raise ValueError(f"model parallel already initialised with tp={g.tp_size}, "
                              f"pp={g.pp_size}, cp={g.cp_size}; call destroy_parallel() first")
         return g
+    world = dist.get_world_size()
+    if world % (tp * pp * cp) != 0:
+        raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  context_parallel_size=cp)
     random.seed(seed)

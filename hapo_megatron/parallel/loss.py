@@ -45,6 +45,9 @@ from hapo_megatron.algo import (
 from hapo_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 
 ENTROPY_STATS_SCOPES = ("global", "microbatch")
+#: tokens per chunk of the fused log-prob/entropy: 2 float32 buffers of 1024 x V/tp (~0.6 GB at
+#: V/tp = 76k) instead of 2 x T x V/tp for the whole micro-batch.
+DEFAULT_LOGPROB_CHUNK = 1024
 H_HAT_ENTROPIES = ("old", "current")
 _REQUIRED = ("labels", "loss_mask", "old_logprobs", "advantages")
 
@@ -68,6 +71,7 @@ class LossConfig:
         tis_cap: truncated importance sampling cap against batch["rollout_logprobs"], or None.
         loss_scale_factor: horizon of "seq-mean-token-sum-norm" (None = full sequence length).
         logprob_chunk_size: tokens per chunk in the fused log-prob/entropy (None = no chunking).
+            Peak extra memory of that step is about `2 * chunk * V/tp * 4` bytes.
     """
 
     clip_ratio_low: float = 0.2
@@ -87,7 +91,7 @@ class LossConfig:
     entropy_coeff: float = 0.0
     tis_cap: Optional[float] = None
     loss_scale_factor: Optional[float] = None
-    logprob_chunk_size: Optional[int] = None
+    logprob_chunk_size: Optional[int] = DEFAULT_LOGPROB_CHUNK
 
     def __post_init__(self) -> None:
         choices = {"loss_agg_mode": LOSS_AGG_MODES, "h_hat_mode": HH_MODES,
@@ -132,7 +136,8 @@ def _cp_rank(cp_group) -> int:
 
 def logprobs_entropy_from_logits(logits: torch.Tensor, labels: torch.Tensor, *, tp_group=None,
                                  temperature: Union[float, torch.Tensor] = 1.0,
-                                 chunk_size: Optional[int] = None, entropy_grad: bool = False):
+                                 chunk_size: Optional[int] = DEFAULT_LOGPROB_CHUNK,
+                                 entropy_grad: bool = False):
     """Per-token `(logprobs, entropy)` `[b, s]` float32 from GPTModel logits `[b, s, V/tp]`.
 
     For the old-log-prob / reference passes (run it under `torch.no_grad()`), and used by the
@@ -196,7 +201,8 @@ def hapo_loss_from_logits(logits: torch.Tensor, batch: Mapping[str, torch.Tensor
             `ref_logprobs` (KL), `rollout_logprobs` (tis_cap).
         cfg: `LossConfig`. stats: the step's global `EntropyStats` (scope "global").
         tp_group / cp_group: tensor / context parallel groups (None = not split).
-        temperature: float or `[b, s]` tensor dividing the logits (the sampling base temperature).
+        temperature: float or `[b, s]` tensor dividing the logits (the sampling base temperature;
+            a tensor is this rank's CP shard, like the batch).
 
     Returns:
         `loss_sum` (0-dim float32, differentiable), `num_tokens` (0-dim int32, see the module
@@ -255,7 +261,7 @@ def make_loss_func(batch: Mapping[str, torch.Tensor], **kw) -> Callable[[torch.T
 
 
 def make_logprob_func(labels: torch.Tensor, *, tp_group=None, temperature=1.0,
-                      chunk_size: Optional[int] = None) -> Callable[[torch.Tensor], tuple]:
+                      chunk_size: Optional[int] = DEFAULT_LOGPROB_CHUNK) -> Callable[[torch.Tensor], tuple]:
     """`loss_func` for a `forward_only=True` pass collecting `(logprobs, entropy)` `[b, s]`.
 
     Returns Megatron's 3-tuple with a zero loss, `num_tokens = 0` and

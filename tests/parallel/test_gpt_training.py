@@ -76,6 +76,7 @@ def _megatron_run(tp, pp):
     from hapo_megatron.parallel.loss import make_loss_func
 
     g = initialize_parallel(tp=tp, pp=pp, seed=1)
+    _check_groups(g, tp, pp)
     hf_cfg, hf = _hf_model()
     model = build_gpt_model(hf_cfg)
     load_hf_weights_into_mcore(model, hf.state_dict(), hf_cfg, tp_rank=g.tp_rank, tp_size=tp,
@@ -115,6 +116,26 @@ def _megatron_run(tp, pp):
     weights = {n: t.numpy().copy() for n, t in export_hf_weights([model], hf_cfg, tp_group=g.tp, pp_group=g.pp)}
     destroy_parallel()
     return {"losses": losses or None, "weights": weights}
+
+
+def _check_groups(g, tp, pp):
+    """ParallelGroups agrees with the layout; re-initialising is idempotent or refused."""
+    import pytest
+    import torch.distributed as dist
+
+    from hapo_megatron.parallel.groups import get_parallel_groups, initialize_parallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert (g.tp_size, g.pp_size, g.cp_size, g.dp_size) == (tp, pp, 1, world // (tp * pp))
+    assert g.dp_cp_size == g.dp_size and g.dp_cp_rank == g.dp_rank
+    assert g.tp_rank == (rank % tp) and g.pp_rank == rank // (tp * (world // (tp * pp)))
+    assert g.is_pipeline_first == (g.pp_rank == 0) and g.is_pipeline_last == (g.pp_rank == pp - 1)
+    assert dist.get_world_size(g.tp) == tp and dist.get_world_size(g.dp_cp) == g.dp_size
+    assert initialize_parallel(tp=tp, pp=pp) is get_parallel_groups()
+    with pytest.raises(ValueError, match="already initialised"):
+        initialize_parallel(tp=world // tp, pp=pp)
+    with pytest.raises(ValueError, match="tp"):
+        initialize_parallel(tp=0)
 
 
 def _train_ranks(rank, world_size):

@@ -34,7 +34,8 @@ DP_ROWS = (0, 2, 6)  # uneven DP split: rank 0 two rows, rank 1 four
 def _configs():
     out = []
     for i, mode in enumerate(LOSS_AGG_MODES):
-        extra = [dict(), dict(kl_loss_coef=0.1, kl_loss_type="k3"), dict(entropy_coeff=0.01),
+        extra = [dict(logprob_chunk_size=7), dict(kl_loss_coef=0.1, kl_loss_type="k3"),
+                 dict(entropy_coeff=0.01, logprob_chunk_size=5),
                  dict(tis_cap=1.5, clip_ratio_high=0.28)][i]
         out.append((LossConfig(loss_agg_mode=mode, **extra), "token" if i % 2 else 0.9))
     out.append((LossConfig(adaptive_clip=False, adaptive_advantage=False, h_hat_mode="reference"), 1.0))
