@@ -1,0 +1,24 @@
+"""Smoke test of tools/bench/logprob_entropy.py at a tiny size (every variant, own subprocess)."""
+
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location(
+        "bench_logprob_entropy", os.path.join(ROOT, "tools", "bench", "logprob_entropy.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_benchmark_runs_and_reports_every_variant():
+    bench = _load_bench()
+    lines = []
+    rows = bench.run_benchmark([64], [512], repeats=1, threads=1, out=lines.append)
+    assert [r["variant"] for r in rows] == list(bench.VARIANTS), lines
+    for r in rows:
+        assert r["time_ms"] > 0 and r["shard_bytes"] == 64 * 512 * 2
+    assert lines[0].split()[:3] == ["T", "V/tp", "variant"] and len(lines) == 4
