@@ -224,7 +224,7 @@ def compute_entropy_stats(entropy: torch.Tensor, mask: torch.Tensor, entropy_piv
     pivot = torch.kthvalue(x, k + 1).values  # kthvalue is 1-based
     d = x - pivot
     return stats_from_reductions(
-        pivot=pivot.item(), sum_sq_dev=(d * d).sum().item(), count=n,
+        pivot=pivot.item(), sum_sq_dev=math.fsum((d * d).tolist()), count=n,  # correctly rounded: layout-independent
         max_dev=d.max().item(), min_dev=d.min().item(),
     )
 

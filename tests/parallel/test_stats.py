@@ -124,10 +124,8 @@ def _stats_worker(rank, world_size):
 def _assert_matches(got, ent, mask, q, where):
     ref = compute_entropy_stats(ent, mask, entropy_pivot=q)
     exact = _fsum_reference(ent, mask, q) if mask.any() else ref
-    assert got[0] == ref.pivot, where  # the quantile is bit-exact
     assert got == exact.as_tuple(), (where, got, exact)  # bit-exact with a correctly rounded sum
-    for a, b in zip(got, ref.as_tuple()):  # torch's float64 sum rounds differently by ~1 ulp
-        assert a == b or abs(a - b) <= 1e-14 * abs(b), (where, got, ref)
+    assert got == ref.as_tuple(), (where, got, ref)  # and with the single-process stats, all 4 numbers
 
 
 def test_single_process_matches_compute_entropy_stats():
