@@ -25,7 +25,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--preset", help="algorithm preset (hapo, dapo, grpo, dapo+temp, ...)")
     p.add_argument("--resume", help="'auto' (newest checkpoint in the run dir), 'none', or a checkpoint path")
     p.add_argument("overrides", nargs="*", help="dotted overrides such as algo.clip_ratio_high=0.28")
-    return p.parse_args(list(argv) if argv is not None else None)
+    return p.parse_intermixed_args(list(argv) if argv is not None else None)
 
 
 def check_parallel_fits_model(hf_config, parallel) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 
 DONE = "prepared.json"
 
@@ -28,6 +29,10 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--solution", choices=("answer", "expression"), default="answer",
                    help="warm-start target: 'Answer: 85' or '37 + 48 = 85\\nAnswer: 85'")
+    p.add_argument("--sft-noise", type=float, default=0.5,
+                   help="share of training rows whose warm-start answer is off by 1 or 2 (the reward "
+                        "still checks the true answer): the warm-started model is then unsure between "
+                        "near-misses, the situation RL fixes")
     p.add_argument("--force", action="store_true", help="rebuild even if --out is complete")
     return p.parse_args(argv)
 
@@ -49,9 +54,15 @@ def main(argv=None) -> str:
     for name, n, seed, source in (("train", args.n_train, args.seed, "arithmetic"),
                                   ("val", args.n_val, args.seed + 1000, "arithmetic_val")):
         rows = generate_arithmetic_rows(n, seed, data_source=source, **task)
-        if args.solution == "answer":  # short targets: fast rollouts, the warm start learns the format
-            for row in rows:
-                row["extra_info"]["solution"] = f"Answer: {row['reward_model']['ground_truth']}"
+        noise = random.Random(f"cpu-tiny-noise-{seed}")
+        for row in rows:
+            truth = int(row["reward_model"]["ground_truth"])
+            shown = truth + noise.choice((-2, -1, 1, 2)) if name == "train" and noise.random() < args.sft_noise \
+                else truth
+            if args.solution == "answer":  # short targets: fast rollouts
+                row["extra_info"]["solution"] = f"Answer: {shown}"
+            else:
+                row["extra_info"]["solution"] = f"{row['extra_info']['expression']} = {shown}\nAnswer: {shown}"
         write_rows(rows, os.path.join(args.out, f"{name}.jsonl"))
     model_dir = os.path.join(args.out, "model")
     tok = build_char_tokenizer(model_dir)

@@ -136,6 +136,20 @@ class Runtime:
         return self.ckpt.save(self.step, rl_state=self.rl_state(), save_model=self.actor.save)
 
 
+def _start_fresh(run_dir: str, ckpt_root: str) -> None:
+    """A new run in an existing directory: old metrics go, old checkpoints are moved aside (so
+    their step numbers cannot shadow the new run's) rather than deleted."""
+    import time
+    for name in ("metrics.jsonl", "sft_metrics.jsonl", "summary.json"):
+        path = os.path.join(run_dir, name)
+        if os.path.exists(path):
+            os.remove(path)
+    if os.path.isdir(ckpt_root) and os.listdir(ckpt_root):
+        old = f"{ckpt_root}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.rename(ckpt_root, old)
+        warnings.warn(f"starting a new run in {run_dir}: previous checkpoints moved to {old}")
+
+
 def build_engine(cfg, hf_config, tokenizer):
     """The rollout engine (call on rank 0 only)."""
     from hapo_megatron.rollout.engine import make_engine
@@ -171,6 +185,9 @@ def build_runtime(cfg, groups, *, tokenizer=None, datasets=None) -> Runtime:
         init_hf_path=init_hf, init_megatron_path=cfg.model.megatron_load_path)
     ckpt_root = os.path.join(cfg.trainer.run_dir, "checkpoints")
     resume_from = resolve_resume(cfg.trainer.resume, ckpt_root)
+    if resume_from is None and rank == 0:
+        _start_fresh(cfg.trainer.run_dir, ckpt_root)
+    dist.barrier()
     lg = cfg.logging
     logger = MetricsLogger(
         cfg.trainer.run_dir, total_steps=cfg.trainer.total_steps, enabled=rank == 0, console=lg.console,

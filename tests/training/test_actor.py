@@ -60,9 +60,22 @@ def _actor_checks(rank, world, data, ckpt_dir):
     actor.load(ckpt_dir)
     actor.train_step(mbs, cross_entropy_loss_factory(g.tp))
     replay_equal = all(torch.equal(a, b) for a, b in zip(w1, actor.model[0].parameters()))
+    # the HAPO loss moves log-probs in the direction of the advantage
+    from hapo_megatron.algo import EntropyStats
+    from hapo_megatron.config import AlgoConfig
+    from hapo_megatron.parallel.loss import LossConfig, make_loss_func
+    for i, s in enumerate(seqs):
+        s.advantage = 1.0 if i % 2 == 0 else -1.0
+    mbs = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batch_size=4)
+    actor.compute_logprobs_entropy(mbs, temperature=1.0)
+    before = mbs[0]["old_logprobs"].sum(1).clone()
+    lc = LossConfig.from_algo(AlgoConfig())
+    actor.train_step(mbs, lambda mb: make_loss_func(mb, cfg=lc, stats=EntropyStats.neutral(), tp_group=g.tp))
+    actor.compute_logprobs_entropy(mbs, temperature=1.0)
+    delta = (mbs[0]["old_logprobs"].sum(1) - before).tolist()
     names = [n for n, _ in actor.export_hf_weights()]
     return dict(max_err=max_err, skipped=res.skipped, moved=moved, bad_skipped=bad.skipped,
-                unchanged=unchanged, num_skipped=actor.num_skipped, replay_equal=replay_equal,
+                unchanged=unchanged, num_skipped=actor.num_skipped, replay_equal=replay_equal, delta=delta,
                 names=sorted(names), hf_names=sorted(hf.state_dict()))
 
 
@@ -74,3 +87,4 @@ def test_actor_tp2(tiny, tmp_path):
         assert r["bad_skipped"] and r["unchanged"] and r["num_skipped"] == 1
         assert r["replay_equal"]
         assert r["names"] == r["hf_names"]
+        assert [d > 0 for d in r["delta"]] == [True, False, True], r["delta"]
