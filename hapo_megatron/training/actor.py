@@ -50,7 +50,10 @@ def _children_allowed():
 
 def transformer_overrides(*, recompute_activations: bool, pp: int) -> dict[str, Any]:
     """TransformerConfig fields the actor needs on top of the HF-derived ones."""
-    kw: dict[str, Any] = dict(calculate_per_token_loss=True, variable_seq_lengths=pp > 1)
+    kw: dict[str, Any] = dict(calculate_per_token_loss=True)
+    if pp > 1:  # micro-batches have different lengths: stages exchange shapes first
+        # (megatron-core rejects variable lengths with the default MoE dispatcher even without MoE)
+        kw.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
     if recompute_activations:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return kw
@@ -96,10 +99,10 @@ class MegatronActor:
         from hapo_megatron.models import build_gpt_model
 
         g = self.groups
-        model = build_gpt_model(self.hf_config, pre_process=g.is_pipeline_first,
-                                post_process=g.is_pipeline_last, dtype=self.dtype, use_te=use_te,
-                                sequence_parallel=sequence_parallel,
-                                **transformer_overrides(recompute_activations=recompute, pp=g.pp_size))
+        self._build_kw = dict(pre_process=g.is_pipeline_first, post_process=g.is_pipeline_last,
+                              dtype=self.dtype, use_te=use_te, sequence_parallel=sequence_parallel,
+                              **transformer_overrides(recompute_activations=recompute, pp=g.pp_size))
+        model = build_gpt_model(self.hf_config, **self._build_kw)
         for p in model.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
         if init_megatron_path:
@@ -149,9 +152,9 @@ class MegatronActor:
                 for k, v in mb.items()}
 
     def forward_backward(self, micro_batches: list[dict], make_loss: LossFactory, *,
-                         forward_only: bool) -> list[dict]:
-        """Run Megatron's schedule over ``micro_batches``; returns the loss metrics of each
-        micro-batch (last pipeline stage only; ``[]`` elsewhere)."""
+                         forward_only: bool, model: Optional[list] = None) -> list[dict]:
+        """Run Megatron's schedule over ``micro_batches`` (on ``model``, default the policy);
+        returns the loss metrics of each micro-batch (last pipeline stage only; ``[]`` elsewhere)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         local = [self._local(mb) for mb in micro_batches]
@@ -166,15 +169,17 @@ class MegatronActor:
         ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         with ctx:
             out = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(local), model=self.model,
+                forward_step_func=forward_step, data_iterator=iter(local), model=model or self.model,
                 num_microbatches=len(local), seq_length=seq_len, micro_batch_size=mbs,
                 forward_only=forward_only)
         return list(out or [])
 
     def compute_logprobs_entropy(self, micro_batches: list[dict], *, temperature: float = 1.0,
-                                 chunk_size: Optional[int] = None) -> None:
+                                 chunk_size: Optional[int] = None, model: Optional[list] = None,
+                                 keys: tuple[str, str] = ("old_logprobs", "old_entropy")) -> None:
         """Old-log-prob pass: sets ``mb["old_logprobs"]`` and ``mb["old_entropy"]`` (``[b, s]``
-        float32, full sequence, zero where ``loss_mask`` is 0) on the last pipeline stage."""
+        float32, full sequence, zero where ``loss_mask`` is 0) on the last pipeline stage
+        (``model``/``keys`` select another model, e.g. the KL reference, and other keys)."""
         from hapo_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 
         results: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -189,13 +194,50 @@ class MegatronActor:
             return loss_func
 
         for mb in micro_batches:
-            mb.pop("old_logprobs", None)
-            mb.pop("old_entropy", None)
-        self.forward_backward(micro_batches, make_loss, forward_only=True)
+            for key in keys:
+                mb.pop(key, None)
+        self.forward_backward(micro_batches, make_loss, forward_only=True, model=model)
         if not self.groups.is_pipeline_last:
             return
         for mb, (lp, ent) in zip(micro_batches, results):
-            mb["old_logprobs"], mb["old_entropy"] = self._gather_cp(lp), self._gather_cp(ent)
+            mb[keys[0]], mb[keys[1]] = self._gather_cp(lp), self._gather_cp(ent)
+
+    # ------------------------------------------------------------------ KL reference
+    def make_reference(self, *, ckpt_path: Optional[str] = None, hf_path: Optional[str] = None,
+                       megatron_path: Optional[str] = None) -> list:
+        """A frozen copy of the policy (no DDP, no optimizer) for the KL penalty, with the weights
+        of a `save_reference` checkpoint, an HF directory, a Megatron checkpoint, or (none given)
+        the policy's current weights."""
+        from megatron.core import dist_checkpointing
+        from megatron.core.transformer.module import Float16Module
+
+        from hapo_megatron.convert import load_hf_weights_into_mcore, load_megatron_checkpoint, unwrap_model
+        from hapo_megatron.models import build_gpt_model
+        g = self.groups
+        ref = build_gpt_model(self.hf_config, **self._build_kw)
+        if ckpt_path:
+            ref.load_state_dict(dist_checkpointing.load({"model": ref.sharded_state_dict()}, ckpt_path)["model"])
+        elif megatron_path:
+            load_megatron_checkpoint([ref], megatron_path)
+        elif hf_path:
+            load_hf_weights_into_mcore(ref, hf_path, self.hf_config, tp_rank=g.tp_rank, tp_size=g.tp_size,
+                                       pp_rank=g.pp_rank, pp_size=g.pp_size)
+        else:
+            ref.load_state_dict(unwrap_model(self.model[0]).state_dict())
+        ref.requires_grad_(False)
+        ref.eval()
+        return [Float16Module(ref.config, ref) if self.dtype != torch.float32 else ref]
+
+    @staticmethod
+    def save_reference(reference: list, path: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        from hapo_megatron.convert import unwrap_model
+        if dist.get_rank() == 0:
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        with _children_allowed():
+            dist_checkpointing.save({"model": unwrap_model(reference[0]).sharded_state_dict()}, path)
 
     def _gather_cp(self, t: torch.Tensor) -> torch.Tensor:
         if self.groups.cp_size == 1:

@@ -88,6 +88,7 @@ class Runtime:
     consecutive_skips: int = 0
     sft_done: bool = False
     start_step: int = 0
+    reference: Any = None  # frozen KL reference model chunks (algo.kl_loss_coef > 0)
 
     @property
     def is_main(self) -> bool:
@@ -134,6 +135,32 @@ class Runtime:
 
     def save_checkpoint(self) -> str:
         return self.ckpt.save(self.step, rl_state=self.rl_state(), save_model=self.actor.save)
+
+
+def setup_reference(rt: Runtime) -> None:
+    """The KL reference (only with algo.kl_loss_coef > 0): the policy as RL starts.
+
+    After a warm start it is saved to ``<run_dir>/reference`` so a resumed run gets the same
+    one; without a warm start it is the initial weights (rebuilt from the model paths on resume).
+    """
+    from hapo_megatron.training.actor import MegatronActor
+    from hapo_megatron.training.checkpoint import COMPLETE
+    if rt.cfg.algo.kl_loss_coef <= 0:
+        return
+    ref_dir = os.path.join(rt.run_dir, "reference")
+    if os.path.isfile(os.path.join(ref_dir, COMPLETE)):
+        rt.reference = rt.actor.make_reference(ckpt_path=ref_dir)
+    elif rt.start_step > 0:
+        m = rt.cfg.model
+        rt.reference = rt.actor.make_reference(megatron_path=m.megatron_load_path,
+                                               hf_path=None if m.megatron_load_path else m.hf_model_path)
+    else:
+        rt.reference = rt.actor.make_reference()
+        if rt.cfg.trainer.sft_warmup_steps > 0:
+            MegatronActor.save_reference(rt.reference, ref_dir)
+            if rt.is_main:
+                open(os.path.join(ref_dir, COMPLETE), "w").close()
+            dist.barrier()
 
 
 def _start_fresh(run_dir: str, ckpt_root: str) -> None:

@@ -105,6 +105,9 @@ def old_logprob_pass(rt: Runtime, minis: list[list[dict]]):
     cfg, g = rt.cfg, rt.groups
     all_mbs = [mb for mini in minis for mb in mini]
     rt.actor.compute_logprobs_entropy(all_mbs, temperature=cfg.rollout.temperature)
+    if rt.reference is not None:
+        rt.actor.compute_logprobs_entropy(all_mbs, temperature=cfg.rollout.temperature, model=rt.reference,
+                                          keys=("ref_logprobs", "ref_entropy"))
     sums: dict[str, float] = {}
     stats = None
     if g.is_pipeline_last:

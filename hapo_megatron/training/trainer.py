@@ -12,7 +12,7 @@ from typing import Any
 
 from hapo_megatron.training import stages
 from hapo_megatron.training.metrics import read_jsonl
-from hapo_megatron.training.runtime import Runtime, build_runtime
+from hapo_megatron.training.runtime import Runtime, build_runtime, setup_reference
 from hapo_megatron.training.sft import run_sft
 
 
@@ -32,6 +32,7 @@ def fit(cfg, *, tokenizer=None, datasets=None) -> dict[str, Any]:
         with timer("sft"):
             rt.logger.write(f"sft warm start done: {run_sft(rt)}")
     rt.sft_done = True
+    setup_reference(rt)  # KL reference (algo.kl_loss_coef > 0 only)
     stages.sync_weights(rt)  # the engine starts from the actor (fresh, after SFT, or resumed)
     if cfg.trainer.val_before_train and rt.step == 0:
         start_eval = stages.evaluate(rt, 0)
