@@ -27,10 +27,11 @@ def fit(cfg, *, tokenizer=None, datasets=None) -> dict[str, Any]:
     groups = initialize_parallel(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                                  cp=p.context_parallel_size, seed=cfg.trainer.seed)
     rt = build_runtime(cfg, groups, tokenizer=tokenizer, datasets=datasets)
-    t0, timer, start_eval = time.time(), rt.timer, {}
+    t0, timer, start_eval, sft_s = time.time(), rt.timer, {}, 0.0
     if not rt.sft_done and rt.step == 0 and cfg.trainer.sft_warmup_steps > 0:
-        with timer("sft"):
-            rt.logger.write(f"sft warm start done: {run_sft(rt)}")
+        sft = run_sft(rt)
+        sft_s = time.time() - t0
+        rt.logger.write(f"warm start: {sft['step']} steps in {sft_s:.0f} s, final loss {sft['sft/loss']:.3f}")
     rt.sft_done = True
     setup_reference(rt)  # KL reference (algo.kl_loss_coef > 0 only)
     stages.sync_weights(rt)  # the engine starts from the actor (fresh, after SFT, or resumed)
@@ -68,7 +69,7 @@ def fit(cfg, *, tokenizer=None, datasets=None) -> dict[str, Any]:
         _check_skips(rt)
         if cfg.trainer.save_interval and step % cfg.trainer.save_interval == 0:
             rt.save_checkpoint()
-    return _finish(rt, t0, start_eval)
+    return _finish(rt, t0, start_eval, sft_s)
 
 
 def _skip(rt: Runtime, step: int, metrics: dict, why: str, logged: bool = True) -> None:
@@ -88,7 +89,7 @@ def _check_skips(rt: Runtime) -> None:
             "Lower optim.lr, check the reward/data, or raise algo.max_num_gen_batches.")
 
 
-def _finish(rt: Runtime, t0: float, start_eval: dict) -> dict[str, Any]:
+def _finish(rt: Runtime, t0: float, start_eval: dict, sft_s: float) -> dict[str, Any]:
     """Final checkpoint and evaluation, then the summary (printed and saved by rank 0)."""
     cfg = rt.cfg
     last_saved = rt.ckpt.root and os.path.isdir(os.path.join(rt.ckpt.root, f"step_{rt.step:06d}"))
@@ -97,7 +98,7 @@ def _finish(rt: Runtime, t0: float, start_eval: dict) -> dict[str, Any]:
     end_eval = stages.evaluate(rt, rt.step) if cfg.trainer.val_at_end else {}
     if end_eval:
         rt.logger.log(rt.step, end_eval, advance=False)
-    summary = summarize(rt, time.time() - t0, start_eval, end_eval)
+    summary = {**summarize(rt, time.time() - t0, start_eval, end_eval), "sft_time_s": sft_s}
     rt.logger.close()
     if rt.is_main:
         with open(os.path.join(rt.run_dir, "summary.json"), "w") as f:
@@ -125,17 +126,32 @@ def summarize(rt: Runtime, wall_s: float, start_eval: dict, end_eval: dict, k: i
             "eval_start": start_eval, "eval_end": end_eval}
 
 
+def _headline_eval(ev: dict) -> dict[str, float]:
+    """avg@k with the largest k per data source (``all`` only when there are several sources)."""
+    best: dict[str, tuple[int, str, float]] = {}
+    for key, v in ev.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[2].startswith("avg@") and parts[2][4:].isdigit():
+            k = int(parts[2][4:])
+            if parts[1] not in best or k > best[parts[1]][0]:
+                best[parts[1]] = (k, key, v)
+    if len(best) == 2 and "all" in best:
+        best.pop("all")
+    return {key: v for _, key, v in sorted(best.values(), key=lambda t: t[1])}
+
+
 def format_summary(s: dict[str, Any]) -> str:
     def f(v, pct=False):
         return "n/a" if v is None else (f"{100 * v:.1f}%" if pct else f"{v:+.3f}")
-    lines = ["", "=" * 64, f"run: {s['run_dir']}   steps: {s['steps']}   wall time: {s['wall_time_s'] / 60:.1f} min",
+    lines = ["", "=" * 64, f"run: {s['run_dir']}   steps: {s['steps']}   wall time: {s['wall_time_s'] / 60:.1f} min"
+             + (f" (warm start {s['sft_time_s'] / 60:.1f} min)" if s.get("sft_time_s") else ""),
              f"reward mean   first {s['k']} steps: {f(s['first_reward_mean'])}   last {s['k']} steps: "
              f"{f(s['last_reward_mean'])}",
              f"accuracy      first {s['k']} steps: {f(s['first_acc'], True)}   last {s['k']} steps: "
              f"{f(s['last_acc'], True)}"]
-    for name, ev in (("eval before", s["eval_start"]), ("eval after", s["eval_end"])):
-        accs = {k: v for k, v in ev.items() if "/avg@" in k}
+    for name, ev in (("eval before RL", s["eval_start"]), ("eval after RL ", s["eval_end"])):
+        accs = _headline_eval(ev)
         if accs:
-            lines.append(f"{name}: " + ", ".join(f"{k} = {100 * v:.1f}%" for k, v in sorted(accs.items())))
+            lines.append(f"{name}: " + ", ".join(f"{k} = {100 * v:.1f}%" for k, v in accs.items()))
     lines.append("=" * 64)
     return "\n".join(lines)
