@@ -48,6 +48,7 @@ def rollout(rt: Runtime, step: int) -> tuple[RolloutBatch, dict[str, float]]:
     payload = None
     if rt.is_main:
         target = rt.cfg.data.train_batch_size
+        rt.engine.resume_memory()  # no-op unless released (e.g. after a skipped step)
         rt.dyn.reset()
         generated, offset = [], 0
         while True:
@@ -58,6 +59,7 @@ def rollout(rt: Runtime, step: int) -> tuple[RolloutBatch, dict[str, float]]:
             if not rt.dyn.needs_more(target):
                 break
         kept = rt.dyn.take(target)
+        rt.engine.release_memory()  # colocated engines give the accelerator back to the actor
         metrics = {**rollout_metrics(RolloutBatch.concat(generated),
                                      max_response_length=rt.cfg.rollout.max_response_length),
                    **rt.dyn.metrics(),
@@ -104,10 +106,11 @@ def old_logprob_pass(rt: Runtime, minis: list[list[dict]]):
     from hapo_megatron.parallel.stats import global_entropy_stats
     cfg, g = rt.cfg, rt.groups
     all_mbs = [mb for mini in minis for mb in mini]
-    rt.actor.compute_logprobs_entropy(all_mbs, temperature=cfg.rollout.temperature)
+    chunk = loss_config(rt).logprob_chunk_size
+    rt.actor.compute_logprobs_entropy(all_mbs, temperature=cfg.rollout.temperature, chunk_size=chunk)
     if rt.reference is not None:
         rt.actor.compute_logprobs_entropy(all_mbs, temperature=cfg.rollout.temperature, model=rt.reference,
-                                          keys=("ref_logprobs", "ref_entropy"))
+                                          keys=("ref_logprobs", "ref_entropy"), chunk_size=chunk)
     sums: dict[str, float] = {}
     stats = None
     if g.is_pipeline_last:
@@ -131,10 +134,17 @@ def old_logprob_pass(rt: Runtime, minis: list[list[dict]]):
     return stats, metrics
 
 
+def loss_config(rt: Runtime):
+    """`LossConfig` of the run; the seq-mean-token-sum-norm horizon is the maximum response length
+    (a constant, so the normalisation does not depend on how sequences are padded)."""
+    from hapo_megatron.parallel.loss import LossConfig
+    return LossConfig.from_algo(rt.cfg.algo, loss_scale_factor=float(rt.cfg.rollout.max_response_length))
+
+
 def policy_loss_factory(rt: Runtime, stats):
     """``make_loss(mb)`` for `MegatronActor.train_step` with the HAPO loss of `parallel.loss`."""
-    from hapo_megatron.parallel.loss import LossConfig, make_loss_func
-    loss_cfg = LossConfig.from_algo(rt.cfg.algo)
+    from hapo_megatron.parallel.loss import make_loss_func
+    loss_cfg = loss_config(rt)
     g = rt.groups
     return lambda mb: make_loss_func(mb, cfg=loss_cfg, stats=stats, tp_group=g.tp,
                                      cp_group=g.cp if g.cp_size > 1 else None,
@@ -168,6 +178,7 @@ def sync_weights(rt: Runtime) -> None:
     dtype = getattr(rt.engine, "dtype", None) if rt.engine is not None else None
     named = rt.actor.export_hf_weights(dtype=dtype)
     if rt.engine is not None:
+        rt.engine.resume_memory()
         rt.engine.update_weights(named)
     for _ in named:  # every rank consumes the generator fully (it runs collectives)
         pass
