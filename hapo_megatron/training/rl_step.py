@@ -60,6 +60,39 @@ class RolloutBatch:
     def from_dict(d: dict[str, Any]) -> "RolloutBatch":
         return RolloutBatch(**{f.name: list(d.get(f.name, [])) for f in fields(RolloutBatch)})
 
+    _RAGGED = {"prompt_ids": "int32", "response_ids": "int32", "rollout_logprobs": "float32",
+               "temperatures": "float32"}
+
+    def pack(self) -> dict[str, Any]:
+        """Compact form for broadcasting: ragged fields as one flat numpy array + lengths
+        (a pickled list of Python floats is ~8x larger)."""
+        import numpy as np
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            vals = getattr(self, f.name)
+            if f.name in self._RAGGED:
+                out[f.name] = (np.asarray([x for row in vals for x in row], dtype=self._RAGGED[f.name]),
+                               np.asarray([len(row) for row in vals], dtype=np.int64))
+            else:
+                out[f.name] = list(vals)
+        return out
+
+    @staticmethod
+    def unpack(d: dict[str, Any]) -> "RolloutBatch":
+        """Inverse of `pack` (values come back as Python ints / floats)."""
+        import numpy as np
+        kw: dict[str, Any] = {}
+        for f in fields(RolloutBatch):
+            v = d.get(f.name, [])
+            if f.name in RolloutBatch._RAGGED:
+                flat, lengths = v
+                bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+                items = flat.tolist()
+                kw[f.name] = [items[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+            else:
+                kw[f.name] = list(v)
+        return RolloutBatch(**kw)
+
 
 def score_samples(samples: Sequence[Sequence[Any]], records: Sequence[Any], *,
                   reward_fn: Callable[..., Any], decode: Callable[[list[int]], str],

@@ -66,10 +66,10 @@ def rollout(rt: Runtime, step: int) -> tuple[RolloutBatch, dict[str, float]]:
                    "batch/reward_mean": sum(kept.rewards) / max(len(kept), 1),
                    "batch/acc": sum(kept.accs) / max(len(kept), 1),
                    "batch/num_groups": float(len(set(kept.group_ids)))}
-        payload = (kept.to_dict(), metrics, rt.sampler.state_dict())
-    kept_d, metrics, sampler_state = broadcast_object(payload)
+        payload = (kept.pack(), metrics, rt.sampler.state_dict())
+    packed, metrics, sampler_state = broadcast_object(payload)
     rt.sampler.load_state_dict(sampler_state)
-    return RolloutBatch.from_dict(kept_d), metrics
+    return RolloutBatch.unpack(packed), metrics
 
 
 def _pad_multiple(rt: Runtime) -> int:

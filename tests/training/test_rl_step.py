@@ -159,3 +159,12 @@ def test_to_sequences_and_metrics():
     assert m["rollout/clip_ratio"] == pytest.approx(sum(len(r) >= 4 for r in b.response_ids) / 6)
     with pytest.raises(ValueError, match="advantages"):
         to_sequences(b, torch.zeros(2))
+
+
+def test_pack_round_trip():
+    rng = random.Random(3)
+    b = _batch(rng, 3, 2)
+    b.rollout_logprobs = [[-0.5] * len(r) for r in b.response_ids]
+    b.temperatures = [[] for _ in b.response_ids]
+    out = RolloutBatch.unpack(b.pack())
+    assert out == b and isinstance(out.response_ids[0][0], int)
