@@ -116,7 +116,9 @@ def old_logprob_pass(rt: Runtime, minis: list[list[dict]]):
     if g.is_pipeline_last:
         ent = torch.cat([mb["old_entropy"].reshape(-1) for mb in all_mbs])
         mask = torch.cat([mb["loss_mask"].reshape(-1) for mb in all_mbs])
-        stats = global_entropy_stats(ent, mask, group=g.dp_cp, entropy_pivot=cfg.algo.entropy_pivot)
+        # the actor gathered the CP chunks: every CP rank holds whole sequences, so the token set
+        # is spread over DP only (reducing over DP x CP would count each token cp_size times)
+        stats = global_entropy_stats(ent, mask, group=g.dp, entropy_pivot=cfg.algo.entropy_pivot)
         diff = sum(float(((mb["old_logprobs"] - mb["rollout_logprobs"]).abs() * mb["loss_mask"]).sum())
                    for mb in all_mbs)
         sums = {"n": float(mask.sum()), "ent": float((ent * mask).sum()), "diff": diff}
