@@ -9,15 +9,14 @@ Megatron-LM.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import multiprocessing
 import os
 
 import torch.distributed as dist
 
 from hapo_megatron.convert.hf_io import copy_tokenizer_files
 from hapo_megatron.convert.model_io import _as_chunks
+from hapo_megatron.compat.processes import children_allowed
 
 META_NAME = "hapo_model.json"
 HF_SUBDIR = "hf"
@@ -30,24 +29,6 @@ def _is_rank0() -> bool:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-@contextlib.contextmanager
-def _children_allowed():
-    """Let a daemonic process (e.g. a spawned test rank) start the checkpoint writer processes.
-
-    WHY: the torch_dist writer forks one writer process per bucket and uses a multiprocessing
-    Manager, which Python refuses inside daemonic processes ("daemonic processes are not allowed
-    to have children"). The writers are joined before save() returns, so nothing outlives us.
-    """
-    config = multiprocessing.current_process()._config  # noqa: SLF001 - no public switch exists
-    was = config.get("daemon")
-    config["daemon"] = False
-    try:
-        yield
-    finally:
-        if was is not None:
-            config["daemon"] = was
 
 
 def _sharded_state_dict(chunks: list) -> dict:
@@ -69,7 +50,7 @@ def save_megatron_checkpoint(model_chunks, path: str, *, hf_config=None, tokeniz
     if _is_rank0():
         os.makedirs(path, exist_ok=True)
     _barrier()
-    with _children_allowed():
+    with children_allowed():
         dist_checkpointing.save(_sharded_state_dict(chunks), path)
     if _is_rank0():
         if hf_config is not None:

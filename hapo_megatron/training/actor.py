@@ -10,14 +10,14 @@ Megatron's ``loss_func(output_tensor) -> (loss_sum, num_tokens, metrics)`` with
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+from hapo_megatron.compat.processes import children_allowed
 
 LossFactory = Callable[[dict], Callable]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -33,19 +33,6 @@ class StepResult:
     grad_norm: float
     lr: float
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-@contextlib.contextmanager
-def _children_allowed():
-    """Let a daemonic process (a spawned test rank) start dist_checkpointing's writer processes."""
-    config = multiprocessing.current_process()._config  # noqa: SLF001 - no public switch
-    was = config.get("daemon")
-    config["daemon"] = False
-    try:
-        yield
-    finally:
-        if was is not None:
-            config["daemon"] = was
 
 
 def transformer_overrides(*, recompute_activations: bool, pp: int) -> dict[str, Any]:
@@ -107,7 +94,7 @@ class MegatronActor:
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
         if init_megatron_path:
             from hapo_megatron.convert import load_megatron_checkpoint
-            with _children_allowed():
+            with children_allowed():
                 load_megatron_checkpoint([model], init_megatron_path)
         elif init_hf_path:
             from hapo_megatron.convert import load_hf_weights_into_mcore
@@ -236,7 +223,7 @@ class MegatronActor:
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
         dist.barrier()
-        with _children_allowed():
+        with children_allowed():
             dist_checkpointing.save({"model": unwrap_model(reference[0]).sharded_state_dict()}, path)
 
     def _gather_cp(self, t: torch.Tensor) -> torch.Tensor:
@@ -304,7 +291,7 @@ class MegatronActor:
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
         dist.barrier()
-        with _children_allowed():
+        with children_allowed():
             dist_checkpointing.save(self._sharded_state_dict(is_loading=False), path)
 
     def load(self, path: str) -> None:
