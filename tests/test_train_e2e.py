@@ -56,7 +56,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def full_run(tiny, tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("full"))
-    out = _run(_cmd(tiny, run_dir))
+    out = _run(_cmd(tiny, run_dir, "logging.save_rollouts_interval=2"))
     return run_dir, out
 
 
@@ -74,6 +74,25 @@ def test_cpu_example_runs_and_logs(full_run):
     assert summary["steps"] == 4 and "eval/arithmetic_val/avg@2" in summary["eval_end"]
     assert os.path.exists(os.path.join(run_dir, "config.yaml"))
     assert "reward mean" in out and "wall time" in out
+
+
+def test_token_diagnostics_logged_and_rollouts_saved(full_run, tiny):
+    from hapo_megatron.diagnostics import analyze_rollouts, main as diag_main, read_rollouts, rollout_path
+    run_dir, _ = full_run
+    recs = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "rollout/reward_mean" in r]
+    for key in ("diag/entropy_mean", "diag/entropy_pivot", "diag/high_entropy_share",
+                "diag/entropy_frac_lt_0.1", "diag/temperature_mean", "diag/temperature_std",
+                "diag/adv_ratio_high", "diag/response_length_mean"):
+        assert key in recs[-1], key
+    assert abs(recs[-1]["diag/entropy_mean"] - recs[-1]["entropy/mean"]) < 1e-4
+    assert recs[-1]["diag/response_length_mean"] == pytest.approx(recs[-1]["rollout/response_length_mean"])
+    assert sorted(os.listdir(os.path.join(run_dir, "rollouts"))) == ["step_000002.jsonl", "step_000004.jsonl"]
+    rows = read_rollouts(rollout_path(run_dir, 4))
+    assert len(rows) == 32 and [r["index"] for r in rows] == list(range(32))  # 8 prompts x n=4
+    assert all(r["step"] == 4 and r["ratio"] == [1.0] * len(r["response_ids"]) for r in rows)
+    report = analyze_rollouts(rows)
+    assert report["metrics"]["diag/entropy_mean"] > 0 and "top_clipped_low" in report
+    assert diag_main([rollout_path(run_dir, 2), "--tokenizer", os.path.join(tiny, "model")]) == 0
 
 
 def test_killed_run_resumes_to_identical_metrics(tiny, full_run, tmp_path):

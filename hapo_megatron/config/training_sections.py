@@ -175,7 +175,13 @@ class LoggingConfig(_Section):
     """TensorBoard directory (null = <run_dir>/tensorboard)."""
     log_interval: int = 1
     """Log every this many steps."""
+    save_rollouts_interval: int = 0
+    """Every this many steps, write the step's rollouts with per-token diagnostics (entropy,
+    h_hat, advantages before/after redistribution, first-update ratio and clip flags,
+    temperatures) to <run_dir>/rollouts/step_<step>.jsonl for `python -m
+    hapo_megatron.diagnostics` (0 = never)."""
 
     def _validate(self) -> None:
         _check_choice("logging.wandb_mode", self.wandb_mode, WANDB_MODES)
         _check_min("logging.log_interval", self.log_interval, 1)
+        _check_min("logging.save_rollouts_interval", self.save_rollouts_interval, 0)

@@ -123,7 +123,8 @@ def old_logprob_pass(rt: Runtime, minis: list[list[dict]]):
                    for mb in all_mbs)
         sums = {"n": float(mask.sum()), "ent": float((ent * mask).sum()), "diff": diff}
         if cfg.algo.old_logprob_source == "rollout":
-            for mb in all_mbs:
+            for mb in all_mbs:  # keep the recomputed ones: the diagnostics' first-update ratio
+                mb["recomputed_logprobs"] = mb["old_logprobs"]
                 mb["old_logprobs"] = mb["rollout_logprobs"] * mb["loss_mask"]
     if g.pp_size > 1:  # the rollout (rank 0, first stage) needs the statistics
         last = dist.get_global_rank(g.pp, g.pp_size - 1)
@@ -134,6 +135,116 @@ def old_logprob_pass(rt: Runtime, minis: list[list[dict]]):
     metrics = {"entropy/mean": tot.get("ent", 0.0) / n, "rollout/logprob_abs_diff": tot.get("diff", 0.0) / n,
                **{f"entropy/{k}": float(v) for k, v in stats.to_dict().items()}}
     return stats, metrics
+
+
+def micro_batch_token_fields(mb: dict, stats, algo) -> dict[str, torch.Tensor]:
+    """Per-token HAPO quantities of one micro-batch after the old-log-prob pass, all `[b, s]`:
+    `ratio` and `h_hat`, `adv_after`, `clip_low/high/dual` of `diagnostics.hapo_token_fields`.
+
+    `ratio` is the importance ratio the FIRST PPO update sees (before any optimizer step):
+    exp(recomputed - old), i.e. exactly 1 with old_logprob_source "recompute" and
+    exp(recomputed - rollout) with "rollout". Later updates' ratios live inside the loss; their
+    clip fractions are the `loss/clipfrac_*` metrics. h_hat uses the old (T_base) entropy.
+    """
+    from hapo_megatron.diagnostics import hapo_token_fields
+    mask = mb["loss_mask"] != 0
+    old = mb["old_logprobs"]
+    ratio = torch.where(mask, torch.exp(mb.get("recomputed_logprobs", old) - old), torch.ones_like(old))
+    fields = hapo_token_fields(mb["old_entropy"], stats, mb["advantages"], ratio,
+                               clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
+                               clip_ratio_c=algo.clip_ratio_c, adaptive_clip=algo.adaptive_clip,
+                               clip_alpha=algo.clip_alpha, adaptive_advantage=algo.adaptive_advantage,
+                               adv_beta=algo.adv_beta, h_hat_mode=algo.h_hat_mode)
+    return {"ratio": ratio, **fields}
+
+
+def accumulate_token_diagnostics(micro_batches: list[dict], stats, algo, *,
+                                 finish_reasons: list[str] | None = None, with_clips: bool = True):
+    """`TokenDiagnostics` over the valid tokens of `micro_batches` (old-log-prob pass done) and
+    the response lengths of their real sequences (`seq_index >= 0`; truncated = finish reason
+    "length" in `finish_reasons[seq_index]`). Clip flags (first-update ratio, see
+    `micro_batch_token_fields`) only with `with_clips`."""
+    from hapo_megatron.diagnostics import TokenDiagnostics
+    diag = TokenDiagnostics()
+    for mb in micro_batches:
+        f = micro_batch_token_fields(mb, stats, algo)
+        mask = mb["loss_mask"] != 0
+        clips = {k: f[k] for k in ("clip_low", "clip_high", "clip_dual")} if with_clips else {}
+        diag.update_tokens(entropy=mb["old_entropy"], h_hat=f["h_hat"], mask=mask, token_ids=mb["labels"],
+                           adv_before=mb["advantages"], adv_after=f["adv_after"],
+                           temperatures=mb["temperatures"], **clips)
+        idx = mb["seq_index"].tolist()
+        real = [r for r, i in enumerate(idx) if i >= 0]
+        diag.update_responses(mask[real].sum(dim=1), None if finish_reasons is None else
+                              [finish_reasons[idx[r]] == "length" for r in real])
+    return diag
+
+
+def rollout_records(micro_batches: list[dict], batch: RolloutBatch, stats, algo, step: int) -> list[dict]:
+    """Saved-rollout records (`diagnostics.ROLLOUT_FIELDS`, plus `index` in the step's batch) of
+    the real sequences of `micro_batches`."""
+    out = []
+    for mb in micro_batches:
+        f = micro_batch_token_fields(mb, stats, algo)
+        per_tok = {"entropy": mb["old_entropy"], "h_hat": f["h_hat"], "adv_before": mb["advantages"],
+                   "adv_after": f["adv_after"], "ratio": f["ratio"], "clip_low": f["clip_low"],
+                   "clip_high": f["clip_high"], "clip_dual": f["clip_dual"], "temperatures": mb["temperatures"]}
+        for r, i in enumerate(mb["seq_index"].tolist()):
+            if i < 0:
+                continue
+            m = mb["loss_mask"][r] != 0
+            rec = {"step": step, "index": i, "uid": int(batch.group_ids[i]), "data_source": batch.data_sources[i],
+                   "reward": float(batch.rewards[i]), "acc": bool(batch.accs[i]),
+                   "finish_reason": batch.finish_reasons[i], "response_ids": mb["labels"][r][m].tolist()}
+            rec.update({k: v[r][m].tolist() for k, v in per_tok.items()})
+            out.append(rec)
+    return out
+
+
+def token_diagnostics(rt: Runtime, minis: list[list[dict]], batch: RolloutBatch, stats,
+                      step: int) -> dict[str, float]:
+    """``diag/*`` metrics of the step (same on every rank) and, every
+    ``logging.save_rollouts_interval`` steps, ``<run_dir>/rollouts/step_<step>.jsonl`` (rank 0).
+
+    The old-log-prob pass left whole (CP-gathered) sequences on every TP/CP rank of the last
+    stage, so only TP rank 0 / CP rank 0 of the last stage contributes and the sum runs over the
+    world (= over DP among contributors, and it reaches rank 0 on the first stage too).
+    """
+    import math as _math
+    from hapo_megatron.diagnostics import TokenDiagnostics, rollout_path, write_rollouts
+    cfg, g = rt.cfg, rt.groups
+    mbs = [mb for mini in minis for mb in mini]
+    contribute = rt.contributes_metrics and g.cp_rank == 0
+    # first-update ratios are exactly 1 with a recomputed old policy: no clip information there
+    with_clips = cfg.algo.old_logprob_source == "rollout"
+    diag = (accumulate_token_diagnostics(mbs, stats, cfg.algo, finish_reasons=batch.finish_reasons,
+                                         with_clips=with_clips) if contribute else TokenDiagnostics())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        diag.all_reduce()
+    metrics = {**diag.summary(pivot=_math.exp(stats.pivot)), **entropy_histogram_summary(diag)}
+    every = cfg.logging.save_rollouts_interval
+    if every and step % every == 0:
+        rows = rollout_records(mbs, batch, stats, cfg.algo, step) if contribute else []
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list = [None] * dist.get_world_size() if rt.is_main else None
+            dist.gather_object(rows, gathered, dst=0)
+            rows = [r for part in (gathered or []) for r in part]
+        if rt.is_main:
+            write_rollouts(rollout_path(rt.run_dir, step), sorted(rows, key=lambda r: r["index"]))
+    return metrics
+
+
+def entropy_histogram_summary(diag, prefix: str = "diag") -> dict[str, float]:
+    """The entropy histogram in three numbers: shares of tokens below 1e-3 and 0.1 nats and at or
+    above 1 nat (all bin edges of `diagnostics.ENTROPY_BIN_EDGES`)."""
+    total = int(diag.entropy_hist.sum())
+    if not total:
+        return {}
+    rows = diag.histogram()
+    share = lambda pred: sum(r["count"] for r in rows if pred(r)) / total  # noqa: E731
+    return {f"{prefix}/entropy_frac_lt_1e-3": share(lambda r: r["hi"] <= 1e-3 * (1 + 1e-9)),
+            f"{prefix}/entropy_frac_lt_0.1": share(lambda r: r["hi"] <= 0.1 * (1 + 1e-9)),
+            f"{prefix}/entropy_frac_ge_1": share(lambda r: r["lo"] >= 1.0 * (1 - 1e-9))}
 
 
 def loss_config(rt: Runtime):

@@ -48,6 +48,8 @@ def fit(cfg, *, tokenizer=None, datasets=None) -> dict[str, Any]:
         with timer("old_logprob"):
             minis, adv_metrics = stages.layout(rt, batch)
             stats, ent_metrics = stages.old_logprob_pass(rt, minis)
+        with timer("diagnostics"):  # diag/* metrics; rollouts/ every logging.save_rollouts_interval
+            ent_metrics.update(stages.token_diagnostics(rt, minis, batch, stats, step))
         with timer("update"):
             upd_metrics = stages.ppo_update(rt, minis, stats)
         rt.entropy_stats = stats  # the next rollout's adaptive temperature uses them
