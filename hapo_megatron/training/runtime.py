@@ -164,13 +164,15 @@ def setup_reference(rt: Runtime) -> None:
 
 
 def _start_fresh(run_dir: str, ckpt_root: str) -> None:
-    """A new run in an existing directory: old metrics go, old checkpoints are moved aside (so
-    their step numbers cannot shadow the new run's) rather than deleted."""
+    """A new run in an existing directory: old metrics and saved rollouts go, old checkpoints are
+    moved aside (so their step numbers cannot shadow the new run's) rather than deleted."""
+    import shutil
     import time
     for name in ("metrics.jsonl", "sft_metrics.jsonl", "summary.json"):
         path = os.path.join(run_dir, name)
         if os.path.exists(path):
             os.remove(path)
+    shutil.rmtree(os.path.join(run_dir, "rollouts"), ignore_errors=True)
     if os.path.isdir(ckpt_root) and os.listdir(ckpt_root):
         old = f"{ckpt_root}.old-{time.strftime('%Y%m%d-%H%M%S')}"
         os.rename(ckpt_root, old)
