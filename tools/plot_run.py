@@ -44,8 +44,9 @@ def metrics_path(run: str) -> str:
 def load_metrics(run: str) -> list[dict]:
     """Step records of a run, sorted by step; `null` values become NaN.
 
-    A torn last line (a run killed mid-write) is skipped; when a step appears twice (a resumed
-    run that re-logged it) the last record wins.
+    A torn last line (a run killed mid-write) is skipped. Records of the same step are merged,
+    later keys winning: the trainer writes evaluations as separate lines with the step they
+    follow, and a resumed run re-logs the steps after its checkpoint.
     """
     path = metrics_path(run)
     if not os.path.exists(path):
@@ -63,7 +64,8 @@ def load_metrics(run: str) -> list[dict]:
             if not isinstance(rec, dict) or "step" not in rec:
                 logger.warning("%s: line %d has no 'step'", path, lineno)
                 continue
-            by_step[int(rec["step"])] = {k: (math.nan if v is None else v) for k, v in rec.items()}
+            by_step.setdefault(int(rec["step"]), {}).update(
+                {k: (math.nan if v is None else v) for k, v in rec.items()})
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -43,6 +43,16 @@ def test_load_metrics_handles_torn_lines_nulls_and_repeated_steps(tmp_path):
         plot_run.load_metrics(str(tmp_path / "missing"))
 
 
+def test_eval_line_with_the_same_step_merges_into_the_training_record(tmp_path):
+    # the trainer logs the final evaluation as its own line carrying the last training step
+    run = write_run(tmp_path / "r", steps=3, eval_every=99,
+                    extra_lines=[json.dumps({"step": 3, "eval/all/avg@4": 0.5})])
+    rows = plot_run.load_metrics(run)
+    assert rows[-1]["eval/all/avg@4"] == 0.5
+    assert rows[-1]["rollout/acc"] == pytest.approx(0.2 + 0.02 * 3)
+    assert compare_runs.last_n_mean(rows, "rollout/acc", 3) == pytest.approx(0.2 + 0.02 * 2)
+
+
 def test_helpers():
     assert plot_run.smooth([1, 2, 3, 4], 2) == [1, 1.5, 2.5, 3.5]
     rows_a = [{"step": 1, "x": 1.0}, {"step": 2, "x": 3.0}]
