@@ -11,6 +11,7 @@ no-pipelining / 1F1B schedules.
 import numpy as np
 import torch
 
+from tests.convert.dist_checks import random_hf_model
 from tests.distributed import run_distributed
 
 ARCH = "llama"
@@ -20,19 +21,7 @@ LAYOUTS = ((1, 1), (2, 1), (1, 2))  # (tp, pp) on 2 ranks; (1, 1) runs as DP2
 
 
 def _hf_model(seed=0):
-    from transformers import AutoModelForCausalLM
-
-    from hapo_megatron.models import tiny_hf_config
-
-    cfg = tiny_hf_config(ARCH)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).float()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.05 * noise)
-    return cfg, model
+    return random_hf_model(ARCH, seed)
 
 
 def _batch(vocab):
