@@ -9,8 +9,7 @@
     hapo data make-char-tokenizer --out DIR
 
 ``train``, ``eval`` and ``convert`` hand their remaining arguments untouched to the ``main(argv)``
-of their module, imported only when used (so ``hapo --help`` stays fast and works before those
-modules exist: a missing one prints "not available yet" and exits with status 2).
+of their module, imported only when used (so ``hapo --help`` stays fast).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 __all__ = ["main", "build_parser", "DISPATCH"]
 
@@ -30,25 +29,9 @@ DISPATCH = {
 }
 
 
-def _load_target(module_name: str) -> Optional[Callable]:
-    """``module.main`` or None when the module (not one of its dependencies) does not exist."""
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
-            return None
-        raise
-    return getattr(module, "main", None)
-
-
 def _dispatch(command: str, argv: list[str]) -> int:
     module_name, _ = DISPATCH[command]
-    target = _load_target(module_name)
-    if target is None:
-        print(f"hapo {command}: not available yet ({module_name}.main is missing in this install)",
-              file=sys.stderr)
-        return 2
-    rc = target(argv)
+    rc = importlib.import_module(module_name).main(argv)
     return int(rc or 0)
 
 

@@ -184,7 +184,8 @@ def run(args) -> dict:
     from hapo_megatron.config import load_config
     from hapo_megatron.data import PromptDataset
     from hapo_megatron.rewards import get_reward_fn
-    from hapo_megatron.rollout.engine import SamplingParams, make_engine
+    from hapo_megatron.rollout.engine import SamplingParams
+    from hapo_megatron.rollout.factory import make_engine
     from hapo_megatron.training.evaluation import aggregate_results, generate_and_score
 
     cfg = load_config(args.config, args.overrides)

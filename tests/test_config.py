@@ -261,12 +261,13 @@ def test_validate_world():
         p.validate_world(0)
 
 
-def test_choices_match_algo_constants():
-    loss = pytest.importorskip("hapo_megatron.algo.loss")
-    if hasattr(loss, "LOSS_AGG_MODES"):
-        assert set(loss.LOSS_AGG_MODES) == set(C.LOSS_AGG_MODES)
-    if hasattr(loss, "KL_TYPES"):
-        assert set(loss.KL_TYPES) == set(C.KL_LOSS_TYPES)
-    entropy = pytest.importorskip("hapo_megatron.algo.entropy")
-    if hasattr(entropy, "HH_MODES"):
-        assert set(entropy.HH_MODES) == set(C.H_HAT_MODES)
+def test_choices_come_from_algo():
+    """One definition: the config's choice tuples are algo's objects, not copies."""
+    from hapo_megatron.algo import choices
+    from hapo_megatron.parallel import loss as parallel_loss
+
+    for name in ("ADV_ESTIMATORS", "H_HAT_MODES", "ENTROPY_STATS_SCOPES", "H_HAT_ENTROPIES", "LOSS_AGG_MODES",
+                 "KL_LOSS_TYPES", "OLD_LOGPROB_SOURCES", "FILTER_GROUPS_METRICS"):
+        assert getattr(C, name) is getattr(choices, name), name
+    assert parallel_loss.ENTROPY_STATS_SCOPES is choices.ENTROPY_STATS_SCOPES
+    assert parallel_loss.H_HAT_ENTROPIES is choices.H_HAT_ENTROPIES

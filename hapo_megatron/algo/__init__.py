@@ -11,9 +11,18 @@ from hapo_megatron.algo.advantages import (
     overlong_penalty,
     token_level_group_advantages,
 )
+from hapo_megatron.algo.choices import (
+    ADV_ESTIMATORS,
+    ENTROPY_STATS_SCOPES,
+    FILTER_GROUPS_METRICS,
+    H_HAT_ENTROPIES,
+    H_HAT_MODES,
+    KL_LOSS_TYPES,
+    LOSS_AGG_MODES,
+    OLD_LOGPROB_SOURCES,
+)
 from hapo_megatron.algo.clipping import adaptive_clip_ranges
 from hapo_megatron.algo.entropy import (
-    HH_MODES,
     EntropyStats,
     compute_entropy_stats,
     log_entropy,
@@ -23,8 +32,6 @@ from hapo_megatron.algo.entropy import (
     token_entropy,
 )
 from hapo_megatron.algo.loss import (
-    KL_TYPES,
-    LOSS_AGG_MODES,
     LOSS_METRIC_COUNTS,
     LOSS_METRIC_MEANS,
     agg_loss,
@@ -36,9 +43,14 @@ from hapo_megatron.algo.redistribution import redistribute_advantages
 from hapo_megatron.algo.temperature import adaptive_temperature, check_temperature_tau
 
 __all__ = [
-    "HH_MODES",
-    "KL_TYPES",
+    "ADV_ESTIMATORS",
+    "ENTROPY_STATS_SCOPES",
+    "FILTER_GROUPS_METRICS",
+    "H_HAT_ENTROPIES",
+    "H_HAT_MODES",
+    "KL_LOSS_TYPES",
     "LOSS_AGG_MODES",
+    "OLD_LOGPROB_SOURCES",
     "LOSS_METRIC_COUNTS",
     "LOSS_METRIC_MEANS",
     "EntropyStats",

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence, Union
 
 import torch
 
-HH_MODES = ("signed", "reference")
+from hapo_megatron.algo.choices import H_HAT_MODES
 
 #: floor on the entropy before the log, on the mean square deviation, and on |pos_max|, |neg_min|
 ENTROPY_FLOOR = 1e-8
@@ -32,8 +32,8 @@ _FIELDS = ("pivot", "std", "pos_max", "neg_min")
 
 
 def _check_h_hat_mode(h_hat_mode: str) -> None:
-    if h_hat_mode not in HH_MODES:
-        raise ValueError(f"h_hat_mode must be one of {HH_MODES}, got {h_hat_mode!r}")
+    if h_hat_mode not in H_HAT_MODES:
+        raise ValueError(f"h_hat_mode must be one of {H_HAT_MODES}, got {h_hat_mode!r}")
 
 
 def _check_entropy_pivot(entropy_pivot: float) -> float:

@@ -45,11 +45,9 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
+from hapo_megatron.algo.choices import KL_LOSS_TYPES, LOSS_AGG_MODES
 from hapo_megatron.algo.clipping import adaptive_clip_ranges, check_nonneg
 from hapo_megatron.algo.redistribution import redistribute_advantages
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_TYPES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 #: log-ratios are clamped to this range before exp (numerical safety; exp(20) ~ 4.9e8)
 LOG_RATIO_CLAMP = 20.0
 
@@ -154,8 +152,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: str 
     ``d^2 / 2``; ``k3``/``low_var_kl``: ``exp(-d) + d - 1`` (``d`` clamped to +-20, the result to
     [-10, 10] for stability). Gradients flow to ``logprobs`` only.
     """
-    if kl_type not in KL_TYPES:
-        raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+    if kl_type not in KL_LOSS_TYPES:
+        raise ValueError(f"kl_type must be one of {KL_LOSS_TYPES}, got {kl_type!r}")
     if not torch.is_tensor(ref_logprobs) or ref_logprobs.shape != logprobs.shape:
         raise ValueError(f"ref_logprobs must be a tensor of shape {tuple(logprobs.shape)}")
     d = logprobs.to(torch.float32) - ref_logprobs.detach().to(torch.float32)
@@ -304,8 +302,8 @@ def _check_extras(entropy, entropy_coeff, ref_logprobs, kl_loss_coef, kl_loss_ty
         raise ValueError("entropy is required when entropy_coeff != 0")
     if check_nonneg("kl_loss_coef", kl_loss_coef) > 0 and ref_logprobs is None:
         raise ValueError("ref_logprobs is required when kl_loss_coef > 0")
-    if kl_loss_type not in KL_TYPES:
-        raise ValueError(f"kl_loss_type must be one of {KL_TYPES}, got {kl_loss_type!r}")
+    if kl_loss_type not in KL_LOSS_TYPES:
+        raise ValueError(f"kl_loss_type must be one of {KL_LOSS_TYPES}, got {kl_loss_type!r}")
     if tis_cap is not None:
         if not float(tis_cap) > 0:
             raise ValueError(f"tis_cap must be > 0 or None, got {tis_cap!r}")

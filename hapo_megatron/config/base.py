@@ -19,14 +19,12 @@ import types
 import typing
 from typing import Any, ClassVar, Optional, Union
 
-ADV_ESTIMATORS = ("hapo", "grpo")
-H_HAT_MODES = ("signed", "reference")
-ENTROPY_STATS_SCOPES = ("global", "microbatch")
-H_HAT_ENTROPIES = ("old", "current")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_LOSS_TYPES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
-OLD_LOGPROB_SOURCES = ("recompute", "rollout")
-FILTER_GROUPS_METRICS = ("acc", "score")
+# the algorithm's choices are defined once, in algo (re-exported here for the sections)
+from hapo_megatron.algo.choices import (  # noqa: F401
+    ADV_ESTIMATORS, ENTROPY_STATS_SCOPES, FILTER_GROUPS_METRICS, H_HAT_ENTROPIES, H_HAT_MODES, KL_LOSS_TYPES,
+    LOSS_AGG_MODES, OLD_LOGPROB_SOURCES,
+)
+
 SCORE_FORMATS = ("pm1", "01")
 ROLLOUT_ENGINES = ("hf", "sglang")
 WEIGHT_SYNC_MODES = ("auto", "tensor", "distributed", "disk")

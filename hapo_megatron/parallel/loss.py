@@ -27,15 +27,17 @@ are already this rank's CP shard (`context_parallel.split_for_cp`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from hapo_megatron.algo import (
-    HH_MODES,
-    KL_TYPES,
+    ENTROPY_STATS_SCOPES,
+    H_HAT_ENTROPIES,
+    H_HAT_MODES,
+    KL_LOSS_TYPES,
     LOSS_AGG_MODES,
     EntropyStats,
     compute_entropy_stats,
@@ -44,11 +46,9 @@ from hapo_megatron.algo import (
 )
 from hapo_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 
-ENTROPY_STATS_SCOPES = ("global", "microbatch")
 #: tokens per chunk of the fused log-prob/entropy: 2 float32 buffers of 1024 x V/tp (~0.6 GB at
 #: V/tp = 76k) instead of 2 x T x V/tp for the whole micro-batch.
 DEFAULT_LOGPROB_CHUNK = 1024
-H_HAT_ENTROPIES = ("old", "current")
 _REQUIRED = ("labels", "loss_mask", "old_logprobs", "advantages")
 
 
@@ -94,9 +94,9 @@ class LossConfig:
     logprob_chunk_size: Optional[int] = DEFAULT_LOGPROB_CHUNK
 
     def __post_init__(self) -> None:
-        choices = {"loss_agg_mode": LOSS_AGG_MODES, "h_hat_mode": HH_MODES,
+        choices = {"loss_agg_mode": LOSS_AGG_MODES, "h_hat_mode": H_HAT_MODES,
                    "entropy_stats_scope": ENTROPY_STATS_SCOPES, "h_hat_entropy": H_HAT_ENTROPIES,
-                   "kl_loss_type": KL_TYPES}
+                   "kl_loss_type": KL_LOSS_TYPES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LossConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -109,17 +109,20 @@ class LossConfig:
             raise ValueError(f"LossConfig.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
 
     @classmethod
-    def from_algo(cls, algo_cfg: Any, **overrides) -> "LossConfig":
-        """Build from an `AlgoConfig` (or any object/mapping with the same field names)."""
-        get = (lambda k: algo_cfg[k]) if isinstance(algo_cfg, Mapping) else (lambda k: getattr(algo_cfg, k))
-        kw = {}
-        for f in fields(cls):
-            try:
-                kw[f.name] = get(f.name)
-            except (KeyError, AttributeError):
-                pass
-        kw.update(overrides)
-        return cls(**kw)
+    def from_algo(cls, algo: Any, *, loss_scale_factor: Optional[float] = None,
+                  logprob_chunk_size: Optional[int] = DEFAULT_LOGPROB_CHUNK) -> "LossConfig":
+        """Build from an `AlgoConfig`, naming every field: a field missing or renamed on either
+        side raises (AttributeError / TypeError) instead of silently keeping a default."""
+        return cls(
+            clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
+            clip_ratio_c=algo.clip_ratio_c, adaptive_clip=algo.adaptive_clip, clip_alpha=algo.clip_alpha,
+            adaptive_advantage=algo.adaptive_advantage, adv_beta=algo.adv_beta,
+            loss_agg_mode=algo.loss_agg_mode, h_hat_mode=algo.h_hat_mode,
+            entropy_stats_scope=algo.entropy_stats_scope, h_hat_entropy=algo.h_hat_entropy,
+            entropy_pivot=algo.entropy_pivot, kl_loss_coef=algo.kl_loss_coef,
+            kl_loss_type=algo.kl_loss_type, entropy_coeff=algo.entropy_coeff, tis_cap=algo.tis_cap,
+            loss_scale_factor=loss_scale_factor, logprob_chunk_size=logprob_chunk_size,
+        )
 
     @property
     def needs_h_hat(self) -> bool:

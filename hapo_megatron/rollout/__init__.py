@@ -5,7 +5,8 @@ Engine classes are imported lazily so that ``import hapo_megatron.rollout`` pull
 transformers nor SGLang.
 """
 
-from hapo_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams, make_engine
+from hapo_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams
+from hapo_megatron.rollout.factory import make_engine
 
 _LAZY = {
     "HFRolloutEngine": "hapo_megatron.rollout.hf_engine",

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional, Protocol, Sequence, runtime_checkabl
 
 import torch
 
-from hapo_megatron.algo import HH_MODES, EntropyStats
+from hapo_megatron.algo import H_HAT_MODES, EntropyStats
 
 FINISH_REASONS = ("stop", "length")
 
@@ -74,8 +74,8 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
         if not (0.0 <= float(self.temperature_tau) < 1.0):
             raise ValueError(f"temperature_tau must lie in [0, 1), got {self.temperature_tau!r}")
-        if self.h_hat_mode not in HH_MODES:
-            raise ValueError(f"h_hat_mode must be one of {HH_MODES}, got {self.h_hat_mode!r}")
+        if self.h_hat_mode not in H_HAT_MODES:
+            raise ValueError(f"h_hat_mode must be one of {H_HAT_MODES}, got {self.h_hat_mode!r}")
         stats = self.entropy_stats
         if stats is not None and not isinstance(stats, EntropyStats):
             try:
@@ -108,21 +108,24 @@ class SamplingParams:
 
         Training: ``n``, ``temperature`` (T_base), ``top_p``, ``top_k``, and the adaptive
         temperature from ``algo_cfg`` (``adaptive_temperature``, ``temperature_tau``,
-        ``h_hat_mode``) with ``entropy_stats``. Validation: ``val_n``, ``val_temperature``,
-        ``val_top_p``, never adaptive (spec section 2).
+        ``h_hat_mode``) with ``entropy_stats``; ``algo_cfg`` is required. Validation: ``val_n``,
+        ``val_temperature``, ``val_top_p``, never adaptive (spec section 2). Every field is read
+        by name, so a missing or renamed one raises instead of falling back to a default.
         """
         max_new = int(max_new_tokens if max_new_tokens is not None else rollout_cfg.max_response_length)
         if validation:
             return cls(n=rollout_cfg.val_n, temperature=rollout_cfg.val_temperature,
                        top_p=rollout_cfg.val_top_p, top_k=-1, max_new_tokens=max_new,
                        stop_token_ids=tuple(stop_token_ids), seed=seed, adaptive=False)
-        adaptive = bool(getattr(algo_cfg, "adaptive_temperature", False)) if algo_cfg is not None else False
+        if algo_cfg is None:
+            raise ValueError("SamplingParams.from_config needs algo_cfg for training sampling "
+                             "(adaptive_temperature, temperature_tau, h_hat_mode)")
+        adaptive = bool(algo_cfg.adaptive_temperature)
         return cls(
             n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
             top_k=rollout_cfg.top_k, max_new_tokens=max_new, stop_token_ids=tuple(stop_token_ids),
             seed=seed, adaptive=adaptive, entropy_stats=entropy_stats if adaptive else None,
-            temperature_tau=float(getattr(algo_cfg, "temperature_tau", 0.05)),
-            h_hat_mode=str(getattr(algo_cfg, "h_hat_mode", "signed")),
+            temperature_tau=float(algo_cfg.temperature_tau), h_hat_mode=str(algo_cfg.h_hat_mode),
         )
 
 
@@ -210,33 +213,4 @@ def check_prompt_ids(prompt_ids: Any) -> list[list[int]]:
     return out
 
 
-def make_engine(rollout_cfg: Any, *, hf_config_or_path: Any, tokenizer: Any = None,
-                device: Any = "cpu", dtype: torch.dtype = torch.float32, **kwargs: Any) -> RolloutEngine:
-    """Build the engine named by ``rollout_cfg.engine``.
-
-    Args:
-        rollout_cfg: a ``RolloutConfig`` (``engine``, ``hf_max_batch_size``, ``sglang``).
-        hf_config_or_path: HF model directory (both engines) or a transformers config / model
-            (``"hf"`` only: random weights until the first ``update_weights``).
-        tokenizer: used for eos / pad ids (optional).
-        device, dtype: where and in which dtype the HF engine keeps its model; for SGLang,
-            ``dtype`` becomes the servers' ``--dtype``.
-        kwargs: extra keyword arguments of the engine class.
-    """
-    engine = getattr(rollout_cfg, "engine", None)
-    if engine == "hf":
-        from hapo_megatron.rollout.hf_engine import HFRolloutEngine
-
-        kwargs.setdefault("max_batch_size", int(getattr(rollout_cfg, "hf_max_batch_size", 64)))
-        return HFRolloutEngine(hf_config_or_path, tokenizer=tokenizer, device=device, dtype=dtype, **kwargs)
-    if engine == "sglang":
-        from hapo_megatron.rollout.sglang_engine import SGLangEngine
-
-        if not isinstance(hf_config_or_path, str):
-            raise ValueError("hf_config_or_path must be a model directory (str) for the sglang engine")
-        return SGLangEngine.from_config(rollout_cfg.sglang, model_path=hf_config_or_path,
-                                        tokenizer=tokenizer, dtype=dtype, **kwargs)
-    raise ValueError(f"rollout_cfg.engine must be 'hf' or 'sglang', got {engine!r}")
-
-
-__all__ = ["FINISH_REASONS", "Sample", "SamplingParams", "RolloutEngine", "check_prompt_ids", "make_engine"]
+__all__ = ["FINISH_REASONS", "Sample", "SamplingParams", "RolloutEngine", "check_prompt_ids"]

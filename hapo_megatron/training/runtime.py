@@ -181,7 +181,7 @@ def _start_fresh(run_dir: str, ckpt_root: str) -> None:
 
 def build_engine(cfg, hf_config, tokenizer):
     """The rollout engine (call on rank 0 only)."""
-    from hapo_megatron.rollout.engine import make_engine
+    from hapo_megatron.rollout.factory import make_engine
     on_gpu = torch.cuda.is_available()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.model.dtype, torch.float32) \
         if on_gpu else torch.float32

@@ -229,18 +229,3 @@ def test_empty_microbatch_and_bad_input():
     with pytest.raises(ValueError, match="old_logprobs"):
         hapo_loss_from_logits(logits, dict(batch, old_logprobs=batch["old_logprobs"][:, :3]),
                               cfg=LossConfig(), stats=stats)
-
-
-def test_from_algo():
-    from types import SimpleNamespace
-
-    algo = SimpleNamespace(clip_ratio_high=0.28, loss_agg_mode="seq-mean-token-mean", adv_beta=0.5,
-                           temperature_tau=0.05)
-    cfg = LossConfig.from_algo(algo, logprob_chunk_size=128)
-    assert cfg.clip_ratio_high == 0.28 and cfg.loss_agg_mode == "seq-mean-token-mean"
-    assert cfg.adv_beta == 0.5 and cfg.logprob_chunk_size == 128 and cfg.clip_ratio_low == 0.2
-    try:
-        from hapo_megatron.config import AlgoConfig
-    except ImportError:
-        return
-    assert LossConfig.from_algo(AlgoConfig()).loss_agg_mode == AlgoConfig().loss_agg_mode

@@ -7,7 +7,8 @@ import torch
 import transformers
 
 from hapo_megatron.algo import EntropyStats, adaptive_temperature, compute_entropy_stats, token_entropy
-from hapo_megatron.rollout.engine import Sample, SamplingParams, make_engine
+from hapo_megatron.rollout.engine import Sample, SamplingParams
+from hapo_megatron.rollout.factory import make_engine
 from hapo_megatron.rollout.hf_engine import HFRolloutEngine, apply_top_k, apply_top_p
 
 VOCAB = 64

@@ -1,0 +1,14 @@
+"""The algorithm's choice tuples, defined once.
+
+The config sections validate against these, and the loss, the samplers and the engines check
+their own arguments against the same tuples, so a mode added here is accepted everywhere and a
+mode removed here is refused everywhere. """
+
+ADV_ESTIMATORS = ("hapo", "grpo")
+H_HAT_MODES = ("signed", "reference")
+ENTROPY_STATS_SCOPES = ("global", "microbatch")
+H_HAT_ENTROPIES = ("old", "current")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_LOSS_TYPES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+OLD_LOGPROB_SOURCES = ("recompute", "rollout")
+FILTER_GROUPS_METRICS = ("acc", "score")
