@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from hapo_megatron.compat import activate_cpu_shims
 from hapo_megatron.training.checkpoint import resolve_resume
 
 
@@ -125,6 +126,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"hapo train: error: {e}", file=sys.stderr, flush=True)
         return 2
     _set_threads()
+    activate_cpu_shims()  # megatron-core on CPU (gloo); a no-op where CUDA is available
     _init_distributed()
     if rank == 0:
         os.makedirs(cfg.trainer.run_dir, exist_ok=True)

@@ -5,6 +5,8 @@ gloo process group on a free localhost port, calls `fn(rank, world_size, *args)`
 returns the list of return values ordered by rank. A rank that raises re-raises here with its
 traceback; a hang fails after `timeout` seconds instead of stalling the test run.
 `fn` must be importable by name (defined at module level) because ranks are spawned.
+Each rank opts into the CPU shims (`hapo_megatron.compat.activate_cpu_shims`, a no-op with CUDA)
+before calling `fn`, as the CPU entry points do.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ def _worker(fn, rank, world_size, port, args, results):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    from hapo_megatron.compat import activate_cpu_shims
+
     torch.set_num_threads(1)
+    activate_cpu_shims()
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)

@@ -1,7 +1,11 @@
 """Small shims that let megatron-core 0.16 run on CPU with gloo (tests, the CPU example).
 
 `activate_cpu_shims()` installs them once (idempotent) and does nothing when
-`torch.cuda.is_available()` (GPU machines, NGC containers never see them). The shims:
+`torch.cuda.is_available()` (GPU machines, NGC containers never see them). It is an explicit
+opt-in, never a side effect of importing or initialising something: the CPU entry points call it
+(`hapo train`, `hapo convert` and so `hapo eval`, `tools/bench/*`), and so does the test
+spawner (`tests/distributed.py`); `parallel.initialize_parallel` refuses to run without CUDA
+unless it was called. A library user on CPU calls it once at start. The shims:
 
 1. device mode (`_CudaToCpuMode`, a global TorchFunctionMode): maps `device="cuda"`, CUDA
    ordinals, `.cuda()`, `.to("cuda")` and `pin_memory=True` to the CPU, and reports CPU float

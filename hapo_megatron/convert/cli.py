@@ -65,8 +65,10 @@ def _init(tp: int, pp: int):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     from megatron.core import parallel_state
 
+    from hapo_megatron.compat import activate_cpu_shims
     from hapo_megatron.parallel.groups import initialize_parallel
 
+    activate_cpu_shims()  # megatron-core on CPU (gloo); a no-op where CUDA is available
     _OWNED.clear()
     if not dist.is_initialized():
         _OWNED.append("process_group")

@@ -75,8 +75,10 @@ def _ensure_default_group() -> None:
 def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234) -> ParallelGroups:
     """Initialise Megatron model parallelism on the default process group and seed the RNGs.
 
-    `dp = world_size / (tp * pp * cp)`. Without CUDA the CPU compatibility shims
-    (`hapo_megatron.compat.activate_cpu_shims`) are activated first. The default process group
+    `dp = world_size / (tp * pp * cp)`. Without CUDA, megatron-core runs only with the CPU
+    compatibility shims, which the caller opts into explicitly by calling
+    `hapo_megatron.compat.activate_cpu_shims()` first (the entry points and the tests do); without
+    them this raises. The default process group
     is created if missing (torchrun env vars, else a 1-process group). Seeding follows
     Megatron's training setup: python/torch seeds, then `model_parallel_cuda_manual_seed`
     (per-TP-rank model-parallel RNG stream in the RNG tracker). Calling it again with the same
@@ -86,9 +88,13 @@ def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234)
     for name, v in (("tp", tp), ("pp", pp), ("cp", cp)):
         _check_size(name, v)
     if not torch.cuda.is_available():
-        from hapo_megatron.compat import activate_cpu_shims
+        from hapo_megatron.compat import cpu_shims_active
 
-        activate_cpu_shims()
+        if not cpu_shims_active():
+            raise RuntimeError(
+                "initialize_parallel: no CUDA device, and megatron-core needs one. For a CPU run (gloo: "
+                "tests, the CPU example) call hapo_megatron.compat.activate_cpu_shims() first; it is an "
+                "explicit opt-in because it patches torch.cuda.* and Megatron's RNG tracker process-wide.")
     _ensure_default_group()
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

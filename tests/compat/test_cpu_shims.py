@@ -77,3 +77,14 @@ def test_every_shim_active_without_cuda_and_reversible(fresh_shims):
     assert not _mode_installed() and not compat.cpu_shims_active()
     assert mrandom.CudaRNGStatesTracker is original_tracker and torch.cuda.synchronize is original_sync
     assert torch.ones(1).type() == "torch.FloatTensor"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_initialize_parallel_needs_the_explicit_opt_in(fresh_shims):
+    """No side effect: without CUDA, initialize_parallel refuses to run unless the caller has
+    activated the shims, and activates nothing itself."""
+    from hapo_megatron.parallel.groups import initialize_parallel
+
+    with pytest.raises(RuntimeError, match=r"activate_cpu_shims\(\) first"):
+        initialize_parallel(tp=1)
+    assert not compat.cpu_shims_active() and not _mode_installed()

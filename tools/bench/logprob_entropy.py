@@ -156,8 +156,10 @@ def _measure(rank: int, tp: int, opts: dict) -> dict:
     import torch
     import torch.distributed as dist
 
+    from hapo_megatron.compat import activate_cpu_shims
     from hapo_megatron.parallel.groups import initialize_parallel
 
+    activate_cpu_shims()  # megatron-core on CPU (gloo); a no-op where CUDA is available
     if opts.get("threads"):
         torch.set_num_threads(opts["threads"])
     g = initialize_parallel(tp=tp)
