@@ -42,6 +42,29 @@ def check_parallel_fits_model(hf_config, parallel) -> None:
                          f"num_hidden_layers={hf_config.num_hidden_layers}")
 
 
+def rollout_round_bound_s(cfg) -> Optional[float]:
+    """Longest one generation round may block the other ranks (seconds), where it is bounded:
+    with the sglang engine every request gives up after request_timeout_s x (max_retries + 1)."""
+    if cfg.rollout.engine != "sglang":
+        return None
+    s = cfg.rollout.sglang
+    return float(s.request_timeout_s) * (int(s.max_retries) + 1)
+
+
+def check_dist_timeout(cfg) -> None:
+    """trainer.dist_timeout_minutes must outlast one generation round: the other ranks wait for
+    rank 0 in a broadcast that it answers after every round (stages.rollout)."""
+    bound = rollout_round_bound_s(cfg)
+    timeout_s = 60.0 * cfg.trainer.dist_timeout_minutes
+    if bound is not None and timeout_s <= bound:
+        raise ValueError(
+            f"trainer.dist_timeout_minutes={cfg.trainer.dist_timeout_minutes:g} ({timeout_s:.0f} s) is not longer than "
+            f"one generation round may take ({bound:.0f} s = rollout.sglang.request_timeout_s="
+            f"{cfg.rollout.sglang.request_timeout_s:g} x (rollout.sglang.max_retries={cfg.rollout.sglang.max_retries} + 1)"
+            "), while which the other ranks wait in a broadcast: raise trainer.dist_timeout_minutes or lower "
+            "rollout.sglang.request_timeout_s")
+
+
 def _load_model_config(path: Optional[str]):
     from hapo_megatron.training.runtime import load_hf_config
     if not path:
@@ -61,8 +84,12 @@ def preflight(cfg, world_size: int):
     with a message naming the config field or the file/row.
     """
     from hapo_megatron.training.runtime import build_datasets, load_tokenizer
+    from hapo_megatron.training.context import check_sequence_fits, sglang_context_args
     hf_config = _load_model_config(cfg.model.hf_model_path)
     check_parallel_fits_model(hf_config, cfg.parallel)
+    check_sequence_fits(hf_config, cfg)
+    sglang_context_args(cfg, cfg.rollout.sglang.extra_server_args)  # no clashing server flags
+    check_dist_timeout(cfg)
     cfg.parallel.validate_world(world_size)
     if cfg.model.megatron_load_path and not os.path.isdir(cfg.model.megatron_load_path):
         raise FileNotFoundError(f"model.megatron_load_path: {cfg.model.megatron_load_path!r} does not exist")
@@ -85,14 +112,14 @@ def preflight(cfg, world_size: int):
     return tokenizer, (train, val)
 
 
-def _init_distributed() -> None:
+def _init_distributed(timeout_minutes: float) -> None:
     import torch.distributed as dist
     if dist.is_initialized() or "RANK" not in os.environ:
         return  # single process: initialize_parallel creates a 1-process group
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=60))
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
 def _set_threads() -> None:
@@ -127,7 +154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     _set_threads()
     activate_cpu_shims()  # megatron-core on CPU (gloo); a no-op where CUDA is available
-    _init_distributed()
+    _init_distributed(cfg.trainer.dist_timeout_minutes)
     if rank == 0:
         os.makedirs(cfg.trainer.run_dir, exist_ok=True)
         print(format_config(cfg), flush=True)

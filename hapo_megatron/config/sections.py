@@ -264,6 +264,16 @@ class ModelConfig(_Section):
     """Use Transformer Engine layers (null = when installed and CUDA is available)."""
     recompute_activations: bool = False
     """Full activation recomputation to save memory."""
+    max_position_embeddings: Optional[int] = None
+    """Override of the HF config's max_position_embeddings (null = the model's own). The trainer
+    refuses to start when data.max_prompt_length + rollout.max_response_length exceeds the
+    model's context; raising it here declares that positions past the pretrained context are
+    wanted with the model's unchanged RoPE. Applied identically to the Megatron model, the HF
+    rollout engine, launched SGLang servers (--json-model-override-args) and HF exports."""
+    offload_during_rollout: Optional[bool] = None
+    """Colocated SGLang on CUDA: move the optimizer state, gradient buffers and parameters to
+    host memory while the servers generate, and back after (null = on exactly then)."""
 
     def _validate(self) -> None:
         _check_choice("model.dtype", self.dtype, DTYPES)
+        _check_min("model.max_position_embeddings", self.max_position_embeddings, 1)

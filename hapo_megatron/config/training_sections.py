@@ -136,12 +136,18 @@ class TrainerConfig(_Section):
     """Abort after this many consecutive skipped steps (no usable group or a non-finite loss)."""
     sft_warmup_steps: int = 0
     """Supervised warm-up steps on reference solutions before RL (the CPU example)."""
+    dist_timeout_minutes: float = 180.0
+    """Timeout of every collective of the process group. While rank 0 generates, the other ranks
+    wait in a broadcast that rank 0 answers after every generation round, so one wait lasts at
+    most one round (bounded by rollout.sglang.request_timeout_s x (max_retries + 1)) or one
+    validation pass; this must exceed that bound (checked at start for the sglang engine)."""
 
     def _validate(self) -> None:
         for name, lo in (("total_steps", 1), ("ppo_mini_batch_size", 1), ("ppo_epochs", 1),
                          ("save_interval", 0), ("keep_last_k", 1), ("eval_interval", 0),
                          ("max_consecutive_skips", 0), ("sft_warmup_steps", 0)):
             _check_min(f"trainer.{name}", getattr(self, name), lo)
+        _check_min("trainer.dist_timeout_minutes", self.dist_timeout_minutes, 0.0, strict=True)
         for name in ("project_name", "experiment_name", "resume"):
             if not getattr(self, name).strip():
                 _fail(f"trainer.{name} must be a non-empty string")

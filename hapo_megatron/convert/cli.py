@@ -165,6 +165,8 @@ def _megatron_side(args):
         raise ConversionError(f"--megatron-path {args.megatron_path!r} is not a directory")
     src = getattr(args, "hf_config_path", None)
     hf_config = AutoConfig.from_pretrained(src) if src else read_hf_config(args.megatron_path)
+    if getattr(args, "max_position_embeddings", None):  # the run's model.max_position_embeddings
+        hf_config.max_position_embeddings = int(args.max_position_embeddings)
     meta = _checkpoint_meta(args.megatron_path)
     dtype = DTYPES[args.dtype] if args.dtype else DTYPES.get(meta.get("dtype"), torch.float32)
     return hf_config, src or os.path.join(args.megatron_path, HF_SUBDIR), dtype
@@ -290,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     b.add_argument("--hf-config-path", default=None,
                    help="HF config/tokenizer directory (default: the one stored in the Megatron checkpoint)")
+    b.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="write this max_position_embeddings into the exported config.json (pass the "
+                        "run's model.max_position_embeddings when it was set)")
     b.add_argument("--max-shard-size-gb", type=float, default=2.0, help="safetensors shard size")
     c.add_argument("--prompt", default=DEFAULT_PROMPT, help="text of the fixed prompt")
     c.add_argument("--tolerance", type=float, default=float("inf"), help="exit 1 when the difference is larger")

@@ -8,6 +8,7 @@ returned `ParallelGroups` around.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -72,7 +73,8 @@ def _ensure_default_group() -> None:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
-def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234) -> ParallelGroups:
+def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234,
+                        timeout_minutes: float = 30.0) -> ParallelGroups:
     """Initialise Megatron model parallelism on the default process group and seed the RNGs.
 
     `dp = world_size / (tp * pp * cp)`. Without CUDA, megatron-core runs only with the CPU
@@ -83,6 +85,7 @@ def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234)
     Megatron's training setup: python/torch seeds, then `model_parallel_cuda_manual_seed`
     (per-TP-rank model-parallel RNG stream in the RNG tracker). Calling it again with the same
     sizes returns the existing groups; with different sizes call `destroy_parallel()` first.
+    ``timeout_minutes`` is the collective timeout of the TP/PP/CP/DP groups (trainer.dist_timeout_minutes).
     """
     global _GROUPS
     for name, v in (("tp", tp), ("pp", pp), ("cp", cp)):
@@ -109,7 +112,7 @@ def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234)
     if world % (tp * pp * cp) != 0:
         raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 context_parallel_size=cp)
+                                 context_parallel_size=cp, distributed_timeout_minutes=int(math.ceil(timeout_minutes)))
     random.seed(seed)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)

@@ -35,9 +35,13 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_hf_config(path: str):
+def load_hf_config(path: str, max_position_embeddings: Optional[int] = None):
+    """The model's HF config with ``model.max_position_embeddings`` applied (when given): the one
+    config object the Megatron model, the HF engine and HF exports are built from."""
     from transformers import AutoConfig
-    return AutoConfig.from_pretrained(path)
+
+    from hapo_megatron.training.context import apply_context_override
+    return apply_context_override(AutoConfig.from_pretrained(path), max_position_embeddings)
 
 
 def has_hf_weights(path: Optional[str]) -> bool:
@@ -89,6 +93,8 @@ class Runtime:
     sft_done: bool = False
     start_step: int = 0
     reference: Any = None  # frozen KL reference model chunks (algo.kl_loss_coef > 0)
+    offloader: Any = None  # training.offload.StorageOffloader (colocated SGLang on CUDA) or None
+    engine_released: set = field(default_factory=set)  # engine memory regions released (stages.release_engine)
 
     @property
     def is_main(self) -> bool:
@@ -185,9 +191,29 @@ def build_engine(cfg, hf_config, tokenizer):
     on_gpu = torch.cuda.is_available()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.model.dtype, torch.float32) \
         if on_gpu else torch.float32
-    src = cfg.model.hf_model_path if cfg.rollout.engine == "sglang" else hf_config
-    return make_engine(cfg.rollout, hf_config_or_path=src, tokenizer=tokenizer,
+    rollout = cfg.rollout
+    if rollout.engine == "sglang":  # launched servers get model.max_position_embeddings too
+        from dataclasses import replace
+
+        from hapo_megatron.training.context import sglang_context_args
+        extra = sglang_context_args(cfg, rollout.sglang.extra_server_args)
+        rollout = replace(rollout, sglang=replace(rollout.sglang, extra_server_args=extra))
+    src = cfg.model.hf_model_path if rollout.engine == "sglang" else hf_config
+    return make_engine(rollout, hf_config_or_path=src, tokenizer=tokenizer,
                        device="cuda" if on_gpu else "cpu", dtype=dtype)
+
+
+def _start_engine(rt: Runtime) -> None:
+    """Build the engine on rank 0. Colocated on CUDA, every rank offloads its trainer state
+    first, so the servers size their memory pool from a free GPU, and reloads it after."""
+    from hapo_megatron.training.offload import make_actor_offloader
+    from hapo_megatron.training.stages import release_engine, trainer_offloaded
+    rt.offloader = make_actor_offloader(rt.cfg, rt.actor)
+    with trainer_offloaded(rt):
+        if rt.is_main:
+            rt.engine = build_engine(rt.cfg, rt.hf_config, rt.tokenizer)
+            release_engine(rt)  # the first weight sync resumes the weights
+        dist.barrier()
 
 
 def build_runtime(cfg, groups, *, tokenizer=None, datasets=None) -> Runtime:
@@ -200,7 +226,7 @@ def build_runtime(cfg, groups, *, tokenizer=None, datasets=None) -> Runtime:
     rank, world = dist.get_rank(), dist.get_world_size()
     tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer_path)
     train_ds, val_ds = datasets or build_datasets(cfg, tokenizer)
-    hf_config = load_hf_config(cfg.model.hf_model_path)
+    hf_config = load_hf_config(cfg.model.hf_model_path, cfg.model.max_position_embeddings)
     init_hf = cfg.model.hf_model_path if has_hf_weights(cfg.model.hf_model_path) else None
     if init_hf is None and not cfg.model.megatron_load_path and rank == 0:
         warnings.warn(f"model.hf_model_path {cfg.model.hf_model_path!r} has no weights: random init")
@@ -230,12 +256,13 @@ def build_runtime(cfg, groups, *, tokenizer=None, datasets=None) -> Runtime:
         sampler=PromptSampler(train_ds, cfg.data.train_batch_size if cfg.rollout.generate_batch_size is None
                               else cfg.rollout.generate_batch_size, seed=cfg.data.seed,
                               shuffle=cfg.data.shuffle),
-        actor=actor, engine=build_engine(cfg, hf_config, tokenizer) if rank == 0 else None,
+        actor=actor, engine=None,
         reward_fn=get_reward_fn(cfg.reward.reward_fn), logger=logger,
         ckpt=CheckpointManager(ckpt_root, keep_last_k=cfg.trainer.keep_last_k or 10**9, rank=rank,
                                barrier=dist.barrier),
         dyn=DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
                            max_num_gen_batches=cfg.algo.max_num_gen_batches))
+    _start_engine(rt)
     if resume_from:
         rt.restore(rt.ckpt.load(resume_from, load_model=actor.load))
         logger.resume(rt.step)

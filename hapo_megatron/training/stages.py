@@ -7,6 +7,7 @@ old-log-prob pass + global entropy statistics -> PPO updates -> weight sync -> e
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -44,32 +45,123 @@ def _generate_round(rt: Runtime, step: int, gen_index: int, group_offset: int) -
 
 def rollout(rt: Runtime, step: int) -> tuple[RolloutBatch, dict[str, float]]:
     """Generate, score and filter (dynamic sampling) until the step's batch is full; rank 0 works,
-    every rank receives the kept batch. ``rollout/*`` metrics cover every generated response."""
-    payload = None
-    if rt.is_main:
-        target = rt.cfg.data.train_batch_size
-        rt.engine.resume_memory()  # no-op unless released (e.g. after a skipped step)
-        rt.dyn.reset()
-        generated, offset = [], 0
-        while True:
-            b = _generate_round(rt, step, rt.dyn.num_gen_batches, offset)
-            generated.append(b)
-            offset += len(set(b.group_ids))
-            rt.dyn.add(b)
-            if not rt.dyn.needs_more(target):
-                break
-        kept = rt.dyn.take(target)
-        rt.engine.release_memory()  # colocated engines give the accelerator back to the actor
-        metrics = {**rollout_metrics(RolloutBatch.concat(generated),
-                                     max_response_length=rt.cfg.rollout.max_response_length),
-                   **rt.dyn.metrics(),
-                   "batch/reward_mean": sum(kept.rewards) / max(len(kept), 1),
-                   "batch/acc": sum(kept.accs) / max(len(kept), 1),
-                   "batch/num_groups": float(len(set(kept.group_ids)))}
-        payload = (kept.pack(), metrics, rt.sampler.state_dict())
-    packed, metrics, sampler_state = broadcast_object(payload)
+    every rank receives the kept batch. ``rollout/*`` metrics cover every generated response.
+
+    Colocated, every rank first offloads its trainer state (`training.offload`) and reloads it
+    after. The other ranks wait in `wait_for_rank0`, which rank 0 answers after every generation
+    round, so no collective wait lasts longer than one round (trainer.dist_timeout_minutes)."""
+    with trainer_offloaded(rt):
+        if not rt.is_main:
+            packed, metrics, sampler_state = wait_for_rank0(rt)
+        else:
+            try:
+                packed, metrics, sampler_state = _rollout_rank0(rt, step)
+            except BaseException as e:
+                if dist.is_initialized() and dist.get_world_size() > 1:
+                    broadcast_object(("error", f"{type(e).__name__}: {e}"))  # the others stop too
+                raise
+            broadcast_object(("done", (packed, metrics, sampler_state)))
     rt.sampler.load_state_dict(sampler_state)
     return RolloutBatch.unpack(packed), metrics
+
+
+def _rollout_rank0(rt: Runtime, step: int):
+    target = rt.cfg.data.train_batch_size
+    resume_engine(rt)  # the KV cache (the weights came back in sync_weights)
+    rt.dyn.reset()
+    generated, offset = [], 0
+    while True:
+        b = _generate_round(rt, step, rt.dyn.num_gen_batches, offset)
+        generated.append(b)
+        offset += len(set(b.group_ids))
+        rt.dyn.add(b)
+        if not rt.dyn.needs_more(target):
+            break
+        broadcast_object(("progress", {"step": step, "round": rt.dyn.num_gen_batches}))  # heartbeat
+    kept = rt.dyn.take(target)
+    # colocated engines give the accelerator back to the actor; the weights go too unless the step
+    # is skipped (no weight sync follows then, and released weights are not kept)
+    release_engine(rt, None if len(kept) else [t for t in ENGINE_MEMORY_TAGS if t != "weights"])
+    metrics = {**rollout_metrics(RolloutBatch.concat(generated),
+                                 max_response_length=rt.cfg.rollout.max_response_length),
+               **rt.dyn.metrics(),
+               "batch/reward_mean": sum(kept.rewards) / max(len(kept), 1),
+               "batch/acc": sum(kept.accs) / max(len(kept), 1),
+               "batch/num_groups": float(len(set(kept.group_ids)))}
+    return kept.pack(), metrics, rt.sampler.state_dict()
+
+
+def wait_for_rank0(rt: Runtime):
+    """Non-zero ranks: receive rank 0's heartbeats until its ("done", payload); its ("error", msg)
+    raises here too, so a failed rollout stops every rank instead of leaving them waiting."""
+    while True:
+        kind, body = broadcast_object(None)
+        if kind == "done":
+            return body
+        if kind == "error":
+            raise RuntimeError(f"rank 0 failed during the rollout: {body}")
+
+
+@contextmanager
+def trainer_offloaded(rt: Runtime):
+    """Every rank: the actor's state in host memory (when `rt.offloader` is set) and the caching
+    allocator emptied, so the colocated servers can use the GPU; reloaded on exit."""
+    off = rt.offloader
+    if off is not None:
+        off.offload()
+    _empty_cache()
+    if off is not None and dist.is_initialized():
+        dist.barrier()  # every GPU is free before rank 0 resumes the servers' memory
+    try:
+        yield
+    finally:
+        if off is not None:
+            off.reload()
+
+
+ENGINE_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's memory-saver regions
+
+
+def _takes_tags(method) -> bool:
+    import inspect
+    try:
+        return "tags" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def release_engine(rt: Runtime, tags=None) -> None:
+    """``engine.release_memory`` of ``tags`` (all when None or when the engine takes no tags),
+    remembered in ``rt.engine_released`` so that `resume_engine` resumes exactly those (SGLang
+    refuses to resume a region that is not released)."""
+    tags = tuple(tags or ENGINE_MEMORY_TAGS)
+    if not _takes_tags(rt.engine.release_memory) or set(tags) == set(ENGINE_MEMORY_TAGS):
+        rt.engine.release_memory()
+        rt.engine_released = set(ENGINE_MEMORY_TAGS)
+        return
+    todo = [t for t in tags if t not in rt.engine_released]
+    if todo:
+        rt.engine.release_memory(tags=todo)
+        rt.engine_released |= set(todo)
+
+
+def resume_engine(rt: Runtime, tags=None) -> None:
+    """Resume the released regions among ``tags`` (None = all released ones); an engine without
+    tags resumes everything at once."""
+    want = set(ENGINE_MEMORY_TAGS if tags is None else tags) & rt.engine_released
+    if not want:
+        return
+    if not _takes_tags(rt.engine.resume_memory):
+        rt.engine.resume_memory()
+        rt.engine_released = set()
+        return
+    rt.engine.resume_memory(tags=[t for t in ENGINE_MEMORY_TAGS if t in want])
+    rt.engine_released -= want
+
+
+def _empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _pad_multiple(rt: Runtime) -> int:
@@ -290,17 +382,30 @@ def sync_weights(rt: Runtime) -> None:
     """Stream the actor's weights (HF names, gathered over TP/PP) into the rollout engine."""
     dtype = getattr(rt.engine, "dtype", None) if rt.engine is not None else None
     named = rt.actor.export_hf_weights(dtype=dtype)
+    _empty_cache()  # what the trainer's allocator holds unused goes back before the servers resume
     if rt.engine is not None:
-        rt.engine.resume_memory()
+        resume_engine(rt, tags=["weights"])  # the KV cache comes back in rollout, after the offload
         rt.engine.update_weights(named)
     for _ in named:  # every rank consumes the generator fully (it runs collectives)
         pass
 
 
 def evaluate(rt: Runtime, step: int) -> dict[str, float]:
-    """Validation on rank 0 (fixed temperature, val_n samples); {} elsewhere or without val files."""
-    if rt.val_ds is None or not rt.is_main:
+    """Validation on rank 0 (fixed temperature, val_n samples); {} elsewhere or without val files.
+    Colocated, the trainer state is offloaded around it like around a rollout."""
+    if rt.val_ds is None:
         return {}
+    with trainer_offloaded(rt):
+        if not rt.is_main:
+            return {}
+        resume_engine(rt)
+        try:
+            return _evaluate_rank0(rt)
+        finally:  # keep the synced weights: only the rest goes
+            release_engine(rt, tags=[t for t in ENGINE_MEMORY_TAGS if t != "weights"])
+
+
+def _evaluate_rank0(rt: Runtime) -> dict[str, float]:
     from hapo_megatron.rollout.engine import SamplingParams
     from hapo_megatron.training.evaluation import evaluate as run_eval
     cfg = rt.cfg

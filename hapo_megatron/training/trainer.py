@@ -25,7 +25,8 @@ def fit(cfg, *, tokenizer=None, datasets=None) -> dict[str, Any]:
     from hapo_megatron.parallel.groups import initialize_parallel
     p = cfg.parallel
     groups = initialize_parallel(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                                 cp=p.context_parallel_size, seed=cfg.trainer.seed)
+                                 cp=p.context_parallel_size, seed=cfg.trainer.seed,
+                                 timeout_minutes=cfg.trainer.dist_timeout_minutes)
     rt = build_runtime(cfg, groups, tokenizer=tokenizer, datasets=datasets)
     t0, timer, start_eval, sft_s = time.time(), rt.timer, {}, 0.0
     if not rt.sft_done and rt.step == 0 and cfg.trainer.sft_warmup_steps > 0:
