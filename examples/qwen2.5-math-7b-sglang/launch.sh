@@ -22,25 +22,30 @@ MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 SERVER_TP="${SERVER_TP:-2}"                 # GPUs per SGLang server
 SGLANG_PORT_BASE="${SGLANG_PORT_BASE:-30000}"
-SGLANG_MEM_FRACTION="${SGLANG_MEM_FRACTION:-0.45}"
 MODEL_PATH="${MODEL_PATH:-Qwen/Qwen2.5-Math-7B}"
 RUN_NAME="${RUN_NAME:-hapo_qwen2.5_math_7b_sglang}"
 SHARED_DIR="${SHARED_DIR:-runs/$RUN_NAME}"   # must be on a shared file system when NNODES > 1
-MAX_CONTEXT="${MAX_CONTEXT:-11264}"          # max_prompt_length + max_response_length
+# One source for the servers' memory fraction and context: the config (override on the command line).
+read -r SGLANG_MEM_FRACTION MAX_POSITIONS < <(python -c '
+import sys
+from hapo_megatron.config import load_config
+c = load_config(sys.argv[1], [a for a in sys.argv[2:] if "=" in a and not a.startswith("-")])
+print(c.rollout.sglang.mem_fraction_static, c.model.max_position_embeddings or 0)' "$CONFIG" "$@")
 
 if (( GPUS_PER_NODE % SERVER_TP != 0 )); then
   echo "GPUS_PER_NODE=$GPUS_PER_NODE is not a multiple of SERVER_TP=$SERVER_TP" >&2; exit 2
 fi
 SERVERS_PER_NODE=$(( GPUS_PER_NODE / SERVER_TP ))
-# SGLang refuses a context longer than the model config's max_position_embeddings unless told.
-export SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 mkdir -p "$SHARED_DIR"
 
 COMMON=(model.hf_model_path="$MODEL_PATH" trainer.experiment_name="$RUN_NAME" trainer.run_dir="$SHARED_DIR"
-        rollout.sglang.server_tp_size="$SERVER_TP" rollout.sglang.mem_fraction_static="$SGLANG_MEM_FRACTION"
-        rollout.sglang.port_base="$SGLANG_PORT_BASE"
-        "rollout.sglang.extra_server_args=[--context-length, $MAX_CONTEXT]")
+        rollout.sglang.server_tp_size="$SERVER_TP" rollout.sglang.port_base="$SGLANG_PORT_BASE")
+# servers started here (multi-node) get model.max_position_embeddings like the trainer's own would
+CONTEXT_ARGS=()
+if (( MAX_POSITIONS > 0 )); then
+  CONTEXT_ARGS=(--json-model-override-args "{\"max_position_embeddings\": $MAX_POSITIONS}" --context-length "$MAX_POSITIONS")
+fi
 
 SERVE_PID=""
 cleanup() { [[ -n "$SERVE_PID" ]] && kill "$SERVE_PID" 2>/dev/null || true; }
@@ -56,7 +61,7 @@ else
   python -m hapo_megatron.rollout.serve --model-path "$MODEL_PATH" --num-servers "$SERVERS_PER_NODE" \
       --tp-size "$SERVER_TP" --port-base "$SGLANG_PORT_BASE" --mem-fraction-static "$SGLANG_MEM_FRACTION" \
       --advertise-host "${HOSTS[$NODE_RANK]}" --colocate --log-dir "$SHARED_DIR/sglang_logs/node$NODE_RANK" \
-      -- --context-length "$MAX_CONTEXT" &
+      -- "${CONTEXT_ARGS[@]}" &
   SERVE_PID=$!
   URLS=""
   for h in "${HOSTS[@]}"; do
