@@ -129,6 +129,21 @@ def _set_threads() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
+def print_memory_plan(cfg, world_size: int) -> None:
+    """Rank 0 on CUDA: the per-GPU memory plan of the run (training/memory_plan.py), with a
+    warning when a phase does not fit the device."""
+    if not torch.cuda.is_available():
+        return
+    from hapo_megatron.training.memory_plan import format_plan, plan_from_config
+    from hapo_megatron.training.runtime import load_hf_config
+    hf_config = load_hf_config(cfg.model.hf_model_path, cfg.model.max_position_embeddings)
+    device = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    plan = plan_from_config(cfg, hf_config, world_size=world_size, device_bytes=device)
+    print(format_plan(plan, f"memory plan per GPU ({torch.cuda.get_device_name()}, estimate)"), flush=True)
+    if plan.warnings:
+        warnings.warn("the memory plan does not fit the device: " + "; ".join(plan.warnings))
+
+
 def quiet_warnings() -> None:
     """Hide the import-time/deprecation noise of megatron-core and torch on CPU-only installs."""
     for pattern in ("Transformer Engine and Apex", "Apex is not installed", "full scope is deprecated",
@@ -158,6 +173,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if rank == 0:
         os.makedirs(cfg.trainer.run_dir, exist_ok=True)
         print(format_config(cfg), flush=True)
+        print_memory_plan(cfg, world)
         print(f"config saved to {save_config(cfg, os.path.join(cfg.trainer.run_dir, 'config.yaml'))}", flush=True)
     import torch.distributed as dist
 

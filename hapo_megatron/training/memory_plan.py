@@ -130,18 +130,19 @@ def shape_from_hf_config(hf_config) -> ModelShape:
                       qkv_bias=has_qkv_bias(hf_config))
 
 
-def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int, on_gpu: bool = True) -> MemoryPlan:
-    """The plan of ``cfg`` with ``world_size`` ranks on devices of ``device_bytes``."""
-    from hapo_megatron.training.offload import offload_wanted
+def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int) -> MemoryPlan:
+    """The plan of ``cfg`` on GPUs (its dtype, its offload choice) with ``world_size`` ranks on
+    devices of ``device_bytes``."""
+    from hapo_megatron.training.offload import offload_planned
     p, sg = cfg.parallel, cfg.rollout.sglang
     dp = world_size // p.model_parallel_size
     tokens = p.max_tokens_per_micro_batch or p.micro_batch_size * (cfg.data.max_prompt_length
                                                                     + cfg.rollout.max_response_length)
     colocated = cfg.rollout.engine == "sglang" and sg.colocate
-    offload = offload_wanted(cfg) if on_gpu else (cfg.model.offload_during_rollout is not False and colocated)
+    offload = offload_planned(cfg)
     return plan_memory(shape_from_hf_config(hf_config), tp=p.tensor_model_parallel_size,
                        pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size, dp=max(dp, 1),
-                       param_bytes={"bf16": 2, "fp16": 2}.get(cfg.model.dtype, 4) if on_gpu else 4,
+                       param_bytes={"bf16": 2, "fp16": 2}.get(cfg.model.dtype, 4),
                        distributed_optimizer=p.use_distributed_optimizer, sequence_parallel=p.sequence_parallel,
                        tokens_per_micro_batch=tokens, recompute=cfg.model.recompute_activations,
                        sglang_fraction=sg.mem_fraction_static, server_tp=sg.server_tp_size, colocated=colocated,

@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-__all__ = ["OffloadSet", "StorageOffloader", "actor_offload_sets", "make_actor_offloader", "offload_wanted"]
+__all__ = ["OffloadSet", "StorageOffloader", "actor_offload_sets", "make_actor_offloader", "offload_planned", "offload_wanted"]
 
 
 @dataclass
@@ -130,12 +130,18 @@ def actor_offload_sets(model_chunks, optimizer, device_type: str = "cuda") -> li
             OffloadSet("optimizer", opt_state)]
 
 
-def offload_wanted(cfg) -> bool:
-    """model.offload_during_rollout, defaulting to: colocated SGLang servers on CUDA."""
+def offload_planned(cfg) -> bool:
+    """What the config asks for on a GPU: model.offload_during_rollout, defaulting to "the
+    rollout runs on colocated SGLang servers"."""
     choice = cfg.model.offload_during_rollout
     if choice is not None:
-        return bool(choice) and torch.cuda.is_available()
-    return cfg.rollout.engine == "sglang" and cfg.rollout.sglang.colocate and torch.cuda.is_available()
+        return bool(choice)
+    return cfg.rollout.engine == "sglang" and cfg.rollout.sglang.colocate
+
+
+def offload_wanted(cfg) -> bool:
+    """`offload_planned` on a machine with CUDA (there is nothing to offload on CPU)."""
+    return offload_planned(cfg) and torch.cuda.is_available()
 
 
 def make_actor_offloader(cfg, actor) -> Optional[StorageOffloader]:

@@ -78,5 +78,5 @@ def test_gpu_recipes_fit_an_80gb_card(recipe):
     from types import SimpleNamespace
     hf = SimpleNamespace(**shapes[recipe.replace("-sglang", "")])
     cfg = load_config(os.path.join(ROOT, "examples", recipe, "config.yaml"), [])
-    plan = plan_from_config(cfg, hf, world_size=8, device_bytes=80 * 10**9, on_gpu=False)
+    plan = plan_from_config(cfg, hf, world_size=8, device_bytes=80 * 10**9)
     assert plan.fits, format_plan(plan)

@@ -1,0 +1,92 @@
+"""`hapo doctor`: the first command on a new machine. Each check is one line of a pass/fail
+table with its measured figure and, on failure, the fix.
+
+    hapo doctor                          # every check this machine can run (CPU subset on CPU)
+    hapo doctor --config X.yaml          # + the per-GPU memory plan of that config
+    hapo doctor --only imports --strict  # the image build's smoke test: every compiled piece imports
+
+Checks: torch/CUDA/NCCL versions and visibility; imports of megatron-core, Transformer Engine's
+torch extension, sgl_kernel, flashinfer, SGLang (apex optional); TE layer spec vs local spec on a
+tiny GPTModel (GPU); fused log-prob + entropy vs float64 (+ memory bandwidth on a GPU); TP=2 and
+CP=2 on two ranks (two GPUs, else gloo on CPU); a real SGLang server (GPU); the memory plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from hapo_megatron.doctor.report import FAIL, PASS, SKIP, CheckResult, format_table, run_check
+
+__all__ = ["main", "collect_checks", "run_checks", "CheckResult", "format_table", "PASS", "FAIL", "SKIP"]
+
+GROUPS = ("env", "imports", "model", "kernel", "parallel", "sglang", "memory")
+
+
+def collect_checks(args) -> list:
+    """[(group, name, fn, default fix)] for the selected groups."""
+    from hapo_megatron.doctor import env_checks, kernel_checks, model_checks, parallel_checks, sglang_checks
+    fix_env = env_checks.IMAGE_FIX
+    checks = [("env", "torch", env_checks.check_torch, fix_env),
+              ("env", "cuda devices", env_checks.check_cuda_devices, fix_env)]
+    checks += [("imports", n, fn, fix_env) for n, fn in env_checks.import_checks(strict=args.strict)]
+    checks += [("model", "TE spec vs local", model_checks.check_te_vs_local,
+                "set model.use_te=false to train without Transformer Engine, and report the error"),
+               ("kernel", "logprob+entropy", kernel_checks.check_logprob_entropy,
+                "run python -m pytest tests/parallel/test_vocab_parallel.py and report the failure")]
+    checks += [("parallel", n, fn, "check NCCL (NCCL_DEBUG=INFO) and the GPUs' peer access")
+               for n, fn in parallel_checks.parallel_checks()]
+    checks.append(("sglang", "SGLang server", lambda: sglang_checks.check_sglang_server(args.sglang_model),
+                   sglang_checks.SERVER_FIX))
+    if args.config:
+        from hapo_megatron.doctor.memory_checks import check_memory_plan
+
+        def memory():
+            res, text = check_memory_plan(args.config, args.overrides, world_size=args.world_size,
+                                          device_memory_gb=args.device_memory_gb)
+            print(text, flush=True)
+            return res
+        checks.append(("memory", "memory plan", memory, "fix the config fields the warning names"))
+    only = set(args.only.split(",")) if args.only else set(GROUPS)
+    return [c for c in checks if c[0] in only]
+
+
+def run_checks(checks: list, *, progress: bool = True) -> list:
+    results = []
+    for _, name, fn, fix in checks:
+        if progress:
+            print(f"  checking {name} ...", file=sys.stderr, flush=True)
+        results.append(run_check(name, fn, fix))
+    return results
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hapo doctor", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="also print and check the per-GPU memory plan of this config")
+    p.add_argument("overrides", nargs="*", help="dotted overrides of --config")
+    p.add_argument("--only", help=f"comma-separated check groups: {','.join(GROUPS)}")
+    p.add_argument("--strict", action="store_true",
+                   help="a compiled component that does not import is a failure even without a GPU (image build)")
+    p.add_argument("--world-size", type=int, default=None, help="ranks of the planned run (default: the GPUs here)")
+    p.add_argument("--device-memory-gb", type=float, default=None, help="plan for devices of this size (GB)")
+    p.add_argument("--sglang-model", default=None, help="model directory for the SGLang check (default: tiny random)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Print the table; exit status 1 when a check failed, 0 otherwise."""
+    from hapo_megatron.train import quiet_warnings
+    quiet_warnings()
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    if args.only and set(args.only.split(",")) - set(GROUPS):
+        print(f"hapo doctor: unknown group in --only {args.only!r}; groups: {', '.join(GROUPS)}", file=sys.stderr)
+        return 2
+    results = run_checks(collect_checks(args))
+    print(format_table(results), flush=True)
+    return 1 if any(r.status == FAIL for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

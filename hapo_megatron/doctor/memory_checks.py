@@ -1,0 +1,41 @@
+"""The per-GPU memory plan of a config (training/memory_plan.py) as a doctor line."""
+
+from __future__ import annotations
+
+import torch
+
+from hapo_megatron.doctor.report import FAIL, PASS, CheckResult
+
+GiB = 1024**3
+
+
+def check_memory_plan(config: str, overrides=(), *, world_size: int | None = None,
+                      device_memory_gb: float | None = None) -> tuple[CheckResult, str]:
+    """(the doctor line, the full plan text). The device is this GPU unless ``device_memory_gb``
+    is given (on CPU the default is an 80 GB card); the world is the visible GPUs x 1 node
+    unless ``world_size`` is given (at least TP x PP x CP)."""
+    from hapo_megatron.config import load_config
+    from hapo_megatron.training.memory_plan import format_plan, plan_from_config
+    from hapo_megatron.training.runtime import load_hf_config
+    cfg = load_config(config, list(overrides))
+    try:
+        hf_config = load_hf_config(cfg.model.hf_model_path, cfg.model.max_position_embeddings)
+    except Exception as e:  # noqa: BLE001 - no network, no such directory, ...
+        err = RuntimeError(f"cannot read the HF config of model.hf_model_path={cfg.model.hf_model_path!r} "
+                           f"({type(e).__name__})")
+        err.fix = ("download the model (or only its config.json) and pass model.hf_model_path=DIR after "
+                   "--config, e.g. hapo doctor --config X.yaml model.hf_model_path=/models/Qwen2.5-Math-7B")
+        raise err from None
+    cuda = torch.cuda.is_available()
+    if device_memory_gb:
+        device = int(device_memory_gb * 1e9)
+    else:
+        device = torch.cuda.get_device_properties(0).total_memory if cuda else 80 * 10**9
+    mp = cfg.parallel.model_parallel_size
+    world = world_size or max(torch.cuda.device_count() if cuda else 8, mp)
+    plan = plan_from_config(cfg, hf_config, world_size=world, device_bytes=device)
+    text = format_plan(plan, f"memory plan per GPU of {config} ({world} ranks, {device / GiB:.0f} GiB device)")
+    fig = f"peak {plan.peak / GiB:.1f} of {device / GiB:.1f} GiB ({max(plan.phases, key=plan.phases.get)})"
+    if plan.warnings:
+        return CheckResult("memory plan", FAIL, fig, " | ".join(plan.warnings)), text
+    return CheckResult("memory plan", PASS, fig), text

@@ -1,0 +1,82 @@
+"""A real SGLang server on a tiny random model, driven through the trainer's own engine
+(`rollout.engine.make_engine`, which launches servers with `rollout.sglang_launch`): generation
+with the adaptive-temperature processor, then one weight update per weight-sync mode. GPU only:
+on CPU the server needs import stand-ins that only the test tree has (tests/rollout)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+import time
+
+import torch
+
+from hapo_megatron.doctor.report import FAIL, PASS, SKIP, CheckResult
+
+MODES = ("tensor", "distributed", "disk")
+SERVER_FIX = ("read the server log named in the error; the image pins the SGLang build this project tests "
+              "(docs/docker.md)")
+
+
+def write_tiny_model(out_dir: str) -> str:
+    """A tiny random Qwen2 with the character tokenizer (no download)."""
+    from transformers import AutoModelForCausalLM
+
+    from hapo_megatron.data.char_tokenizer import build_char_tokenizer
+    from hapo_megatron.models.hf_config import tiny_hf_config
+    tok = build_char_tokenizer(out_dir)
+    cfg = tiny_hf_config("qwen2", vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(out_dir)
+    return out_dir
+
+
+def _engine(model_dir: str, mode: str, log_dir: str):
+    from hapo_megatron.config import HapoConfig
+    from hapo_megatron.rollout.engine import make_engine
+    cfg = HapoConfig.from_dict({"rollout": {"engine": "sglang", "n": 2, "max_response_length": 16, "sglang": {
+        "num_servers": 1, "weight_sync": mode, "colocate": mode == "tensor", "mem_fraction_static": 0.2,
+        "request_timeout_s": 120}}})
+    return cfg, make_engine(cfg.rollout, hf_config_or_path=model_dir, device="cuda", dtype=torch.bfloat16,
+                            log_dir=log_dir)
+
+
+def _one_mode(model_dir: str, mode: str, log_dir: str) -> str:
+    from transformers import AutoModelForCausalLM
+
+    from hapo_megatron.algo import EntropyStats
+    from hapo_megatron.rollout.engine import SamplingParams
+    cfg, engine = _engine(model_dir, mode, log_dir)
+    try:
+        params = SamplingParams.from_config(cfg.rollout, cfg.algo, entropy_stats=EntropyStats.neutral(), seed=1)
+        t0 = time.time()
+        samples = engine.generate([[5, 6, 7], [8, 9]], params)
+        gen_s = time.time() - t0
+        assert len(samples) == 2 and all(len(s) == 2 for s in samples), "wrong number of samples"
+        weights = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).cuda().state_dict()
+        t0 = time.time()
+        engine.update_weights(iter(weights.items()))
+        sync_s = time.time() - t0
+        engine.generate([[5, 6, 7]], params)  # still serves after the update
+    finally:
+        engine.shutdown()
+    return f"{mode}: generate {gen_s:.1f} s, sync {sync_s:.1f} s"
+
+
+def check_sglang_server(model_dir: str | None = None) -> CheckResult:
+    if importlib.util.find_spec("sglang") is None:
+        return CheckResult("SGLang server", SKIP, "sglang is not installed")
+    if not torch.cuda.is_available():
+        return CheckResult("SGLang server", SKIP, "needs a CUDA GPU (the CPU server is covered by tests/rollout)")
+    figures, failed = [], []
+    with tempfile.TemporaryDirectory(prefix="hapo_doctor_") as tmp:
+        model_dir = model_dir or write_tiny_model(os.path.join(tmp, "model"))
+        for mode in MODES:
+            try:
+                figures.append(_one_mode(model_dir, mode, os.path.join(tmp, f"logs_{mode}")))
+            except Exception as e:  # noqa: BLE001 - one mode failing must not hide the others
+                failed.append(f"{mode}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+    if failed:
+        return CheckResult("SGLang server", FAIL, "; ".join(failed + figures), SERVER_FIX)
+    return CheckResult("SGLang server", PASS, "adaptive temperature; " + "; ".join(figures))
