@@ -1,55 +1,83 @@
-# hapo_megatron GPU image.
-#
-# Base: the NGC PyTorch container, which brings CUDA, cuDNN, NCCL, PyTorch, Transformer Engine
-# and Apex built together. On top: pinned megatron-core, SGLang, wandb, math-verify, ModelOpt
-# (requirements/*.txt) and this package. The container's torch is never reinstalled: a pip
-# constraints file written at build time pins torch & co. to the versions already installed,
-# so any dependency that would replace them makes the build fail instead.
+# hapo_megatron GPU image: one coherent stack built around the torch that SGLang's kernels need.
 #
 #   docker build -t hapo-megatron .
-#   docker run --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 \
-#       -v $PWD/runs:/workspace/runs -v $HOME/.cache/huggingface:/root/.cache/huggingface \
-#       hapo-megatron hapo train --config examples/qwen2.5_math_7b/hapo.yaml
+#   docker run --rm -it --gpus all --ipc=host --network=host --ulimit memlock=-1 --ulimit stack=67108864 \
+#       -v $PWD/data:/workspace/data -v $PWD/runs:/workspace/runs \
+#       -v $HOME/.cache/huggingface:/root/.cache/huggingface hapo-megatron          # the default recipe
+#   docker run ... hapo-megatron hapo doctor                                          # check the machine
 #
-# nvcr.io/nvidia/pytorch:26.03-py3 ships Python 3.12 and torch 2.11.0a0, matching the torch
-# 2.11 that sglang 0.5.17's kernels are built for. Change both together.
-ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:26.03-py3
+# Why this base (docs/docker.md): sglang-kernel 0.4.10 (pinned by sglang 0.5.23) is compiled against
+# libtorch 2.14.1 and declares torch==2.14.1 exactly, so the image uses that PyPI torch (CUDA 13.0,
+# cuDNN 9.24, NCCL 2.30.7 come with it) on a CUDA 13.0 *devel* base, and builds Transformer Engine's
+# torch extension against it (megatron-core 0.16.1 declares transformer-engine>=2.9.0a0,<2.12.0:
+# 2.11.0). An NGC PyTorch base would bring a pre-release torch build that SGLang's kernels were not
+# compiled for. Apex is not installed: Transformer Engine provides the fused kernels Megatron uses.
+ARG BASE_IMAGE=nvidia/cuda:13.0.1-cudnn-devel-ubuntu24.04
 FROM ${BASE_IMAGE}
 
-ENV PIP_NO_CACHE_DIR=1 \
+ENV DEBIAN_FRONTEND=noninteractive \
+    PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1 \
-    TOKENIZERS_PARALLELISM=false
+    TOKENIZERS_PARALLELISM=false \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:${PATH}
 
-# Freeze the container's torch stack: every later pip call runs under this constraints file.
-RUN mkdir -p /opt/hapo \
+# Python 3.12 (Ubuntu 24.04's) in a venv: the system interpreter refuses pip installs (PEP 668).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-dev python3-venv git curl ca-certificates \
+       build-essential ninja-build libnuma1 \
+    && rm -rf /var/lib/apt/lists/* \
+    && python3 -m venv /opt/venv \
+    && pip install pip==25.3 setuptools==80.9.0 wheel==0.45.1
+
+WORKDIR /opt/hapo_megatron
+COPY requirements/ requirements/
+
+# 1. The torch stack, then frozen: every later pip call runs under a constraints file that pins
+#    the installed torch & co., ADDED to whatever constraints the base image already sets.
+RUN pip install -r requirements/torch.txt \
+    && mkdir -p /opt/hapo \
     && pip list --format=freeze \
-       | grep -iE '^(torch|torchvision|torchaudio|triton|pytorch-triton|transformer[-_]engine[-_a-z0-9]*|apex)==' \
+       | grep -iE '^(torch|torchvision|triton|nvidia-[a-z0-9-]+|cuda-toolkit|cuda-bindings)==' \
        > /opt/hapo/keep-torch.txt \
     && python -c "import torch; print(torch.__version__)" > /opt/hapo/torch-version.txt \
     && cat /opt/hapo/keep-torch.txt /opt/hapo/torch-version.txt
-ENV PIP_CONSTRAINT=/opt/hapo/keep-torch.txt
+ENV PIP_CONSTRAINT="${PIP_CONSTRAINT:+${PIP_CONSTRAINT} }/opt/hapo/keep-torch.txt"
 
-WORKDIR /opt/hapo_megatron
+# 2. Transformer Engine's torch extension compiled against that torch (FORCE_BUILD: never a prebuilt
+#    wheel made for another torch; MAX_JOBS bounds the RAM of the compile).
+RUN NVTE_FRAMEWORK=pytorch NVTE_PYTORCH_FORCE_BUILD=TRUE MAX_JOBS=${MAX_JOBS:-8} \
+    pip install --no-build-isolation -r requirements/te.txt
 
-# Dependencies first (a separate layer, rebuilt only when the requirement files change).
-COPY requirements/ requirements/
+# 3. Our dependencies (megatron-core pinned to the TE range above), then SGLang without its
+#    dependencies (it declares torchaudio/torchcodec built for other torch versions) and the rest
+#    of its dependencies (sglang-kernel, flashinfer, ... with SGLang's own pins).
 RUN pip install -r requirements/base.txt
-# SGLang pins an exact PyPI torch: install it without dependencies, then its other dependencies.
 RUN pip install --no-deps -r requirements/sglang.txt \
     && pip install -r requirements/sglang-runtime.txt
 
-# The package itself, editable so that mounted source changes take effect.
+# 4. The package itself, editable so that a checkout mounted over /opt/hapo_megatron takes effect.
 COPY setup.cfg pyproject.toml README.md ./
 COPY hapo_megatron/ hapo_megatron/
 COPY tools/ tools/
 COPY examples/ examples/
 RUN pip install --no-deps -e .
 
-# Fail the build if torch was replaced or an import is broken.
-RUN python -c "import sys, torch; want = open('/opt/hapo/torch-version.txt').read().strip(); sys.exit(0 if torch.__version__ == want else f'torch changed: {torch.__version__} != {want}')" \
-    && python -c "import megatron.core, sglang, wandb, math_verify, modelopt, hapo_megatron; print('hapo_megatron', hapo_megatron.__version__, '| sglang', sglang.__version__, '| megatron-core', megatron.core.__version__)" \
-    && hapo --help > /dev/null
+# 5. Smoke test: torch unchanged, and every compiled piece imports. There is no GPU during
+#    `docker build`, so the driver library is the CUDA toolkit's stub (only for this step);
+#    `hapo doctor` repeats these imports, and runs the kernels, on the GPU machine.
+RUN mkdir -p /tmp/cuda-stub && ln -sf /usr/local/cuda/lib64/stubs/libcuda.so /tmp/cuda-stub/libcuda.so.1 \
+    && export LD_LIBRARY_PATH=/tmp/cuda-stub:${LD_LIBRARY_PATH} \
+    && python -c "import sys, torch; want = open('/opt/hapo/torch-version.txt').read().strip(); sys.exit(0 if torch.__version__ == want else f'torch changed: {torch.__version__} != {want}')" \
+    && python -c "import torch, transformer_engine.pytorch, sgl_kernel, flashinfer, megatron.core, sglang, hapo_megatron; print('torch', torch.__version__, '| TE', transformer_engine.__version__, '| sgl_kernel', sgl_kernel.__version__, '| flashinfer', flashinfer.__version__, '| megatron-core', megatron.core.__version__, '| sglang', sglang.__version__)" \
+    && python -c "import wandb, math_verify, modelopt, sglang.srt.sampling.custom_logit_processor" \
+    && hapo doctor --only env,imports --strict \
+    && rm -rf /tmp/cuda-stub
 
+# Relative paths of the recipes (data/, runs/) resolve against /workspace: mount them there.
 WORKDIR /workspace
-CMD ["bash"]
+# The default command: the paper's Qwen2.5-Math-7B recipe on every visible GPU of this node
+# (launch.sh starts one torchrun rank per GPU; the trainer checks that TP x PP x CP = 2 x 1 x 2
+# divides them). Any other command (bash, hapo doctor, hapo train ...) replaces it.
+CMD ["bash", "/opt/hapo_megatron/examples/launch.sh", "/opt/hapo_megatron/examples/qwen2.5-math-7b/config.yaml"]

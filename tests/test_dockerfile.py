@@ -1,11 +1,14 @@
 """Checks of the Dockerfile and the requirement files it copies (`docker build` cannot run in CI).
 
-Offline: the Dockerfile parses (known instructions, only ARG before the first FROM, an NGC
-PyTorch base), every COPY source exists, every requirement line is a valid PEP 508 requirement,
-the torch stack is never (re)installed, SGLang goes in with --no-deps, the package is installed
-with --no-deps, and the pins satisfy setup.cfg. Online (skipped with a reason when PyPI cannot be
-reached): every `name==version` pin is a released, non-yanked version with a file installable on
-the image's Python (3.12, Linux x86_64).
+Offline: the Dockerfile parses (known instructions, only ARG before the first FROM, a CUDA devel
+base), every COPY source exists, every requirement line is a valid PEP 508 requirement, the torch
+stack comes only from requirements/torch.txt (+ Transformer Engine from te.txt, built against it)
+and is then frozen by a constraints file ADDED to the base image's, the stack is coherent by the
+packages' declared requirements (recorded below from their PyPI metadata), SGLang and the package
+go in with --no-deps, the build's smoke test imports every compiled piece, the default command
+runs a real config with one rank per GPU, and the pins satisfy setup.cfg. Online (skipped with a
+reason when PyPI cannot be reached): every `name==version` pin is a released, non-yanked version
+with a file installable on the image's Python (3.12, Linux x86_64).
 """
 
 import configparser
@@ -19,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.tags import compatible_tags, cpython_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
@@ -28,10 +32,23 @@ DOCKERFILE = os.path.join(ROOT, "Dockerfile")
 INSTRUCTIONS = {"FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT",
                 "VOLUME", "USER", "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK",
                 "SHELL", "MAINTAINER"}
-# Never installed from PyPI in the image: the NGC container's own builds are kept.
+# Built against one exact torch: installed only from the files named in TORCH_FILES.
 TORCH_STACK = {"torch", "torchvision", "torchaudio", "triton", "pytorch-triton", "torchcodec",
                "torchao", "transformer-engine", "apex"}
-IMAGE_PYTHON = (3, 12)  # Python of nvcr.io/nvidia/pytorch:26.xx-py3
+TORCH_FILES = {"requirements/torch.txt": {"torch", "torchvision"},
+               "requirements/te.txt": {"transformer-engine"}}
+IMAGE_PYTHON = (3, 12)  # Python of Ubuntu 24.04 (the CUDA base image)
+TESTED_SGLANG = "0.5.23"  # the SGLang this project runs (CPU tests, setup.cfg's sglang extra)
+# Declared requirements read from the packages' PyPI metadata (`pip download --no-deps X==V` and
+# its METADATA; `pip install --dry-run --report` for the big wheels). Update with the pins.
+DECLARED = {
+    ("sglang", "0.5.23"): {"torch": "==2.14.1", "sglang-kernel": "==0.4.10", "flashinfer-python": "==0.7.2",
+                           "transformers": "==5.19.0"},
+    ("sglang-kernel", "0.4.10"): {"torch": "==2.14.1"},
+    ("torchvision", "0.29.1"): {"torch": ">=2.14.0"},
+    ("megatron-core", "0.16.1"): {"transformer-engine": ">=2.9.0a0,<2.12.0"},  # its `dev` extra
+}
+COMPILED_IMPORTS = ("transformer_engine.pytorch", "sgl_kernel", "flashinfer", "megatron.core", "sglang")
 
 
 def parse_dockerfile(path=DOCKERFILE):
@@ -121,7 +138,8 @@ def test_instructions_are_valid_and_from_comes_first(instructions):
     assert instructions[first][0] == "FROM", "only ARG may precede the first FROM"
     args = dict(a.split("=", 1) for kw, a in instructions[:first] if "=" in a)
     image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], instructions[first][1].split()[0])
-    assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d{2}\.\d{2}-py3", image), image
+    # a devel image: Transformer Engine's torch extension is compiled in the build
+    assert re.fullmatch(r"nvidia/cuda:\d+\.\d+\.\d+-cudnn-devel-ubuntu24\.04", image), image
 
 
 def test_copy_sources_exist(instructions):
@@ -144,17 +162,18 @@ def test_requirement_files_are_copied_before_use(instructions):
                 f"{req} is used before it is copied (copied: {copied})")
 
 
-def test_requirement_files_parse_and_never_touch_torch(requirement_files):
+def test_requirement_files_parse_and_only_torch_files_touch_torch(requirement_files):
+    assert set(TORCH_FILES) <= set(requirement_files), "torch.txt / te.txt are not installed"
     for path, reqs in requirement_files.items():
         assert reqs, f"{path} is empty"
         names = [canonicalize_name(r.name) for r in reqs]
         assert len(names) == len(set(names)), f"{path}: duplicate requirement"
-        bad = TORCH_STACK & set(names)
-        assert not bad, f"{path} would reinstall {sorted(bad)} over the container's build"
+        bad = (TORCH_STACK & set(names)) - TORCH_FILES.get(path, set())
+        assert not bad, f"{path} would reinstall {sorted(bad)} over the image's torch stack"
 
 
 def test_our_packages_are_pinned(requirement_files):
-    for path in ("requirements/base.txt", "requirements/sglang.txt"):
+    for path in ("requirements/base.txt", "requirements/sglang.txt", *TORCH_FILES):
         for r in requirement_files[path]:
             ops = {s.operator for s in r.specifier}
             assert ops == {"=="}, f"{path}: {r} must be pinned with =="
@@ -164,6 +183,7 @@ def run_line_problems(instructions):
     """What in the RUN/ENV lines would reinstall torch or install the package with deps."""
     runs = [a for kw, a in instructions if kw == "RUN"]
     envs = " ".join(a for kw, a in instructions if kw == "ENV")
+    # installing the torch stack by name: only through the -r files of TORCH_FILES
     problems = []
     for run in runs:
         for words in shell_commands(run):
@@ -177,9 +197,14 @@ def run_line_problems(instructions):
             if {"--force-reinstall", "-U", "--upgrade"} & set(words):
                 problems.append(f"force/upgrade install: {' '.join(words)}")
     if not ("PIP_CONSTRAINT=" in envs and "keep-torch.txt" in envs):
-        problems.append("no PIP_CONSTRAINT pinning the container's torch stack")
-    if not any("pip list --format=freeze" in r and "keep-torch.txt" in r for r in runs):
-        problems.append("the torch constraints file is not generated from the container")
+        problems.append("no PIP_CONSTRAINT pinning the installed torch stack")
+    elif "${PIP_CONSTRAINT:+" not in envs:
+        problems.append("PIP_CONSTRAINT replaces the base image's constraints instead of adding to them")
+    if not any("pip list --format=freeze" in r and "keep-torch.txt" in r and "requirements/torch.txt" in r
+               for r in runs):
+        problems.append("the torch constraints file is not generated right after installing torch.txt")
+    if not any("--no-build-isolation -r requirements/te.txt" in r for r in runs):
+        problems.append("Transformer Engine is not built against the installed torch (--no-build-isolation)")
     if not any(re.search(r"pip install --no-deps -r requirements/sglang\.txt", r) for r in runs):
         problems.append("sglang is not installed with --no-deps")
     if not any(re.search(r"pip install --no-deps (-e )?\.(\s|$)", r) for r in runs):
@@ -191,6 +216,11 @@ def run_line_problems(instructions):
 
 def test_run_lines_keep_torch_and_install_package_without_deps(instructions):
     assert run_line_problems(instructions) == []
+
+
+def test_constraint_replacing_the_base_images_is_caught(instructions):
+    edited = [(kw, a.replace("${PIP_CONSTRAINT:+${PIP_CONSTRAINT} }", "")) for kw, a in instructions]
+    assert any("replaces the base image" in p for p in run_line_problems(edited))
 
 
 @pytest.mark.parametrize("bad", [
@@ -207,6 +237,82 @@ def test_run_line_checks_catch_missing_no_deps(instructions):
     edited = [(kw, a.replace("pip install --no-deps -e .", "pip install -e ."))
               for kw, a in instructions]
     assert any("--no-deps" in p for p in run_line_problems(edited))
+
+
+def _all_pins(requirement_files):
+    pinned = {}
+    for reqs in requirement_files.values():
+        pinned.update(pins(reqs))
+    return pinned
+
+
+def stack_problems(pinned: dict) -> list:
+    """Every pinned package whose declared requirements (DECLARED) another pin violates."""
+    problems = []
+    for (name, version), needs in DECLARED.items():
+        if pinned.get(name) != version:
+            problems.append(f"{name}=={pinned.get(name)} is pinned but DECLARED records {name}=={version}: "
+                            "read the new version's metadata and update DECLARED")
+            continue
+        for dep, spec in needs.items():
+            have = pinned.get(dep)
+            if have is None or not SpecifierSet(spec).contains(have, prereleases=True):
+                problems.append(f"{name}=={version} declares {dep}{spec}, the image pins {dep}=={have}")
+    return problems
+
+
+def test_stack_is_coherent_by_declared_requirements(requirement_files):
+    pinned = _all_pins(requirement_files)
+    assert pinned["sglang"] == TESTED_SGLANG
+    assert stack_problems(pinned) == []
+
+
+def test_stack_check_catches_a_mismatched_pair(requirement_files):
+    pinned = _all_pins(requirement_files)
+    assert any("transformer-engine" in p for p in stack_problems({**pinned, "transformer-engine": "2.13.0"}))
+    assert any("declares torch==2.14.1" in p for p in stack_problems({**pinned, "torch": "2.11.0"}))
+
+
+def test_sglang_runtime_file_is_for_the_pinned_sglang(requirement_files):
+    with open(os.path.join(ROOT, "requirements/sglang-runtime.txt"), encoding="utf-8") as f:
+        head = f.readline()
+    assert f"sglang=={TESTED_SGLANG}" in head, head
+    runtime = pins(requirement_files["requirements/sglang-runtime.txt"])
+    for dep, spec in DECLARED[("sglang", TESTED_SGLANG)].items():
+        if dep != "torch":
+            assert runtime.get(dep) == spec.lstrip("="), f"sglang-runtime.txt pins {dep}=={runtime.get(dep)}"
+
+
+def test_smoke_test_imports_every_compiled_piece(instructions, requirement_files):
+    last = [a for kw, a in instructions if kw == "RUN"][-1]
+    imports = set()
+    for m in re.finditer(r"python -c \"([^\"]*)\"", last):
+        for stmt in m.group(1).split(";"):
+            if stmt.strip().startswith("import "):
+                imports |= {x.strip() for x in stmt.strip()[len("import "):].split(",")}
+    wanted = set(COMPILED_IMPORTS)
+    if "apex" in _all_pins(requirement_files):
+        wanted.add("apex")
+    assert wanted <= imports, f"the smoke test does not import {sorted(wanted - imports)}"
+    assert "hapo doctor --only env,imports --strict" in last
+    assert "torch-version.txt" in last
+
+
+def test_default_command_runs_a_real_config_with_its_ranks(instructions):
+    import json
+
+    from hapo_megatron.config import load_config
+    cmd = json.loads([a for kw, a in instructions if kw == "CMD"][-1])  # exec form
+    local = [os.path.join(ROOT, c.replace("/opt/hapo_megatron/", "", 1)) for c in cmd
+             if c.startswith("/opt/hapo_megatron/")]
+    launcher = next(p for p in local if p.endswith("launch.sh"))
+    config = next(p for p in local if p.endswith(".yaml"))
+    assert os.path.isfile(launcher) and os.path.isfile(config), cmd
+    cfg = load_config(config, [])
+    assert 8 % cfg.parallel.model_parallel_size == 0, "the default recipe must fit one 8-GPU node"
+    text = open(launcher, encoding="utf-8").read()
+    assert "nvidia-smi -L" in text and "--nproc-per-node" in text  # one rank per visible GPU
+    assert not re.search(r"^\s*cd ", text, re.M), "the launcher must keep the caller's directory (mounted data/)"
 
 
 def test_pins_satisfy_setup_cfg(requirement_files):
