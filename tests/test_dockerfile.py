@@ -407,3 +407,44 @@ def test_pinned_versions_exist_on_pypi(requirement_files):
             problems.append(f"{name}=={version}: no sdist or wheel for Python "
                             f"{IMAGE_PYTHON[0]}.{IMAGE_PYTHON[1]} on Linux x86_64")
     assert not problems, "\n".join(problems)
+
+
+def _declared_spec(requires_dist, dep: str):
+    """The specifier of ``dep`` in a Requires-Dist list (extras' entries included), or None."""
+    for line in requires_dist or []:
+        r = Requirement(line)
+        if canonicalize_name(r.name) == dep:
+            return r.specifier
+    return None
+
+
+def _requires_dist(name: str, version: str):
+    """Requires-Dist of name==version from PyPI's JSON API (the per-version page, else the
+    project page when its newest version is that one); None when neither has it."""
+    for url in (f"https://pypi.org/pypi/{name}/{version}/json", f"https://pypi.org/pypi/{name}/json"):
+        try:
+            with urllib.request.urlopen(url, timeout=30) as resp:
+                info = json.load(resp)["info"]
+        except (urllib.error.URLError, OSError, ValueError):
+            continue
+        if Version(info["version"]) == Version(version):
+            return info.get("requires_dist") or []
+    return None
+
+
+def test_declared_requirements_match_pypi_metadata():
+    if not _pypi_reachable():
+        pytest.skip("PyPI (https://pypi.org/pypi/<name>/json) is unreachable: DECLARED not re-read")
+    problems, unread = [], []
+    for (name, version), needs in DECLARED.items():
+        requires = _requires_dist(name, version)
+        if requires is None:
+            unread.append(f"{name}=={version}")
+            continue
+        for dep, spec in needs.items():
+            got = _declared_spec(requires, dep)
+            if got is None or got != SpecifierSet(spec):
+                problems.append(f"{name}=={version} declares {dep}{got}, DECLARED records {dep}{spec}")
+    assert not problems, "\n".join(problems)
+    if len(unread) == len(DECLARED):
+        pytest.skip(f"PyPI's JSON API gave no metadata for {unread}")
