@@ -65,6 +65,22 @@ def check_dist_timeout(cfg) -> None:
             "rollout.sglang.request_timeout_s")
 
 
+def check_launched_servers_fit_node(cfg, local_world_size: int) -> None:
+    """Servers the trainer launches all start on rank 0's node: refuse more GPUs than it has
+    (with several nodes, servers are started on every node and attached by URL)."""
+    sg = cfg.rollout.sglang
+    if cfg.rollout.engine != "sglang" or sg.server_urls or not sg.colocate:
+        return
+    need = sg.num_servers * sg.server_tp_size
+    if need > local_world_size:
+        raise ValueError(
+            f"rollout.sglang.num_servers={sg.num_servers} x server_tp_size={sg.server_tp_size} = {need} GPUs, but "
+            f"servers launched by the trainer start on rank 0's node, which has {local_world_size} "
+            "(LOCAL_WORLD_SIZE). Set num_servers to GPUs per node / server_tp_size, or on several nodes start "
+            "servers on every node and pass rollout.sglang.server_urls (examples/qwen2.5-math-7b-sglang/launch.sh "
+            "does both; docs/multinode.md)")
+
+
 def _load_model_config(path: Optional[str]):
     from hapo_megatron.training.runtime import load_hf_config
     if not path:
@@ -90,6 +106,7 @@ def preflight(cfg, world_size: int):
     check_sequence_fits(hf_config, cfg)
     sglang_context_args(cfg, cfg.rollout.sglang.extra_server_args)  # no clashing server flags
     check_dist_timeout(cfg)
+    check_launched_servers_fit_node(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     cfg.parallel.validate_world(world_size)
     if cfg.model.megatron_load_path and not os.path.isdir(cfg.model.megatron_load_path):
         raise FileNotFoundError(f"model.megatron_load_path: {cfg.model.megatron_load_path!r} does not exist")

@@ -57,8 +57,7 @@ def rollout(rt: Runtime, step: int) -> tuple[RolloutBatch, dict[str, float]]:
             try:
                 packed, metrics, sampler_state = _rollout_rank0(rt, step)
             except BaseException as e:
-                if dist.is_initialized() and dist.get_world_size() > 1:
-                    broadcast_object(("error", f"{type(e).__name__}: {e}"))  # the others stop too
+                _tell_others(("error", f"{type(e).__name__}: {e}"))  # the others stop too
                 raise
             broadcast_object(("done", (packed, metrics, sampler_state)))
     rt.sampler.load_state_dict(sampler_state)
@@ -93,13 +92,14 @@ def _rollout_rank0(rt: Runtime, step: int):
 
 def wait_for_rank0(rt: Runtime):
     """Non-zero ranks: receive rank 0's heartbeats until its ("done", payload); its ("error", msg)
-    raises here too, so a failed rollout stops every rank instead of leaving them waiting."""
+    raises here too, so a failed rollout (or evaluation) stops every rank instead of leaving them
+    waiting."""
     while True:
         kind, body = broadcast_object(None)
         if kind == "done":
             return body
         if kind == "error":
-            raise RuntimeError(f"rank 0 failed during the rollout: {body}")
+            raise RuntimeError(f"rank 0 failed during the rollout or evaluation: {body}")
 
 
 @contextmanager
@@ -392,17 +392,30 @@ def sync_weights(rt: Runtime) -> None:
 
 def evaluate(rt: Runtime, step: int) -> dict[str, float]:
     """Validation on rank 0 (fixed temperature, val_n samples); {} elsewhere or without val files.
-    Colocated, the trainer state is offloaded around it like around a rollout."""
+    Colocated, every rank keeps its trainer state offloaded until rank 0 is done (the servers
+    span every GPU), waiting for it like during a rollout."""
     if rt.val_ds is None:
         return {}
     with trainer_offloaded(rt):
         if not rt.is_main:
+            wait_for_rank0(rt)
             return {}
-        resume_engine(rt)
         try:
-            return _evaluate_rank0(rt)
-        finally:  # keep the synced weights: only the rest goes
-            release_engine(rt, tags=[t for t in ENGINE_MEMORY_TAGS if t != "weights"])
+            resume_engine(rt)
+            try:
+                out = _evaluate_rank0(rt)
+            finally:  # keep the synced weights: only the rest goes
+                release_engine(rt, tags=[t for t in ENGINE_MEMORY_TAGS if t != "weights"])
+        except BaseException as e:
+            _tell_others(("error", f"{type(e).__name__}: {e}"))
+            raise
+        _tell_others(("done", None))
+        return out
+
+
+def _tell_others(message) -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        broadcast_object(message)
 
 
 def _evaluate_rank0(rt: Runtime) -> dict[str, float]:

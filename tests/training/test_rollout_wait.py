@@ -54,7 +54,7 @@ def test_other_ranks_get_a_heartbeat_per_round_then_the_batch():
 def test_rank0_failure_stops_every_rank():
     out = run_distributed(_rollout_protocol, 2, True, timeout=120)
     assert out[0]["error"] == "ValueError: server went away"
-    assert out[1]["error"].startswith("RuntimeError: rank 0 failed during the rollout: ValueError: server went away")
+    assert out[1]["error"].startswith("RuntimeError: rank 0 failed during the rollout or evaluation: ValueError: server went away")
     assert out[1]["calls"][-1] == "error"
 
 
@@ -78,3 +78,17 @@ def test_timeout_shorter_than_one_round_is_refused():
     cfg.trainer.dist_timeout_minutes = 1
     check_dist_timeout(cfg)
     assert datetime.timedelta(minutes=cfg.trainer.dist_timeout_minutes)
+
+
+def test_launched_servers_must_fit_rank0s_node():
+    import pytest
+
+    from hapo_megatron.config import HapoConfig
+    from hapo_megatron.train import check_launched_servers_fit_node
+    cfg = HapoConfig.from_dict({"rollout": {"engine": "sglang", "sglang": {"num_servers": 8, "server_tp_size": 2}}})
+    with pytest.raises(ValueError) as e:
+        check_launched_servers_fit_node(cfg, 8)  # two nodes' worth of servers on one 8-GPU node
+    assert "16 GPUs" in str(e.value) and "which has 8" in str(e.value) and "server_urls" in str(e.value)
+    check_launched_servers_fit_node(cfg, 16)
+    cfg.rollout.sglang.server_urls = ["http://node1:30000"]  # attached servers: placed by whoever started them
+    check_launched_servers_fit_node(cfg, 8)
