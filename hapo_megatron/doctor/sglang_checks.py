@@ -34,7 +34,7 @@ def write_tiny_model(out_dir: str) -> str:
 
 def _engine(model_dir: str, mode: str, log_dir: str):
     from hapo_megatron.config import HapoConfig
-    from hapo_megatron.rollout.engine import make_engine
+    from hapo_megatron.rollout.factory import make_engine
     cfg = HapoConfig.from_dict({"rollout": {"engine": "sglang", "n": 2, "max_response_length": 16, "sglang": {
         "num_servers": 1, "weight_sync": mode, "colocate": mode == "tensor", "mem_fraction_static": 0.2,
         "request_timeout_s": 120}}})
