@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -328,7 +329,7 @@ class CheckpointManager:
         if load_model is not None:
             try:
                 load_model(os.path.join(ckpt_dir, "model"), info.optimizer_format)
-            except Exception as e:  # noqa: BLE001 - re-raised, with the way out for old checkpoints
+            except (Exception, CheckpointException) as e:  # re-raised, with the way out for old ones
                 if info.legacy:
                     raise legacy_layout_error(ckpt_dir, info, self.layout, cause=e) from e
                 raise
