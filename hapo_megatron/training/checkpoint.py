@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 LAYOUT_FILE = "layout.json"
+_STEP_RE = re.compile(r"^step_(\d+)$")
 # Megatron-Core DistributedOptimizer sharding types (``metadata["distrib_optim_sharding_type"]``).
 # "fully_reshardable" stores every Adam moment and fp32 main weight with the shape and sharding of
 # the model parameter it belongs to, so it reshards over TP/PP/CP/DP like the weights do.
@@ -60,7 +61,6 @@ def optimizer_sharding_metadata(optimizer_format: str) -> dict[str, Any]:
     """
     return {"distrib_optim_sharding_type": optimizer_format,
             "distrib_optim_fully_reshardable_mem_efficient": True}
-_STEP_RE = re.compile(r"^step_(\d+)$")
 
 
 def step_dir_name(step: int) -> str:
