@@ -119,3 +119,31 @@ def test_killed_run_resumes_to_identical_metrics(tiny, full_run, tmp_path):
     full = [strip_timing(r) for r in read_jsonl(os.path.join(full_run[0], "metrics.jsonl"))]
     resumed = [strip_timing(r) for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
     assert resumed == full
+
+
+def test_resume_under_another_layout_continues_the_run(tiny, full_run, tmp_path):
+    """The TP=2 (2 ranks) run's step-2 checkpoint resumed on 1 rank at TP=1: the saved and the new
+    layout are logged, and steps 3-4 reproduce the uninterrupted run's metrics to float32
+    rounding (rel 1e-4 / abs 1e-5 on every number; the sampled tokens are the same)."""
+    import math
+    import shutil
+    run_dir = str(tmp_path / "relayout")
+    shutil.copytree(full_run[0], run_dir)
+    shutil.rmtree(os.path.join(run_dir, "checkpoints", "step_000004"))
+    with open(os.path.join(run_dir, "checkpoints", "latest"), "w") as f:
+        f.write("step_000002\n")
+    cmd = _cmd(tiny, run_dir, "parallel.tensor_model_parallel_size=1", "--resume", "auto")
+    cmd[cmd.index("--nproc-per-node") + 1] = "1"
+    out = _run(cmd)
+    assert ("saved under TP=2 PP=1 CP=1 DP=1 (2 ranks), resuming under TP=1 PP=1 CP=1 DP=1 (1 rank)"
+            in out), out[-3000:]
+    full = [strip_timing(r) for r in read_jsonl(os.path.join(full_run[0], "metrics.jsonl"))]
+    resumed = [strip_timing(r) for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [r["step"] for r in resumed] == [r["step"] for r in full]
+    for got, want in zip(resumed, full):
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            if isinstance(value, float) and math.isfinite(value):
+                assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (got["step"], key)
+            else:
+                assert got[key] == value, (got["step"], key)

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from hapo_megatron.compat.processes import children_allowed
+from hapo_megatron.training.checkpoint import OPTIMIZER_FORMAT, optimizer_sharding_metadata
+from hapo_megatron.training.optimizer_checkpoint import load_optimizer_state
 
 LossFactory = Callable[[dict], Callable]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -278,32 +280,32 @@ class MegatronActor:
         return export_hf_weights(self.model, self.hf_config, tp_group=self.groups.tp,
                                  pp_group=self.groups.pp, dtype=dtype)
 
-    def _sharded_state_dict(self, is_loading: bool) -> dict:
+    def _sharded_state_dict(self, is_loading: bool, optimizer_format: str) -> dict:
         from hapo_megatron.convert import unwrap_model
         model_sd = unwrap_model(self.model[0]).sharded_state_dict()
         opt_sd = self.optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+            model_sd, is_loading=is_loading, metadata=optimizer_sharding_metadata(optimizer_format))
         return {"model": model_sd, "optimizer": opt_sd}
 
-    def save(self, path: str) -> None:
-        """Model + optimizer with Megatron dist_checkpointing (collective)."""
+    def save(self, path: str, optimizer_format: str = OPTIMIZER_FORMAT) -> None:
+        """Model + optimizer with Megatron dist_checkpointing (collective). The default optimizer
+        format is layout-free (see `hapo_megatron.training.checkpoint.OPTIMIZER_FORMAT`)."""
         from megatron.core import dist_checkpointing
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
         dist.barrier()
         with children_allowed():
-            dist_checkpointing.save(self._sharded_state_dict(is_loading=False), path)
+            dist_checkpointing.save(self._sharded_state_dict(False, optimizer_format), path)
 
-    def load(self, path: str) -> None:
-        """Inverse of `save` (collective)."""
+    def load(self, path: str, optimizer_format: str = OPTIMIZER_FORMAT) -> None:
+        """Inverse of `save` (collective); ``optimizer_format`` is the one the checkpoint was saved in."""
         from megatron.core import dist_checkpointing
 
         from hapo_megatron.convert import unwrap_model
         self._ensure_adam_state()
-        state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), path)
+        state = dist_checkpointing.load(self._sharded_state_dict(True, optimizer_format), path)
         unwrap_model(self.model[0]).load_state_dict(state["model"])
-        with torch.no_grad():  # fp32 main params are views of the model params
-            self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])  # no_grad: fp32 main params are views
         self._fix_adam_steps(state["optimizer"])
 
     def _torch_adams(self) -> list:

@@ -6,12 +6,22 @@ Layout under ``<run_dir>/checkpoints``::
         model/              model + optimizer (Megatron dist_checkpointing, written by every rank)
         rl_state.json       step, data cursor, entropy statistics, scheduler, counters (rank 0)
         rng/rank_00000.pt   RNG states of each rank (torch, python, numpy, Megatron tracker)
+        layout.json         parallel layout saved under (TP/PP/CP/DP) and the optimizer format (rank 0)
         COMPLETE            marker, written last inside the directory
     latest                  text file naming the newest complete checkpoint, written last
 
 A checkpoint is written into ``.tmp-step_000010`` and renamed when every rank has finished, so a
 crash leaves either the previous state or a ``.tmp-*`` directory that `find_latest` ignores with a
 warning. The last ``keep_last_k`` complete checkpoints are kept.
+
+Layout changes: the model weights and the distributed optimizer's state are saved in model space
+(`OPTIMIZER_FORMAT`: each Adam moment and fp32 main weight is stored like the model parameter it
+belongs to), so a checkpoint loads under any TP/PP/CP/DP layout the model fits;
+``rl_state.json`` is rank-independent. RNG streams are per rank and only mean something on the
+layout they were drawn on: they are restored when the layout is unchanged and left as seeded at
+start-up otherwise (`CheckpointManager.load`). Checkpoints written before ``layout.json`` existed
+hold the optimizer in Megatron's bucket-bound ``dp_reshardable`` format and load only on the
+layout they were saved under (`LayoutChangeError` says what to do).
 """
 
 from __future__ import annotations
@@ -22,13 +32,35 @@ import random
 import re
 import shutil
 import warnings
-from typing import Any, Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
+LAYOUT_FILE = "layout.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")
+# Megatron-Core DistributedOptimizer sharding types (``metadata["distrib_optim_sharding_type"]``).
+# "fully_reshardable" stores every Adam moment and fp32 main weight with the shape and sharding of
+# the model parameter it belongs to, so it reshards over TP/PP/CP/DP like the weights do.
+# ("fully_sharded_model_space" would avoid the DP gather, but megatron-core 0.16 rejects the
+# flattened ShardedTensors it needs.) "dp_reshardable" is the bucket-bound format this project
+# wrote before: it loads only on the layout it was saved under.
+OPTIMIZER_FORMAT = "fully_reshardable"
+LEGACY_OPTIMIZER_FORMAT = "dp_reshardable"
+
+
+def optimizer_sharding_metadata(optimizer_format: str) -> dict[str, Any]:
+    """``metadata`` for ``DistributedOptimizer.sharded_state_dict`` (other optimizers ignore it).
+
+    WHY mem_efficient: saving "fully_reshardable" gathers each model-parallel shard's optimizer
+    state over DP into host memory; this way only DP rank 0 holds it (gloo gather) instead of
+    every DP rank (all-gather). The stored tensors are the same either way.
+    """
+    return {"distrib_optim_sharding_type": optimizer_format,
+            "distrib_optim_fully_reshardable_mem_efficient": True}
 
 
 def step_dir_name(step: int) -> str:
@@ -70,6 +102,90 @@ def restore_rng_state(state: dict[str, Any]) -> None:
             tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
         except Exception as e:  # noqa: BLE001
             warnings.warn(f"could not restore the Megatron RNG tracker state: {e}")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: tensor, pipeline, context and data parallel sizes."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+
+    @classmethod
+    def from_groups(cls, groups) -> "Layout":
+        """The layout of a `hapo_megatron.parallel.groups.ParallelGroups`."""
+        return cls(tp=groups.tp_size, pp=groups.pp_size, cp=groups.cp_size, dp=groups.dp_size)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    def __str__(self) -> str:
+        n = self.world_size
+        return f"TP={self.tp} PP={self.pp} CP={self.cp} DP={self.dp} ({n} rank{'s' if n > 1 else ''})"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint records about how it was written.
+
+    ``layout`` is None for checkpoints from before ``layout.json``; their ``world_size`` is the
+    number of per-rank RNG files and their optimizer format `LEGACY_OPTIMIZER_FORMAT`.
+    """
+
+    layout: Optional[Layout]
+    optimizer_format: str
+    world_size: int
+
+    @property
+    def legacy(self) -> bool:
+        return self.layout is None
+
+
+class LayoutChangeError(RuntimeError):
+    """An old-format checkpoint cannot be loaded under the requested layout."""
+
+
+def read_checkpoint_info(ckpt_dir: str) -> CheckpointInfo:
+    path = os.path.join(ckpt_dir, LAYOUT_FILE)
+    if os.path.isfile(path):
+        with open(path) as f:
+            meta = json.load(f)
+        layout = Layout(**meta["layout"])
+        return CheckpointInfo(layout, meta["optimizer_format"], layout.world_size)
+    rng_dir = os.path.join(ckpt_dir, "rng")
+    n = len([f for f in os.listdir(rng_dir) if f.startswith("rank_")]) if os.path.isdir(rng_dir) else 0
+    return CheckpointInfo(None, LEGACY_OPTIMIZER_FORMAT, n)
+
+
+def legacy_layout_error(ckpt_dir: str, info: CheckpointInfo, current: Layout,
+                        cause: Optional[BaseException] = None) -> LayoutChangeError:
+    """The error for an old-format checkpoint that does not load under ``current``."""
+    why = f" (loading failed with: {type(cause).__name__}: {str(cause)[:300]})" if cause else ""
+    return LayoutChangeError(
+        f"checkpoint {ckpt_dir} was written by an older hapo_megatron in Megatron's bucket-bound "
+        f"optimizer format ({info.optimizer_format!r}, no {LAYOUT_FILE}): it loads only under the "
+        f"TP/PP/CP/DP layout it was saved under, on {info.world_size} rank(s); this run is {current}"
+        f"{why}. To change the layout: resume once with the original number of processes and "
+        "parallel.* settings until the next save (trainer.save_interval); that checkpoint is written "
+        "in the layout-free format and then resumes under any layout.")
+
+
+def resume_message(ckpt_dir: str, info: CheckpointInfo, current: Layout) -> str:
+    """One line for the run log: the layout the checkpoint was saved under and the one resumed under."""
+    saved = str(info.layout) if info.layout else f"an unrecorded layout on {info.world_size} rank(s) (old format)"
+    line = (f"resume {os.path.basename(os.path.normpath(ckpt_dir))}: saved under {saved}, "
+            f"resuming under {current}")
+    if info.layout is None:
+        if info.world_size != current.world_size:
+            return line + " (old format: it cannot change layout, see the error that follows)"
+        return line + " (old format: loads only if the TP/PP/CP split is the one saved under)"
+    if info.layout == current:
+        return line + " (same layout: per-rank RNG streams restored)"
+    return line + (" (layout changed: model and optimizer state resharded; per-rank RNG streams "
+                   "not restored, each rank keeps the streams seeded at start-up)")
 
 
 def _is_complete(path: str) -> bool:
@@ -146,14 +262,16 @@ class CheckpointManager:
 
     ``barrier`` synchronises the ranks (``torch.distributed.barrier`` in training, a no-op in a
     single process). Model/optimizer IO is delegated to callables so this module stays
-    framework-agnostic: ``save_model(dir)`` / ``load_model(dir)`` are called on every rank.
+    framework-agnostic: ``save_model(dir)`` (which must write the optimizer in
+    `OPTIMIZER_FORMAT`) and ``load_model(dir, optimizer_format)`` are called on every rank.
+    ``layout`` is this run's parallel layout, recorded in every checkpoint.
     """
 
     def __init__(self, root: str, *, keep_last_k: int = 3, rank: int = 0,
-                 barrier: Callable[[], None] | None = None):
+                 barrier: Callable[[], None] | None = None, layout: Layout = Layout()):
         if keep_last_k is not None and keep_last_k < 1:
             raise ValueError(f"keep_last_k must be >= 1, got {keep_last_k}")
-        self.root, self.keep_last_k, self.rank = root, keep_last_k, rank
+        self.root, self.keep_last_k, self.rank, self.layout = root, keep_last_k, rank, layout
         self.barrier = barrier or (lambda: None)
 
     def save(self, step: int, *, rl_state: dict[str, Any],
@@ -173,6 +291,8 @@ class CheckpointManager:
         if self.rank == 0:
             with open(os.path.join(tmp, "rl_state.json"), "w") as f:
                 json.dump({"step": int(step), **rl_state}, f, indent=1)
+            with open(os.path.join(tmp, LAYOUT_FILE), "w") as f:
+                json.dump({"layout": asdict(self.layout), "optimizer_format": OPTIMIZER_FORMAT}, f)
             open(os.path.join(tmp, COMPLETE), "w").close()
             if os.path.exists(final):
                 shutil.rmtree(final)
@@ -193,18 +313,32 @@ class CheckpointManager:
         for _, path in done[: max(0, len(done) - self.keep_last_k)]:
             shutil.rmtree(path, ignore_errors=True)
 
-    def load(self, ckpt_dir: str, *, load_model: Callable[[str], None] | None = None,
+    def load(self, ckpt_dir: str, *, load_model: Callable[[str, str], None] | None = None,
              restore_rng: bool = True) -> dict[str, Any]:
-        """Load model/optimizer (via ``load_model``) and this rank's RNG state; returns the RL state."""
+        """Load model/optimizer (via ``load_model``) and the RNG state; returns the RL state.
+
+        Under a different layout than the one saved under, the RNG streams are not restored
+        (a rank's streams belong to its place in the old layout); an old-format checkpoint under
+        a different layout raises `LayoutChangeError`.
+        """
         if not _is_complete(ckpt_dir):
             raise FileNotFoundError(f"checkpoint {ckpt_dir!r} is not complete (no {COMPLETE} marker)")
+        info = read_checkpoint_info(ckpt_dir)
+        if info.legacy and info.world_size != self.layout.world_size:
+            raise legacy_layout_error(ckpt_dir, info, self.layout)
         if load_model is not None:
-            load_model(os.path.join(ckpt_dir, "model"))
-        if restore_rng:
+            try:
+                load_model(os.path.join(ckpt_dir, "model"), info.optimizer_format)
+            except (Exception, CheckpointException) as e:  # re-raised, with the way out for old ones
+                if info.legacy:
+                    raise legacy_layout_error(ckpt_dir, info, self.layout, cause=e) from e
+                raise
+        # an old-format checkpoint that loaded was necessarily saved under this layout
+        same_layout = info.legacy or info.layout == self.layout
+        if restore_rng and same_layout:
             rng_path = os.path.join(ckpt_dir, "rng", f"rank_{self.rank:05d}.pt")
             if os.path.exists(rng_path):
                 restore_rng_state(torch.load(rng_path, weights_only=False))
             else:
-                warnings.warn(f"no RNG state for rank {self.rank} in {ckpt_dir} "
-                              "(different world size?): RNG streams are not restored")
+                warnings.warn(f"no RNG state for rank {self.rank} in {ckpt_dir}: RNG streams are not restored")
         return read_rl_state(ckpt_dir)

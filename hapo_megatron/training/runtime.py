@@ -16,7 +16,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from hapo_megatron.training.checkpoint import CheckpointManager
+from hapo_megatron.training.checkpoint import (CheckpointManager, Layout, read_checkpoint_info,
+                                               resume_message)
 from hapo_megatron.training.metrics import MetricsLogger, Timer
 from hapo_megatron.training.rl_step import DynamicSampler
 
@@ -259,11 +260,12 @@ def build_runtime(cfg, groups, *, tokenizer=None, datasets=None) -> Runtime:
         actor=actor, engine=None,
         reward_fn=get_reward_fn(cfg.reward.reward_fn), logger=logger,
         ckpt=CheckpointManager(ckpt_root, keep_last_k=cfg.trainer.keep_last_k or 10**9, rank=rank,
-                               barrier=dist.barrier),
+                               barrier=dist.barrier, layout=Layout.from_groups(groups)),
         dyn=DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
                            max_num_gen_batches=cfg.algo.max_num_gen_batches))
     _start_engine(rt)
     if resume_from:
+        logger.write(resume_message(resume_from, read_checkpoint_info(resume_from), rt.ckpt.layout))
         rt.restore(rt.ckpt.load(resume_from, load_model=actor.load))
         logger.resume(rt.step)
         logger.write(f"resumed from {resume_from} at step {rt.step}")
