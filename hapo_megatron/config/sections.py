@@ -264,6 +264,9 @@ class ModelConfig(_Section):
     """Use Transformer Engine layers (null = when installed and CUDA is available)."""
     recompute_activations: bool = False
     """Full activation recomputation to save memory."""
+    fused_output_layer: bool = True
+    """Log-probs and entropies straight from the final hidden states (the output layer fused into
+    them, chunked over tokens): the [T, V/tp] logits and their gradient are never materialised."""
 
     def _validate(self) -> None:
         _check_choice("model.dtype", self.dtype, DTYPES)
