@@ -2,32 +2,39 @@
 
 `linear_logprobs_entropy(hidden, weight, targets)` gives what `vocab_parallel_logprobs_entropy`
 gives on `hidden @ weight^T` (`weight` = this rank's vocab shard `[V/tp, H]` of the output layer
-or of the tied embedding) without ever holding the `[N, V/tp]` logits or their gradient: tokens
-are processed in chunks, each chunk's logits exist only while its sums are taken.
+or of the tied embedding) without ever holding the `[N, V/tp]` logits or their gradient: the
+vocab is processed in slices, each slice's logits exist only while its sums are taken.
 
-Forward, per chunk: logits `l = h_c W^T` (in the weight's dtype, as the output layer computes
-them), `z = l / T`, this rank's row max `m_r` and the sums `S_r`, `A_r` and target logit of
-`vocab_parallel` (its `_chunk_sums`) after subtracting `m_r`. The chunk's max cannot be the
-global one without a collective per chunk, so the shards are combined once at the end: with
-`M = max_r m_r` (one MAX all-reduce of `[N]`) and `d_r = m_r - M <= 0`,
+Slices cut the vocab shard, not the tokens: slice `v` covers all N tokens and the rows `W_v`
+(`chunk_size * V/tp / N` of them, so a slice has as many entries as `chunk_size` tokens of the
+whole shard). Forward and backward cut the same way, so the logits recomputed in backward are
+bit-identical to the forward's (recomputing them with another blocking changes their float32
+rounding, which the entropy gradient of rows with logits in the thousands amplifies tenfold).
 
-    S = sum_r e^{d_r} S_r,    A = sum_r e^{d_r} (A_r + d_r S_r),    z_t - M = z_t - m_r + d_r
+Forward, per slice: logits `l = h W_v^T` (in the weight's dtype, as the output layer computes
+them), `z = l / T`, the slice's row max `m_v` and the sums of `vocab_parallel` (its
+`_chunk_sums`: `S = sum exp(z - m)`, `A = sum exp(z - m)(z - m)` and the target's `z - m`).
+Sums taken after different shifts merge exactly: with `M = max(m_a, m_b)`, `d = m - M <= 0`,
 
-(one SUM all-reduce of the packed `[N, 3]`). At tp = 1, `d = 0` and every number equals the
-logits path's bit for bit (same matmul, same float32 passes).
+    S = sum e^{d} S_m,    A = sum e^{d} (A_m + d S_m),    z_t - M = (z_t - m) + d.
 
-Backward recomputes each chunk's logits from the saved hidden states and the shift `M + log Z`,
-turns them into `d z` with `vocab_parallel`'s `_chunk_grad`, and accumulates `d h_c = d l_c W`
-and `d W += d l_c^T h_c`. `d hidden` is SUM-all-reduced over TP (the identity-forward /
-all-reduce-backward of a column-parallel layer's input); under sequence parallelism `hidden` is
-this rank's sequence shard, all-gathered in forward (and again in backward, instead of keeping the
-gathered copy) and `d hidden` is reduce-scattered. So a call makes a constant number of
-collectives: forward MAX + SUM (+ gather), backward one all-reduce or reduce-scatter (+ gather).
+The same merge combines the TP ranks once at the end: one MAX all-reduce of the row maxima
+`[N]` and one SUM all-reduce of the packed `[N, 3]` sums, whatever the number of slices.
 
-Memory beyond inputs and outputs: two float32 `[chunk, V/tp]` buffers in forward, one (two with
-an entropy gradient) in backward, plus a `[chunk, V/tp]` low-precision buffer and a float32
-`[V/tp, H]` accumulator for `d W` when the weight is bf16/fp16 (a float32 weight's gradient
-is accumulated in place).
+Backward recomputes each slice's logits from the saved hidden states and the shift `M + log Z`,
+turns them into `d z` with `vocab_parallel`'s `_chunk_grad` and takes `d W_v = d l_v^T h` (one
+matmul over all tokens: no `[V/tp, H]` accumulator, the logits path's rounding) and
+`d h += d l_v W_v` (float32 accumulation). `d hidden` is SUM-all-reduced over TP (the
+identity-forward / all-reduce-backward of a column-parallel layer's input); under sequence
+parallelism `hidden` is this rank's sequence shard, all-gathered in forward (and again in
+backward, instead of keeping the gathered copy) and `d hidden` is reduce-scattered. So a call
+makes a constant number of collectives: forward MAX + SUM (+ gather), backward one all-reduce or
+reduce-scatter (+ gather).
+
+Memory beyond inputs and outputs: two float32 slice buffers (`chunk_size * V/tp` entries each)
+in forward, one (two with an entropy gradient) in backward; with a bf16/fp16 weight also one
+slice buffer in that dtype and a float32 `[N, H]` accumulator for `d hidden` (`2H / (V/tp)` of
+the bf16 logits: 0.09 for Qwen2.5-7B at TP2).
 
 Padded vocabulary: `vocab_size` (global, unpadded) sets the logits of ids `>= vocab_size` to
 `PADDED_VOCAB_LOGIT`, as `models.gpt`'s output-layer hook does on the logits path.
@@ -106,6 +113,51 @@ def _chunk_logits(h_c, weight, fp32_buf, low_buf, pad_from):
     return out
 
 
+class _Slices:
+    """Vocab slices `[v0, v0 + w)` of all N rows with reused flat buffers: forward and backward
+    cut the vocab the same way, so the recomputed logits equal the forward's bit for bit (a
+    different cut changes the matmul's rounding, which the entropy gradient of rows with huge
+    logits would amplify)."""
+
+    def __init__(self, n, vp, chunk_size, dtype, device, fp32_buffers):
+        # as many entries per slice as a chunk of `chunk_size` tokens over the whole shard
+        self.n, self.vp = n, vp
+        self.width = max(1, min(vp, (chunk_size or n) * vp // max(n, 1)))
+        self.fp32 = [torch.empty(n * self.width, dtype=torch.float32, device=device)
+                     for _ in range(fp32_buffers)]
+        self.low = None if dtype == torch.float32 else torch.empty(n * self.width, dtype=dtype, device=device)
+
+    def __iter__(self):
+        return iter(range(0, self.vp, self.width))
+
+    def size(self, v0):
+        return min(v0 + self.width, self.vp) - v0
+
+    def view(self, buf, v0):
+        return None if buf is None else buf[: self.n * self.size(v0)].view(self.n, self.size(v0))
+
+
+def _slice_targets(local_t, in_range, v0, w):
+    lt = local_t - v0
+    hit = in_range & (lt >= 0) & (lt < w)
+    return torch.where(hit, lt, torch.zeros_like(lt)), hit
+
+
+def _slice_padding(pad_from, v0, w):
+    """First padded column within the slice, or None."""
+    if pad_from is None or pad_from - v0 >= w:
+        return None
+    return max(pad_from - v0, 0)
+
+
+def _rescale(packed, d, has_target):
+    """Sums `(S, A, z_t)` taken after subtracting `m` re-expressed after subtracting `m - d`."""
+    scale = torch.exp(d)
+    packed[:, 1] = scale * (packed[:, 1] + d * packed[:, 0])
+    packed[:, 0] *= scale
+    packed[:, 2] = torch.where(has_target, packed[:, 2] + d, torch.zeros_like(d))
+
+
 class _LinearLogprobEntropy(torch.autograd.Function):
     """hidden `[N(/tp), H]`, weight `[V/tp, H]` (same dtype), targets `[N]` global ids,
     temperature `[N]` float32 or None."""
@@ -119,22 +171,30 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         vocab_start = _vocab_start(vp, tp_group)
         local_t, in_range = _local_targets(targets, vocab_start, vp)
         pad_from = _padding_start(vocab_size, vocab_start, vp)
-        step = min(chunk_size or max(n, 1), max(n, 1))
-        zbuf = torch.empty(step, vp, dtype=torch.float32, device=full.device)
-        ebuf = torch.empty_like(zbuf)
-        low = None if weight.dtype == torch.float32 else torch.empty(step, vp, dtype=weight.dtype,
-                                                                      device=full.device)
-        m_local = torch.empty(n, dtype=torch.float32, device=full.device)
-        packed = torch.zeros(n, 3, dtype=torch.float32, device=full.device)
-        for s in range(0, n, step):
-            e_ = min(s + step, n)
-            t_c = None if temperature is None else temperature[s:e_]
-            logits_c = _chunk_logits(full[s:e_], weight, zbuf, low, pad_from)
-            m_c = logits_c.amax(dim=-1).float()  # as vocab_parallel: max(l) / T == max(l / T)
-            m_local[s:e_] = m_c if t_c is None else m_c / t_c
-            z = _shifted_chunk(zbuf[: e_ - s], logits_c, t_c, m_local[s:e_])
-            _chunk_sums(z, ebuf[: e_ - s], local_t[s:e_], in_range[s:e_], False, packed[s:e_])
-        del zbuf, ebuf, low
+        sl = _Slices(n, vp, chunk_size, weight.dtype, full.device, 2)
+        m_local = packed = None
+        part = torch.empty(n, 3, dtype=torch.float32, device=full.device)
+        for v0 in sl:
+            w_ = sl.size(v0)
+            logits = _chunk_logits(full, weight[v0:v0 + w_], sl.view(sl.fp32[0], v0), sl.view(sl.low, v0),
+                                   _slice_padding(pad_from, v0, w_))
+            m_s = logits.amax(dim=-1).float()  # as vocab_parallel: max(l) / T == max(l / T)
+            m_s = m_s if temperature is None else m_s / temperature
+            z = _shifted_chunk(sl.view(sl.fp32[0], v0), logits, temperature, m_s)
+            lt, hit = _slice_targets(local_t, in_range, v0, w_)
+            _chunk_sums(z, sl.view(sl.fp32[1], v0), lt, hit, False, part)
+            if packed is None:
+                m_local, packed, seen = m_s, part.clone(), hit
+                continue
+            m_new = torch.maximum(m_local, m_s)  # merge this slice into the running sums
+            _rescale(packed, m_local - m_new, seen)
+            _rescale(part, m_s - m_new, hit)
+            packed += part
+            m_local, seen = m_new, seen | hit
+        del sl, part
+        if packed is None:  # no rows
+            m_local = torch.zeros(n, dtype=torch.float32, device=full.device)
+            packed = torch.zeros(n, 3, dtype=torch.float32, device=full.device)
         m = _combine_shards(packed, m_local, in_range, tp_group)
         logprobs, entropy, log_z = _finish(packed)
 
@@ -154,34 +214,33 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         n, vp = full.shape[0], weight.shape[0]
         g1 = grad_logprobs if grad_logprobs is not None else torch.zeros_like(shift)
         g2 = grad_entropy if (ctx.entropy_grad and grad_entropy is not None) else None
-        g1, g2, g1_hit = _row_factors(g1, g2, temperature, in_range, ctx.has_temperature)
-        step = min(ctx.chunk_size or max(n, 1), max(n, 1))
-        lbuf = torch.empty(step, vp, dtype=torch.float32, device=full.device)
-        pbuf = None if g2 is None else torch.empty_like(lbuf)  # p in place of log p without g2
+        g1, g2, _ = _row_factors(g1, g2, temperature, in_range, ctx.has_temperature)
+        t = temperature if ctx.has_temperature else None
         fp32 = weight.dtype == torch.float32
-        low = None if fp32 else torch.empty(step, vp, dtype=weight.dtype, device=full.device)
-        grad_full = torch.empty_like(full)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for s in range(0, n, step):
-            e_ = min(s + step, n)
-            t_c = temperature[s:e_] if ctx.has_temperature else None
-            logits_c = _chunk_logits(full[s:e_], weight, lbuf, low, ctx.pad_from)
-            logp = _shifted_chunk(lbuf[: e_ - s], logits_c, t_c, shift[s:e_])  # log softmax
-            grad = _chunk_grad(logp, logp if pbuf is None else pbuf[: e_ - s], g1[s:e_],
-                               None if g2 is None else g2[s:e_], entropy[s:e_], local_t[s:e_],
-                               g1_hit[s:e_], False)
-            if ctx.pad_from is not None:  # the masking's backward: padded logits are constants
-                grad[:, ctx.pad_from:] = 0.0
-            g = grad if fp32 else low[: e_ - s].copy_(grad)  # d logits in the logits' dtype
-            torch.mm(g, weight, out=grad_full[s:e_])
+        sl = _Slices(n, vp, ctx.chunk_size, weight.dtype, full.device, 1 if g2 is None else 2)
+        grad_w = torch.empty_like(weight)
+        grad_acc = torch.zeros(full.shape, dtype=torch.float32, device=full.device)
+        for v0 in sl:
+            w_ = sl.size(v0)
+            w_c, pad = weight[v0:v0 + w_], _slice_padding(ctx.pad_from, v0, w_)
+            logits = _chunk_logits(full, w_c, sl.view(sl.fp32[0], v0), sl.view(sl.low, v0), pad)
+            logp = _shifted_chunk(sl.view(sl.fp32[0], v0), logits, t, shift)  # log softmax
+            lt, hit = _slice_targets(local_t, in_range, v0, w_)
+            # p in place of log p unless the entropy gradient needs both
+            grad = _chunk_grad(logp, sl.view(sl.fp32[-1], v0), g1, g2, entropy, lt,
+                               torch.where(hit, g1, torch.zeros_like(g1)), False)
+            if pad is not None:  # the masking's backward: padded logits are constants
+                grad[:, pad:] = 0.0
+            g = grad if fp32 else sl.view(sl.low, v0).copy_(grad)  # d logits in the logits' dtype
+            torch.mm(g.t(), full, out=grad_w[v0:v0 + w_])  # all tokens at once: no d W accumulator
             if fp32:
-                grad_w.addmm_(g.t(), full[s:e_])
-            else:  # low-precision partial product, float32 accumulation over chunks
-                grad_w.add_(torch.mm(g.t(), full[s:e_]))
-        del lbuf, pbuf, low
+                grad_acc.addmm_(g, w_c)
+            else:  # low-precision partial product, float32 sum over the slices
+                grad_acc.add_(torch.mm(g, w_c))
+        del sl
+        grad_full = grad_acc if fp32 else grad_acc.to(full.dtype)
         grad_hidden = _reduce_hidden_grad(grad_full, ctx.tp_group, ctx.sequence_parallel)
-        return (grad_hidden, grad_w if fp32 else grad_w.to(weight.dtype),
-                None, None, None, None, None, None, None)
+        return grad_hidden, grad_w, None, None, None, None, None, None, None
 
 
 def _combine_shards(packed, m_local, in_range, tp_group) -> torch.Tensor:
@@ -191,11 +250,7 @@ def _combine_shards(packed, m_local, in_range, tp_group) -> torch.Tensor:
         return m_local
     m = m_local.clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
-    d = m_local - m  # <= 0; a shard of padding only has d ~ -1e4 and weight exp(d) == 0
-    scale = torch.exp(d)
-    packed[:, 1] = scale * (packed[:, 1] + d * packed[:, 0])
-    packed[:, 0] *= scale
-    packed[:, 2] = torch.where(in_range, packed[:, 2] + d, torch.zeros_like(d))
+    _rescale(packed, m_local - m, in_range)  # a shard of padding only gets weight exp(-1e4) == 0
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
     return m
 
@@ -232,8 +287,8 @@ def linear_logprobs_entropy(
         targets: `[N]` int64 global token ids (all N rows, also under sequence parallelism).
         tp_group, temperature, entropy_grad: as in `vocab_parallel_logprobs_entropy`
             (temperature a positive float or an `[N]` tensor).
-        chunk_size: tokens per chunk (None = all at once). Peak extra memory is about
-            `2 * chunk_size * V/tp * 4` bytes.
+        chunk_size: the work is cut into vocab slices of `chunk_size * V/tp` entries (None = all
+            at once). Peak extra memory is about `2 * chunk_size * V/tp * 4` bytes.
         sequence_parallel: `hidden` is sequence-sharded (gathered here, gradient reduce-scattered).
         vocab_size: global unpadded vocab; logits of ids `>= vocab_size` are PADDED_VOCAB_LOGIT.
 
