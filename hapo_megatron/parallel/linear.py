@@ -102,12 +102,12 @@ def _padding_start(vocab_size: Optional[int], vocab_start: int, partition_vocab:
     return max(vocab_size - vocab_start, 0)
 
 
-def _chunk_logits(h_c, weight, fp32_buf, low_buf, pad_from):
-    """`h_c @ weight^T` `[n, V/tp]` in the weight's dtype, written into a reused buffer (the float32
-    one itself for a float32 weight), padded ids masked."""
-    n = h_c.shape[0]
-    out = fp32_buf[:n] if low_buf is None else low_buf[:n]
-    torch.mm(h_c, weight.t(), out=out)
+def _chunk_logits(h, weight_slice, fp32_buf, low_buf, pad_from):
+    """Logits `h @ weight_slice^T` `[n, w]` in the weight's dtype (as the output layer makes them),
+    written into a reused `[n, w]` buffer (the float32 one for a float32 weight), padded ids
+    (columns from `pad_from` on) masked."""
+    out = fp32_buf if low_buf is None else low_buf
+    torch.mm(h, weight_slice.t(), out=out)
     if pad_from is not None:
         out[:, pad_from:] = PADDED_VOCAB_LOGIT
     return out

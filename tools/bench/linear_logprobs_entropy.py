@@ -5,7 +5,7 @@ For T tokens, hidden size H and a vocab shard of V/tp rows of the output weight 
 forward + backward of `sum(grad_out * logprob)` (entropy computed, not differentiated, as in HAPO
 training without an entropy bonus) down to `d hidden` and `d W`, for three variants:
 
-- fused:    `hapo_megatron.parallel.linear_logprobs_entropy(hidden, W, ...)`, chunked over tokens
+- fused:    `hapo_megatron.parallel.linear_logprobs_entropy(hidden, W, ...)`, in vocab slices
             (the `[T, V/tp]` logits never exist);
 - logits:   the output layer `hidden @ W^T`, then `vocab_parallel_logprobs_entropy` on the logits
             (chunked): what the trainer does with `model.fused_output_layer=false`;
@@ -14,9 +14,11 @@ training without an entropy bonus) down to `d hidden` and `d W`, for three varia
 
 Each (variant, T, H, V/tp) runs in its own fresh subprocess (memory measured as in
 `logprob_entropy.py`: CUDA allocator peak, or peak RSS on CPU, minus what was allocated before).
-"extra" is the peak beyond the gradients `d hidden` and `d W` that every variant returns;
-"logits avoided" is the `[T, V/tp]` shard that the fused path does not hold (the logits path
-holds it and, in backward, its gradient as well). Ratios are variant / logits.
+Time: the median wall time on CUDA; on CPU the smallest process CPU time of the repeats (use
+--threads 1: on a shared machine wall time mostly measures the other processes). "extra" is the
+peak beyond the gradients `d hidden` and `d W` that every variant returns; "logits" is the
+`[T, V/tp]` shard that the fused path never holds (the logits path holds it and, in backward,
+its gradient as well). Ratios are variant / logits.
 
     python tools/bench/linear_logprobs_entropy.py            # T {4k,16k} x H {1024,3584} x V/tp {32k,76k}
     python tools/bench/linear_logprobs_entropy.py --small    # quick CPU sizes
@@ -103,17 +105,21 @@ def _measure(opts: dict) -> dict:
     else:
         base._reset_peak_rss()
         start = base._rss_bytes()
-    times = []
+    times, cpu_times = [], []
     for _ in range(opts["repeats"]):
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = step()
         sync()
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
         del out
     peak = (torch.cuda.max_memory_allocated() if cuda else base._peak_rss_bytes()) - start
     shard = T * V * hidden.element_size()
-    return {"time_ms": 1e3 * statistics.median(times), "peak_bytes": max(peak, 0), "shard_bytes": shard,
+    # On CPU the ratios use the process's CPU time: on a shared machine wall time mostly measures
+    # the other processes (with --threads 1, CPU time is this variant's own work).
+    cost = statistics.median(times) if cuda else min(cpu_times)
+    return {"time_ms": 1e3 * cost, "wall_ms": 1e3 * statistics.median(times), "peak_bytes": max(peak, 0), "shard_bytes": shard,
             "extra_bytes": max(peak - grads, 0), "device": str(dev), "check": check}
 
 
@@ -128,7 +134,7 @@ def _run_one(opts: dict) -> dict:
     return {"error": f"exit {proc.returncode}: " + (" | ".join(tail) or "killed (out of memory?)")}
 
 
-HEADER = (f"{'T':>6} {'H':>5} {'V/tp':>6} {'variant':>9} {'fwd+bwd ms':>11} {'extra MiB':>9} "
+HEADER = (f"{'T':>6} {'H':>5} {'V/tp':>6} {'variant':>9} {'fwd+bwd ms':>11} {'wall ms':>8} {'extra MiB':>9} "
           f"{'logits MiB':>10} {'extra/logits':>12} {'time/logits':>11} {'extra/logits-var':>16}")
 
 
@@ -151,7 +157,7 @@ def run_benchmark(tokens, hiddens, vocabs, *, dtype="float32", chunk_size=None, 
                         continue
                     t_ratio = r["time_ms"] / ref["time_ms"] if "time_ms" in ref else float("nan")
                     m_ratio = r["extra_bytes"] / ref["extra_bytes"] if ref.get("extra_bytes") else float("nan")
-                    out(f"{T:>6} {H:>5} {V:>6} {v:>9} {r['time_ms']:>11.1f} {base._fmt_mib(r['extra_bytes'])} "
+                    out(f"{T:>6} {H:>5} {V:>6} {v:>9} {r['time_ms']:>11.1f} {r['wall_ms']:>8.0f} {base._fmt_mib(r['extra_bytes'])} "
                         f"{r['shard_bytes'] / 2**20:>10.0f} {r['extra_bytes'] / r['shard_bytes']:>12.3f} "
                         f"{t_ratio:>11.2f} {m_ratio:>16.3f}")
                     rows.append(dict(r, T=T, H=H, V=V, variant=v, chunk_size=cs))
