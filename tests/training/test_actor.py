@@ -36,10 +36,12 @@ def _actor_checks(rank, world, data, ckpt_dir):
     actor.compute_logprobs_entropy(mbs, temperature=1.0)
     actor.fused_output_layer = True  # the same pass from hidden states (no logits)
     actor.compute_logprobs_entropy(mbs, temperature=0.8, keys=("fused_lp", "fused_ent"))
+    reference = actor.make_reference()  # the KL reference's pass (a copy of the current weights)
+    actor.compute_logprobs_entropy(mbs, temperature=0.8, model=reference, keys=("ref_lp", "ref_ent"))
     actor.fused_output_layer = False
     actor.compute_logprobs_entropy(mbs, temperature=0.8, keys=("t_lp", "t_ent"))
     fused_err = max(float((mb[a] - mb[b]).abs().max()) for mb in mbs
-                    for a, b in (("fused_lp", "t_lp"), ("fused_ent", "t_ent")))
+                    for a, b in (("fused_lp", "t_lp"), ("fused_ent", "t_ent"), ("ref_lp", "t_lp")))
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     max_err = 0.0
     for mb in mbs:
