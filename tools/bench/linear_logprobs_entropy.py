@@ -74,7 +74,9 @@ def _measure(opts: dict) -> dict:
     if opts.get("threads"):
         torch.set_num_threads(opts["threads"])
     if opts["variant"] == "megatron":  # Megatron's cross entropy reads its TP group (one rank here)
+        from hapo_megatron.compat import activate_cpu_shims
         from hapo_megatron.parallel.groups import initialize_parallel
+        activate_cpu_shims()  # megatron-core on CPU (gloo); a no-op where CUDA is available
         initialize_parallel(tp=1)
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda") if cuda else torch.device("cpu")
