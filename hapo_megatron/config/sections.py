@@ -273,6 +273,10 @@ class ModelConfig(_Section):
     offload_during_rollout: Optional[bool] = None
     """Colocated SGLang on CUDA: move the optimizer state, gradient buffers and parameters to
     host memory while the servers generate, and back after (null = on exactly then)."""
+    fused_output_layer: bool = True
+    """Log-probs and entropies straight from the final hidden states (the output layer fused into
+    them, computed slice by slice of the vocabulary): the [T, V/tp] logits and their gradient are
+    never materialised."""
 
     def _validate(self) -> None:
         _check_choice("model.dtype", self.dtype, DTYPES)

@@ -5,6 +5,7 @@
 - `build_gpt_model(hf_config, *, pre_process, post_process, dtype, use_te, parallel_output, vp_stage, ...)`.
 - `model_provider_for(hf_config, **kw)`: provider callable for model builders.
 - `padded_vocab_size(vocab, tp, make_vocab_size_divisible_by=128)`.
+- `forward_hidden_states(model, ...)`: forward with the output layer left to the loss (fused path).
 Megatron is imported lazily, so `import hapo_megatron.models` is cheap.
 """
 
@@ -12,7 +13,9 @@ from hapo_megatron.models.gpt import (
     DEFAULT_VOCAB_DIVISIBLE_BY,
     PADDED_VOCAB_LOGIT,
     build_gpt_model,
+    forward_hidden_states,
     layer_spec_for,
+    output_weight,
     model_provider_for,
     padded_vocab_size,
     te_available,
@@ -30,7 +33,7 @@ from hapo_megatron.models.hf_config import (
 
 __all__ = [
     "DEFAULT_VOCAB_DIVISIBLE_BY", "PADDED_VOCAB_LOGIT", "SUPPORTED_ARCHS", "arch_of", "build_gpt_model",
-    "head_dim_of", "layer_spec_for", "model_provider_for", "num_kv_heads_of", "padded_vocab_size",
+    "forward_hidden_states",     "head_dim_of", "layer_spec_for", "model_provider_for", "num_kv_heads_of", "output_weight", "padded_vocab_size",
     "rope_parameters", "te_available", "tiny_hf_config", "transformer_config_from_hf",
     "validate_hf_config",
 ]

@@ -214,3 +214,45 @@ def model_provider_for(hf_config, **kw) -> Callable:
                                vp_stage=vp_stage, **kw)
 
     return provider
+
+
+def _unwrap(model):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def output_weight(gpt) -> torch.Tensor:
+    """This rank's vocab shard `[V/tp, H]` of the output layer's weight: the embedding's when the
+    weights are tied and this stage holds the embedding, else the output layer's own (with PP > 1
+    and tied weights, the last stage's copy that Megatron keeps in sync)."""
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
+
+
+def forward_hidden_states(model, *args, **kwargs):
+    """Call `model` (a GPTModel, possibly wrapped) with its output layer left to the loss.
+
+    On the last pipeline stage this returns a `parallel.linear.HiddenStates`: the decoder's final
+    (normed) hidden states `[s, b, H]` (sequence-sharded under sequence parallelism), the output
+    weight and the unpadded vocab size, for `parallel.linear_logprobs_entropy`; elsewhere the
+    usual output. WHY the `post_process` switch: GPTModel._postprocess returns the decoder output
+    untouched when it is off (the decoder keeps its own final norm), and nothing else in forward
+    reads it; the output layer's parameters stay registered (checkpoints, DDP buffers, optimizer).
+    """
+    from hapo_megatron.parallel.linear import HiddenStates
+
+    gpt = _unwrap(model)
+    if not gpt.post_process:
+        return model(*args, **kwargs)
+    if getattr(gpt.config, "mtp_num_layers", None):
+        raise ValueError("the fused output layer does not support multi-token prediction (mtp_num_layers)")
+    gpt.post_process = False
+    try:
+        hidden = model(*args, **kwargs)
+    finally:
+        gpt.post_process = True
+    return HiddenStates(hidden, output_weight(gpt), sequence_parallel=bool(gpt.config.sequence_parallel),
+                        vocab_size=getattr(gpt, "hf_vocab_size", None))

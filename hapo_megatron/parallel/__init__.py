@@ -2,6 +2,7 @@
 
 - `groups`: the only reader of Megatron's global parallel state (`initialize_parallel`).
 - `vocab_parallel`: fused log-prob + entropy over vocab-sharded logits.
+- `linear`: the same from hidden states and the output weight (no logits materialised).
 - `stats`: exact global entropy statistics over DP x CP, global token counts.
 - `context_parallel`: Megatron's CP sequence layout as index math.
 - `loss`: the HAPO loss for `forward_backward_func` (per-token-loss path).
@@ -20,6 +21,7 @@ from hapo_megatron.parallel.groups import (
     get_parallel_groups,
     initialize_parallel,
 )
+from hapo_megatron.parallel.linear import HiddenStates, linear_logprobs_entropy, logprobs_entropy_from_hidden
 from hapo_megatron.parallel.loss import (
     LossConfig,
     hapo_loss_from_logits,
@@ -36,6 +38,7 @@ from hapo_megatron.parallel.stats import (
 from hapo_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entropy, vocab_range
 
 __all__ = [
+    "HiddenStates",
     "LossConfig",
     "ParallelGroups",
     "all_gather_from_cp",
@@ -50,6 +53,8 @@ __all__ = [
     "global_token_count",
     "hapo_loss_from_logits",
     "initialize_parallel",
+    "linear_logprobs_entropy",
+    "logprobs_entropy_from_hidden",
     "logprobs_entropy_from_logits",
     "make_logprob_func",
     "make_loss_func",

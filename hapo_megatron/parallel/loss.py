@@ -44,6 +44,7 @@ from hapo_megatron.algo import (
     hapo_policy_loss,
     normalize_entropy,
 )
+from hapo_megatron.parallel.linear import HiddenStates, logprobs_entropy_from_hidden
 from hapo_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 
 #: tokens per chunk of the fused log-prob/entropy: 2 float32 buffers of 1024 x V/tp (~0.6 GB at
@@ -137,18 +138,30 @@ def _cp_rank(cp_group) -> int:
     return 0 if cp_group is None else dist.get_rank(cp_group)
 
 
-def logprobs_entropy_from_logits(logits: torch.Tensor, labels: torch.Tensor, *, tp_group=None,
+Output = Union[torch.Tensor, HiddenStates]
+
+
+def logprobs_entropy_from_logits(logits: Output, labels: torch.Tensor, *, tp_group=None,
                                  temperature: Union[float, torch.Tensor] = 1.0,
                                  chunk_size: Optional[int] = DEFAULT_LOGPROB_CHUNK,
                                  entropy_grad: bool = False):
-    """Per-token `(logprobs, entropy)` `[b, s]` float32 from GPTModel logits `[b, s, V/tp]`.
+    """Per-token `(logprobs, entropy)` `[b, s]` float32 from GPTModel logits `[b, s, V/tp]`, or
+    from its final hidden states (`HiddenStates`, the fused output layer: no logits are made).
 
     For the old-log-prob / reference passes (run it under `torch.no_grad()`), and used by the
     loss. `labels [b, s]` are the global ids of the tokens predicted at each position."""
+    kw = dict(tp_group=tp_group, temperature=temperature, chunk_size=chunk_size, entropy_grad=entropy_grad)
+    if isinstance(logits, HiddenStates):
+        return logprobs_entropy_from_hidden(logits, labels, **kw)
     if logits.dim() != 3:
         raise ValueError(f"logits must be [b, s, V/tp], got shape {tuple(logits.shape)}")
-    return vocab_parallel_logprobs_entropy(logits, labels, tp_group=tp_group, temperature=temperature,
-                                           chunk_size=chunk_size, entropy_grad=entropy_grad)
+    return vocab_parallel_logprobs_entropy(logits, labels, **kw)
+
+
+def zero_loss_like(output: Output) -> torch.Tensor:
+    """A 0-dim float32 zero on the output's device (the loss of a forward-only pass)."""
+    t = output.hidden if isinstance(output, HiddenStates) else output
+    return t.new_zeros((), dtype=torch.float32)
 
 
 def _check_batch(batch: Mapping[str, torch.Tensor], shape) -> None:
@@ -192,13 +205,14 @@ def _sequence_counts(valid: torch.Tensor, cp_group):
     return lengths, n_seq
 
 
-def hapo_loss_from_logits(logits: torch.Tensor, batch: Mapping[str, torch.Tensor], *, cfg: LossConfig,
+def hapo_loss_from_logits(logits: Output, batch: Mapping[str, torch.Tensor], *, cfg: LossConfig,
                           stats: Optional[EntropyStats], tp_group=None, cp_group=None,
                           temperature: Union[float, torch.Tensor] = 1.0):
     """HAPO loss of one micro-batch as `(loss_sum, num_tokens, metrics)` for Megatron.
 
     Args:
-        logits: `[b, s, V/tp]` this rank's vocab shard (GPTModel output, batch first).
+        logits: `[b, s, V/tp]` this rank's vocab shard (GPTModel output, batch first), or the
+            `HiddenStates` of `models.forward_hidden_states` (fused output layer).
         batch: `[b, s]` tensors (this rank's CP shard): `labels` (int64), `loss_mask`,
             `old_logprobs`, `advantages`; `old_entropy` (h_hat_entropy "old"); optional
             `ref_logprobs` (KL), `rollout_logprobs` (tis_cap).
@@ -215,9 +229,11 @@ def hapo_loss_from_logits(logits: torch.Tensor, batch: Mapping[str, torch.Tensor
         `loss/entropy_sum` of the current policy, ...) plus `loss/objective_sum` (this
         `loss_sum`) and `loss/normalizer` (this `num_tokens`): their global quotient is the loss.
     """
-    if logits.dim() != 3:
+    if not isinstance(logits, HiddenStates) and logits.dim() != 3:
         raise ValueError(f"logits must be [b, s, V/tp], got shape {tuple(logits.shape)}")
-    shape = logits.shape[:2]
+    if "labels" not in batch:
+        raise ValueError(f"batch is missing 'labels' (needs {_REQUIRED})")
+    shape = batch["labels"].shape
     _check_batch(batch, shape)
     valid = batch["loss_mask"].detach() != 0
     logprobs, entropy = logprobs_entropy_from_logits(
@@ -247,7 +263,7 @@ def hapo_loss_from_logits(logits: torch.Tensor, batch: Mapping[str, torch.Tensor
         count = n_seq
         if horizon is not None:  # keep Megatron's count an integer: fold the horizon into the sum
             loss_sum = loss_sum / horizon
-    num_tokens = torch.tensor(count, dtype=torch.int, device=logits.device)
+    num_tokens = torch.tensor(count, dtype=torch.int, device=loss_sum.device)
     metrics = dict(metrics)
     metrics["loss/objective_sum"] = loss_sum.detach().to(torch.float64)
     metrics["loss/normalizer"] = num_tokens.detach().to(torch.float64)
@@ -275,8 +291,8 @@ def make_logprob_func(labels: torch.Tensor, *, tp_group=None, temperature=1.0,
         with torch.no_grad():
             lp, ent = logprobs_entropy_from_logits(output_tensor, labels, tp_group=tp_group,
                                                    temperature=temperature, chunk_size=chunk_size)
-        zero = output_tensor.new_zeros((), dtype=torch.float32)
-        return zero, torch.tensor(0, dtype=torch.int, device=output_tensor.device), \
+        zero = zero_loss_like(output_tensor)
+        return zero, torch.tensor(0, dtype=torch.int, device=zero.device), \
             {"logprobs": lp.detach(), "entropy": ent.detach()}
 
     return loss_func

@@ -59,10 +59,66 @@ def _shifted_chunk(out: torch.Tensor, logits_c: torch.Tensor, temp_c: Optional[t
 
     Writing into a preallocated buffer matters on CPU, where every fresh large tensor costs
     page faults; the input chunk is only read."""
-    out.copy_(logits_c)
+    if out.data_ptr() != logits_c.data_ptr():  # in place when the chunk already is the buffer
+        out.copy_(logits_c)
     if temp_c is not None:
         out.div_(temp_c.unsqueeze(-1))
     return out.sub_(shift_c.unsqueeze(-1))
+
+
+def _chunk_sums(z: torch.Tensor, ebuf: torch.Tensor, local_t: torch.Tensor, in_range: torch.Tensor,
+                clamp: bool, out: torch.Tensor) -> None:
+    """Per-row sums of one shifted chunk `z` `[n, V/tp]` (float32, overwritten) into `out` `[n, 3]`:
+    `S = sum exp(z)`, `A = sum exp(z) z` and the target's `z` (0 where the target is on another
+    rank). `ebuf` is a reused `[n, V/tp]` float32 buffer."""
+    zt = z.gather(1, local_t.unsqueeze(1)).squeeze(1)
+    out[:, 2] = torch.where(in_range, zt, torch.zeros_like(zt))
+    if clamp:
+        z.clamp_(min=_CLAMP_LOW)
+    ez = torch.exp(z, out=ebuf)
+    out[:, 0] = ez.sum(dim=-1)
+    out[:, 1] = z.mul_(ez).sum(dim=-1)  # sum exp(z) z (z is not needed after this)
+
+
+def _finish(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(logprobs, entropy, log Z)` from the TP-summed `[N, 3]` sums of `_chunk_sums`."""
+    log_z = torch.log(packed[:, 0])
+    return packed[:, 2] - log_z, log_z - packed[:, 1] / packed[:, 0], log_z
+
+
+def _chunk_grad(logp: torch.Tensor, p_out: torch.Tensor, g1: torch.Tensor, g2: Optional[torch.Tensor],
+                entropy: torch.Tensor, local_t: torch.Tensor, g1_hit: torch.Tensor,
+                clamp: bool) -> torch.Tensor:
+    """d/dz of `g1 * logprob + g2 * entropy` for one chunk from its log-softmax `logp` (float32,
+    overwritten); `p_out` receives the result (it may be `logp` itself when `g2` is None).
+
+        d logprob / dz = onehot(target) - p,     d entropy / dz = -p * (log p + entropy)
+
+    `g1_hit` is `g1` where the target lies on this rank, else 0 (all `[n]`)."""
+    if clamp:
+        logp.clamp_(min=_CLAMP_LOW)
+    if g2 is None:  # -p * g1
+        grad = torch.exp(logp, out=p_out).mul_(-g1.unsqueeze(-1))
+    else:  # -p * (g1 + g2 * (log p + H))
+        p = torch.exp(logp, out=p_out)
+        grad = logp.add_(entropy.unsqueeze(-1)).mul_(g2.unsqueeze(-1))
+        grad = p.mul_(grad.add_(g1.unsqueeze(-1))).neg_()
+    return grad.scatter_add_(1, local_t.unsqueeze(-1), g1_hit.unsqueeze(-1))  # + g1 * onehot
+
+
+def _row_factors(g1, g2, temperature, in_range, has_temperature):
+    """Per-row upstream gradients with 1/T folded in (d/dlogits = d/dz / T) and `g1_hit`."""
+    if has_temperature:
+        g1 = g1 / temperature
+        g2 = None if g2 is None else g2 / temperature
+    return g1, g2, torch.where(in_range, g1, torch.zeros_like(g1))
+
+
+def _local_targets(targets: torch.Tensor, vocab_start: int, partition_vocab: int):
+    """Targets as indices into this rank's shard (0 where off-shard) and the on-shard mask."""
+    local_t = targets - vocab_start
+    in_range = (local_t >= 0) & (local_t < partition_vocab)
+    return torch.where(in_range, local_t, torch.zeros_like(local_t)), in_range
 
 
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
@@ -71,10 +127,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, temperature, tp_group, chunk_size, entropy_grad):
         n, vp = logits.shape
-        vocab_start = _vocab_start(vp, tp_group)
-        local_t = targets - vocab_start
-        in_range = (local_t >= 0) & (local_t < vp)
-        local_t = torch.where(in_range, local_t, torch.zeros_like(local_t))
+        local_t, in_range = _local_targets(targets, _vocab_start(vp, tp_group), vp)
 
         # Division by a positive temperature is monotone, so max(l / T) == max(l) / T exactly.
         if n > 0:  # amax/amin: no index output, much cheaper than max()/aminmax() on CPU
@@ -97,20 +150,12 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             e_ = min(s + step, n)
             t_c = None if temperature is None else temperature[s:e_]
             z = _shifted_chunk(zbuf[: e_ - s], logits[s:e_], t_c, m[s:e_])
-            zt = z.gather(1, local_t[s:e_].unsqueeze(1)).squeeze(1)
-            packed[s:e_, 2] = torch.where(in_range[s:e_], zt, torch.zeros_like(zt))
-            if clamp:
-                z.clamp_(min=_CLAMP_LOW)
-            ez = torch.exp(z, out=ebuf[: e_ - s])
-            packed[s:e_, 0] = ez.sum(dim=-1)
-            packed[s:e_, 1] = z.mul_(ez).sum(dim=-1)  # sum exp(z) z (z is not needed after this)
+            _chunk_sums(z, ebuf[: e_ - s], local_t[s:e_], in_range[s:e_], clamp, packed[s:e_])
         del zbuf, ebuf
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
             dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
 
-        log_z = torch.log(packed[:, 0])
-        logprobs = packed[:, 2] - log_z
-        entropy = log_z - packed[:, 1] / packed[:, 0]
+        logprobs, entropy, log_z = _finish(packed)
 
         ctx.tp_group, ctx.chunk_size, ctx.entropy_grad = tp_group, chunk_size, entropy_grad
         ctx.has_temperature, ctx.clamp = temperature is not None, clamp
@@ -127,10 +172,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         n, vp = logits.shape
         g1 = grad_logprobs if grad_logprobs is not None else torch.zeros_like(shift)
         g2 = grad_entropy if (ctx.entropy_grad and grad_entropy is not None) else None
-        if ctx.has_temperature:  # d/dlogits = d/dz / T: fold 1/T into the per-row factors
-            g1 = g1 / temperature
-            g2 = None if g2 is None else g2 / temperature
-        g1_hit = torch.where(in_range, g1, torch.zeros_like(g1)).unsqueeze(-1)
+        g1, g2, g1_hit = _row_factors(g1, g2, temperature, in_range, ctx.has_temperature)
         grad_input = torch.empty_like(logits)
         step = min(ctx.chunk_size or max(n, 1), max(n, 1))
         lbuf = torch.empty(step, vp, dtype=torch.float32, device=logits.device)
@@ -140,15 +182,9 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             e_ = min(s + step, n)
             t_c = temperature[s:e_] if ctx.has_temperature else None
             logp = _shifted_chunk(lbuf[: e_ - s], logits[s:e_], t_c, shift[s:e_])  # log softmax
-            if ctx.clamp:
-                logp.clamp_(min=_CLAMP_LOW)
-            p = torch.exp(logp, out=grad_input[s:e_] if pbuf is None else pbuf[: e_ - s])
-            if g2 is None:  # -p * g1
-                grad = p.mul_(-g1[s:e_].unsqueeze(-1))
-            else:  # -p * (g1 + g2 * (log p + H))
-                grad = logp.add_(entropy[s:e_].unsqueeze(-1)).mul_(g2[s:e_].unsqueeze(-1))
-                grad = p.mul_(grad.add_(g1[s:e_].unsqueeze(-1))).neg_()
-            grad.scatter_add_(1, local_t[s:e_].unsqueeze(-1), g1_hit[s:e_])  # + g1 * onehot
+            p_out = grad_input[s:e_] if pbuf is None else pbuf[: e_ - s]
+            grad = _chunk_grad(logp, p_out, g1[s:e_], None if g2 is None else g2[s:e_], entropy[s:e_],
+                               local_t[s:e_], g1_hit[s:e_], ctx.clamp)
             if pbuf is not None:
                 grad_input[s:e_].copy_(grad)
         return grad_input, None, None, None, None, None

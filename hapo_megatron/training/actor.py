@@ -58,15 +58,20 @@ class MegatronActor:
         optim: an ``OptimConfig`` (lr, min_lr, lr_warmup_steps, lr_decay_style, lr_decay_steps,
             weight_decay, adam_beta1/2, adam_eps, clip_grad).
         total_optimizer_steps: length of the LR schedule when ``optim.lr_decay_steps`` is null.
+        fused_output_layer: the last stage hands its final hidden states and output weight to the
+            loss (`parallel.linear_logprobs_entropy`) instead of logits, so the ``[T, V/tp]``
+            logits and their gradient are never materialised.
     """
 
     def __init__(self, hf_config, *, groups, optim, total_optimizer_steps: int, dtype: str = "fp32",
                  use_te: Optional[bool] = None, sequence_parallel: bool = False,
                  recompute_activations: bool = False, use_distributed_optimizer: bool = True,
-                 init_hf_path: Optional[str] = None, init_megatron_path: Optional[str] = None):
+                 init_hf_path: Optional[str] = None, init_megatron_path: Optional[str] = None,
+                 fused_output_layer: bool = False):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.hf_config, self.groups, self.dtype = hf_config, groups, DTYPES[dtype]
+        self.fused_output_layer = bool(fused_output_layer)
         self.model = self._build_model(use_te, sequence_parallel, recompute_activations,
                                        init_hf_path, init_megatron_path, use_distributed_optimizer)
         self.optimizer, self.scheduler = self._build_optimizer(optim, total_optimizer_steps,
@@ -146,11 +151,14 @@ class MegatronActor:
         returns the loss metrics of each micro-batch (last pipeline stage only; ``[]`` elsewhere)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from hapo_megatron.models.gpt import forward_hidden_states
+
         local = [self._local(mb) for mb in micro_batches]
+        forward = forward_hidden_states if self.fused_output_layer else (lambda m, *a: m(*a))
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            out = model(mb["input_ids"], mb["position_ids"], None)
+            out = forward(model, mb["input_ids"], mb["position_ids"], None)
             return out, make_loss(mb)
 
         seq_len = max(int(mb["input_ids"].shape[1]) for mb in local)
@@ -169,17 +177,17 @@ class MegatronActor:
         """Old-log-prob pass: sets ``mb["old_logprobs"]`` and ``mb["old_entropy"]`` (``[b, s]``
         float32, full sequence, zero where ``loss_mask`` is 0) on the last pipeline stage
         (``model``/``keys`` select another model, e.g. the KL reference, and other keys)."""
-        from hapo_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
+        from hapo_megatron.parallel.loss import logprobs_entropy_from_logits, zero_loss_like
 
         results: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def make_loss(mb):
-            def loss_func(output):
-                lp, ent = vocab_parallel_logprobs_entropy(output, mb["labels"], tp_group=self.groups.tp,
-                                                          temperature=temperature, chunk_size=chunk_size)
+            def loss_func(output):  # logits, or HiddenStates with the fused output layer
+                lp, ent = logprobs_entropy_from_logits(output, mb["labels"], tp_group=self.groups.tp,
+                                                       temperature=temperature, chunk_size=chunk_size)
                 mask = mb["loss_mask"]
                 results.append(((lp * mask).float(), (ent * mask).float()))
-                return output.sum() * 0.0, mask.sum().to(torch.int), {}
+                return zero_loss_like(output), mask.sum().to(torch.int), {}
             return loss_func
 
         for mb in micro_batches:

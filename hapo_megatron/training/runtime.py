@@ -237,6 +237,7 @@ def build_runtime(cfg, groups, *, tokenizer=None, datasets=None) -> Runtime:
         dtype=cfg.model.dtype if torch.cuda.is_available() else "fp32", use_te=cfg.model.use_te,
         sequence_parallel=cfg.parallel.sequence_parallel,
         recompute_activations=cfg.model.recompute_activations,
+        fused_output_layer=cfg.model.fused_output_layer,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         init_hf_path=init_hf, init_megatron_path=cfg.model.megatron_load_path)
     ckpt_root = os.path.join(cfg.trainer.run_dir, "checkpoints")

@@ -36,13 +36,12 @@ def sft_sequences(records: Sequence[Any], tokenizer) -> list[SequenceData]:
 def cross_entropy_loss_factory(tp_group):
     """``make_loss(mb)``: summed token cross-entropy over ``loss_mask`` (per-token normalised by
     Megatron). Metrics ``sft/loss_sum``, ``sft/num_tokens``, ``sft/correct`` (argmax hits)."""
-    from hapo_megatron.parallel.loss import DEFAULT_LOGPROB_CHUNK
-    from hapo_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
+    from hapo_megatron.parallel.loss import DEFAULT_LOGPROB_CHUNK, logprobs_entropy_from_logits
 
     def make_loss(mb):
-        def loss_func(output):
-            lp, _ = vocab_parallel_logprobs_entropy(output, mb["labels"], tp_group=tp_group,
-                                                    chunk_size=DEFAULT_LOGPROB_CHUNK)
+        def loss_func(output):  # logits, or HiddenStates with the fused output layer
+            lp, _ = logprobs_entropy_from_logits(output, mb["labels"], tp_group=tp_group,
+                                                 chunk_size=DEFAULT_LOGPROB_CHUNK)
             mask = mb["loss_mask"].to(lp.dtype)
             loss = -(lp * mask).sum()
             return loss, mask.sum().to(torch.int), {"sft/loss_sum": loss.detach().double(),

@@ -3,7 +3,11 @@
 TP1/PP1 (as DP2), TP2 and PP2 on two gloo ranks, plus an independent single-process reference
 (the same weights in the Hugging Face model, plain autograd, the same loss function), all run
 the same 3 SGD steps on the same global batch: per-step losses and the final weights agree to
-float32 rounding. Megatron's pieces in the loop: DDP (grad buffers, DP all-reduce),
+float32 rounding. The same holds with the fused output layer (`models.forward_hidden_states` +
+`parallel.linear_logprobs_entropy`: no logits) at TP2 and at PP2, for Llama (untied output
+layer) and Qwen2 (output tied to the embedding; at PP2 the last stage's copy). (Sequence
+parallelism cannot be built on CPU: Megatron's torch norms refuse it; test_linear_logprobs_entropy
+covers the fused function's SP path.) Megatron's pieces in the loop: DDP (grad buffers, DP all-reduce),
 `finalize_model_grads` (the per-token normalisation by the global `num_tokens`) and the
 no-pipelining / 1F1B schedules.
 """
@@ -11,17 +15,24 @@ no-pipelining / 1F1B schedules.
 import numpy as np
 import torch
 
-from tests.convert.dist_checks import random_hf_model
+from tests.convert.dist_checks import hf_state, random_hf_model
 from tests.distributed import run_distributed
 
 ARCH = "llama"
 STEPS, LR = 3, 0.5
 NUM_SEQ, SEQ = 4, 16
-LAYOUTS = ((1, 1), (2, 1), (1, 2))  # (tp, pp) on 2 ranks; (1, 1) runs as DP2
+# (arch, tp, pp, fused output layer, sequence parallel) on 2 ranks; tp = pp = 1 runs as DP2
+LAYOUTS = (("llama", 1, 1, False, False), ("llama", 2, 1, False, False), ("llama", 1, 2, False, False),
+           ("llama", 2, 1, True, False), ("llama", 1, 2, True, False),
+           ("qwen2", 1, 2, False, False), ("qwen2", 1, 2, True, False), ("qwen2", 2, 1, True, False))
 
 
-def _hf_model(seed=0):
-    return random_hf_model(ARCH, seed)
+def _name(arch, tp, pp, fused, sp):
+    return f"{arch}-tp{tp}pp{pp}" + ("-fused" if fused else "") + ("-sp" if sp else "")
+
+
+def _hf_model(arch=ARCH, seed=0):
+    return random_hf_model(arch, seed)
 
 
 def _batch(vocab):
@@ -52,7 +63,7 @@ def _rows(batch, lo, hi):
     return {k: v[lo:hi] for k, v in batch.items()}
 
 
-def _megatron_run(tp, pp):
+def _megatron_run(arch, tp, pp, fused, sp):
     """One layout on this rank: per-step losses (last stage) and the final HF-named weights."""
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -60,14 +71,15 @@ def _megatron_run(tp, pp):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from hapo_megatron.convert import export_hf_weights, load_hf_weights_into_mcore
-    from hapo_megatron.models import build_gpt_model
+    from hapo_megatron.models import build_gpt_model, forward_hidden_states
     from hapo_megatron.parallel.groups import destroy_parallel, initialize_parallel
+    from hapo_megatron.parallel.linear import HiddenStates
     from hapo_megatron.parallel.loss import make_loss_func
 
     g = initialize_parallel(tp=tp, pp=pp, seed=1)
     _check_groups(g, tp, pp)
-    hf_cfg, hf = _hf_model()
-    model = build_gpt_model(hf_cfg)
+    hf_cfg, hf = _hf_model(arch)
+    model = build_gpt_model(hf_cfg, sequence_parallel=sp)
     load_hf_weights_into_mcore(model, hf.state_dict(), hf_cfg, tp_rank=g.tp_rank, tp_size=tp,
                                pp_rank=g.pp_rank, pp_size=pp)
     model.config.calculate_per_token_loss = True
@@ -85,7 +97,8 @@ def _megatron_run(tp, pp):
     def forward_step(data_iterator, module):
         mb = next(data_iterator)
         pos = torch.arange(SEQ).unsqueeze(0)
-        out = module(mb["tokens"], pos, None)
+        out = (forward_hidden_states if fused else (lambda m, *a: m(*a)))(module, mb["tokens"], pos, None)
+        assert isinstance(out, HiddenStates) == (fused and g.is_pipeline_last)
         return out, make_loss_func(mb, cfg=cfg, stats=stats, tp_group=g.tp)
 
     losses = []
@@ -128,14 +141,14 @@ def _check_groups(g, tp, pp):
 
 
 def _train_ranks(rank, world_size):
-    return {f"tp{tp}pp{pp}": _megatron_run(tp, pp) for tp, pp in LAYOUTS}
+    return {_name(*layout): _megatron_run(*layout) for layout in LAYOUTS}
 
 
-def _hf_reference():
+def _hf_reference(arch):
     """Plain single-process training of the HF model with the same loss function."""
     from hapo_megatron.parallel.loss import hapo_loss_from_logits
 
-    hf_cfg, hf = _hf_model()
+    hf_cfg, hf = _hf_model(arch)
     batch, stats = _batch(hf_cfg.vocab_size)
     cfg = _loss_cfg()
     losses = []
@@ -147,14 +160,16 @@ def _hf_reference():
         with torch.no_grad():
             for p in hf.parameters():
                 p.add_(p.grad, alpha=-LR)
-    return losses, {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    return losses, {k: v.detach().numpy() for k, v in hf_state(hf_cfg, hf).items()}
 
 
 def test_gpt_model_training_matches_across_tp_pp():
-    results = run_distributed(_train_ranks, 2, timeout=400)
-    ref_losses, ref_weights = _hf_reference()
-    assert max(ref_losses) - min(ref_losses) > 1e-3  # the steps really change the model
-    for name in (f"tp{tp}pp{pp}" for tp, pp in LAYOUTS):
+    results = run_distributed(_train_ranks, 2, timeout=600)
+    refs = {arch: _hf_reference(arch) for arch in {layout[0] for layout in LAYOUTS}}
+    for layout in LAYOUTS:
+        name = _name(*layout)
+        ref_losses, ref_weights = refs[layout[0]]
+        assert max(ref_losses) - min(ref_losses) > 1e-3  # the steps really change the model
         losses = [r[name]["losses"] for r in results if r[name]["losses"] is not None]
         assert losses, name
         for ls in losses:

@@ -1,5 +1,5 @@
 """MegatronActor on 2 gloo ranks (TP=2): old log-probs match an HF forward (label shift, weight
-load), a step changes the weights, a non-finite loss skips the update, save/load round trip."""
+load) and the fused output layer's (from hidden states), a step changes the weights, a non-finite loss skips the update, save/load round trip."""
 
 import os
 
@@ -34,6 +34,14 @@ def _actor_checks(rank, world, data, ckpt_dir):
                          torch.randint(4, 80, (3 + 2 * i,), generator=gen).tolist(), index=i) for i in range(3)]
     mbs = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batch_size=2)
     actor.compute_logprobs_entropy(mbs, temperature=1.0)
+    actor.fused_output_layer = True  # the same pass from hidden states (no logits)
+    actor.compute_logprobs_entropy(mbs, temperature=0.8, keys=("fused_lp", "fused_ent"))
+    reference = actor.make_reference()  # the KL reference's pass (a copy of the current weights)
+    actor.compute_logprobs_entropy(mbs, temperature=0.8, model=reference, keys=("ref_lp", "ref_ent"))
+    actor.fused_output_layer = False
+    actor.compute_logprobs_entropy(mbs, temperature=0.8, keys=("t_lp", "t_ent"))
+    fused_err = max(float((mb[a] - mb[b]).abs().max()) for mb in mbs
+                    for a, b in (("fused_lp", "t_lp"), ("fused_ent", "t_ent"), ("ref_lp", "t_lp")))
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     max_err = 0.0
     for mb in mbs:
@@ -74,7 +82,7 @@ def _actor_checks(rank, world, data, ckpt_dir):
     actor.compute_logprobs_entropy(mbs, temperature=1.0)
     delta = (mbs[0]["old_logprobs"].sum(1) - before).tolist()
     names = [n for n, _ in actor.export_hf_weights()]
-    return dict(max_err=max_err, skipped=res.skipped, moved=moved, bad_skipped=bad.skipped,
+    return dict(max_err=max_err, fused_err=fused_err, skipped=res.skipped, moved=moved, bad_skipped=bad.skipped,
                 unchanged=unchanged, num_skipped=actor.num_skipped, replay_equal=replay_equal, delta=delta,
                 names=sorted(names), hf_names=sorted(hf.state_dict()))
 
@@ -83,6 +91,7 @@ def test_actor_tp2(tiny, tmp_path):
     out = run_distributed(_actor_checks, 2, tiny, str(tmp_path / "ckpt"), timeout=300)
     for r in out:
         assert r["max_err"] < 1e-4, r["max_err"]
+        assert r["fused_err"] < 1e-5, r["fused_err"]
         assert not r["skipped"] and r["moved"]
         assert r["bad_skipped"] and r["unchanged"] and r["num_skipped"] == 1
         assert r["replay_equal"]
