@@ -21,6 +21,10 @@ loss/high_entropy_frac (h_hat > 0)     loss/num_high_entropy_tokens           lo
 loss/h_hat_mean                        loss/h_hat_sum                         loss/num_tokens
 loss/clipfrac_high_entropy             loss/clipfrac_high_entropy_sum         loss/num_high_entropy_tokens
 loss/clipfrac_low_entropy              loss/clipfrac_low_entropy_sum          loss/num_low_entropy_tokens
+loss/cliplow_high_entropy              loss/cliplow_high_entropy_sum          loss/num_high_entropy_tokens
+loss/cliplow_low_entropy               loss/cliplow_low_entropy_sum           loss/num_low_entropy_tokens
+loss/cliphigh_high_entropy             loss/cliphigh_high_entropy_sum         loss/num_high_entropy_tokens
+loss/cliphigh_low_entropy              loss/cliphigh_low_entropy_sum          loss/num_low_entropy_tokens
 loss/adv_scale_high_entropy (|A'|/|A|) loss/adv_scale_high_entropy_sum        loss/num_high_entropy_tokens
 loss/adv_scale_low_entropy  (|A'|/|A|) loss/adv_scale_low_entropy_sum         loss/num_low_entropy_tokens
 loss/entropy                           loss/entropy_sum                       loss/num_tokens
@@ -34,8 +38,9 @@ Counts (``loss/num_tokens``, ``loss/num_seqs``, ``loss/num_high_entropy_tokens``
 ``loss/tis_weight_sum`` only with ``tis_cap``. ``|A'|/|A|`` is taken as 1 where ``A == 0``.
 Clip fractions: "low" = the ``1 - eps_L`` bound is active (``A' < 0``, ``ratio < 1 - eps_L``),
 "high" = the ``1 + eps_R`` bound is active (``A' > 0``, ``ratio > 1 + eps_R``), "dual" = the
-dual-clip bound ``-A' c`` is active (``A' < 0``); the per-entropy-branch fractions count a token
-if any of the three is active.
+dual-clip bound ``-A' c`` is active (``A' < 0``); the per-entropy-branch fractions
+``clipfrac_{high,low}_entropy`` count a token if any of the three is active, ``cliplow_*`` and
+``cliphigh_*`` split them by side (the paper's "which tokens hit which bound").
 """
 
 from __future__ import annotations
@@ -63,6 +68,10 @@ LOSS_METRIC_MEANS: Dict[str, Tuple[str, str]] = {
     "loss/h_hat_mean": ("loss/h_hat_sum", "loss/num_tokens"),
     "loss/clipfrac_high_entropy": ("loss/clipfrac_high_entropy_sum", "loss/num_high_entropy_tokens"),
     "loss/clipfrac_low_entropy": ("loss/clipfrac_low_entropy_sum", "loss/num_low_entropy_tokens"),
+    "loss/cliplow_high_entropy": ("loss/cliplow_high_entropy_sum", "loss/num_high_entropy_tokens"),
+    "loss/cliplow_low_entropy": ("loss/cliplow_low_entropy_sum", "loss/num_low_entropy_tokens"),
+    "loss/cliphigh_high_entropy": ("loss/cliphigh_high_entropy_sum", "loss/num_high_entropy_tokens"),
+    "loss/cliphigh_low_entropy": ("loss/cliphigh_low_entropy_sum", "loss/num_low_entropy_tokens"),
     "loss/adv_scale_high_entropy": ("loss/adv_scale_high_entropy_sum", "loss/num_high_entropy_tokens"),
     "loss/adv_scale_low_entropy": ("loss/adv_scale_low_entropy_sum", "loss/num_low_entropy_tokens"),
     "loss/entropy": ("loss/entropy_sum", "loss/num_tokens"),
@@ -254,6 +263,10 @@ def _policy_metrics(valid, aux, h_hat, pg_mat, entropy, kl_mat, tis_w, n_seq) ->
             "loss/h_hat_sum": msum(h),
             "loss/clipfrac_high_entropy_sum": (any_clip & hi).sum().to(f64),
             "loss/clipfrac_low_entropy_sum": (any_clip & lo).sum().to(f64),
+            "loss/cliplow_high_entropy_sum": (aux["clip_low"] & hi).sum().to(f64),
+            "loss/cliplow_low_entropy_sum": (aux["clip_low"] & lo).sum().to(f64),
+            "loss/cliphigh_high_entropy_sum": (aux["clip_high"] & hi).sum().to(f64),
+            "loss/cliphigh_low_entropy_sum": (aux["clip_high"] & lo).sum().to(f64),
             "loss/adv_scale_high_entropy_sum": msum(scale, hi),
             "loss/adv_scale_low_entropy_sum": msum(scale, lo),
         })

@@ -314,3 +314,15 @@ def test_metrics_are_summable_across_splits():
         assert fa.keys() == fb.keys()
         for k in fa:
             assert fa[k] == pytest.approx(fb[k], rel=1e-9, abs=1e-12), k
+
+
+def test_clip_side_by_entropy_class_hand_case():
+    # fixed eps 0.2/0.2; token 0 (high entropy, A>0, rho 1.5) hits the right bound, token 3 (low
+    # entropy, A<0, rho 0.5) the left one; tokens 1-2 stay inside
+    ratio = torch.tensor([[1.5, 0.9, 1.0, 0.5]])
+    h = torch.tensor([[1.0, 0.5, -0.5, -1.0]])
+    _, _, m = hapo_policy_loss(ratio.log(), torch.zeros(1, 4), torch.tensor([[1.0, -1.0, 1.0, -1.0]]),
+                               torch.ones(1, 4), h, adaptive_clip=False, adaptive_advantage=False)
+    f = finalize_loss_metrics(m)
+    assert (f["loss/cliphigh_high_entropy"], f["loss/cliplow_high_entropy"]) == (0.5, 0.0)
+    assert (f["loss/cliphigh_low_entropy"], f["loss/cliplow_low_entropy"]) == (0.0, 0.5)

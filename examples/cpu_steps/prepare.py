@@ -1,0 +1,77 @@
+"""Prepare the step-by-step CPU task: chained +/- problems, the character tokenizer, a tiny Llama.
+
+    python examples/cpu_steps/prepare.py --out runs/cpu_steps_data
+
+Writes ``train.jsonl`` (with noisy step-by-step warm-start targets), ``val.jsonl`` (held-out
+problems, exact solutions) and ``model/`` (HF config + random weights + tokenizer) under
+``--out``. Deterministic in ``--seed``; does nothing when ``--out`` is already complete.
+The task is described in ``hapo_megatron/data/steps.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+DONE = "prepared.json"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/cpu_steps_data")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--n-train", type=int, default=20000)
+    p.add_argument("--n-val", type=int, default=128)
+    p.add_argument("--min-operands", type=int, default=2)
+    p.add_argument("--max-operands", type=int, default=5, help="5 operands = 4 written steps")
+    p.add_argument("--max-operand", type=int, default=9)
+    p.add_argument("--max-value", type=int, default=19, help="every running value stays in 0..max-value")
+    p.add_argument("--sft-noise", type=float, default=0.2,
+                   help="per written step, the chance that the warm-start target's result is off by "
+                        "1 or 2 (carried on to the answer; the reward checks the true answer): the "
+                        "warm-started model is then unsure at the result digits only")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--force", action="store_true", help="rebuild even if --out is complete")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> str:
+    args = parse_args(argv)
+    marker = os.path.join(args.out, DONE)
+    if os.path.exists(marker) and not args.force:
+        print(f"{args.out}: already prepared ({marker})")
+        return args.out
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hapo_megatron.data import build_char_tokenizer, write_rows
+    from hapo_megatron.data.steps import generate_step_rows
+    from hapo_megatron.models import tiny_hf_config
+
+    os.makedirs(args.out, exist_ok=True)
+    task = dict(min_operands=args.min_operands, max_operands=args.max_operands, max_operand=args.max_operand,
+                max_value=args.max_value)
+    train = generate_step_rows(args.n_train, args.seed, noise=args.sft_noise, **task)
+    val = generate_step_rows(args.n_val, args.seed + 1000, data_source="steps_val", **task)
+    write_rows(train, os.path.join(args.out, "train.jsonl"))
+    write_rows(val, os.path.join(args.out, "val.jsonl"))
+    model_dir = os.path.join(args.out, "model")
+    tok = build_char_tokenizer(model_dir)
+    hf_config = tiny_hf_config(
+        "llama", vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+        max_position_embeddings=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    torch.manual_seed(args.seed)
+    AutoModelForCausalLM.from_config(hf_config).save_pretrained(model_dir)
+    with open(marker, "w") as f:
+        json.dump(vars(args), f, indent=1)
+    print(f"prepared {args.out}: {args.n_train} train / {args.n_val} val prompts, model {model_dir}")
+    return args.out
+
+
+if __name__ == "__main__":
+    main()
