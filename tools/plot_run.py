@@ -7,7 +7,8 @@
 Each positional argument is a run directory (or a metrics.jsonl file), optionally prefixed by
 `label=`; several comma-separated runs under one label are drawn as their mean over the steps
 they share, with a min-max band (seeds). One PNG per panel (reward, accuracy, response length,
-entropy, clip fractions, evaluation accuracy) plus `overview.png` with all panels. Panels whose
+entropy, clip fractions overall and by entropy class, advantage scaling by entropy class, evaluation
+accuracy) plus `overview.png` with all panels. Panels whose
 keys no run logged are skipped. Headless: matplotlib's Agg backend.
 """
 
@@ -31,6 +32,10 @@ PANELS: list[tuple[str, str, str, tuple[str, ...]]] = [
     ("entropy", "Mean token entropy", "nats", ("entropy/mean",)),
     ("clip_fractions", "Clip fractions", "fraction of tokens",
      ("loss/clipfrac_low", "loss/clipfrac_high")),
+    ("clip_by_entropy", "Clip fraction by entropy class (any bound)", "fraction of the class's tokens",
+     ("loss/clipfrac_high_entropy", "loss/clipfrac_low_entropy")),
+    ("adv_scale_curves", "Advantage scaling |A'|/|A| per entropy class", "mean |A'|/|A|",
+     ("loss/adv_scale_high_entropy", "loss/adv_scale_low_entropy")),
     ("eval_accuracy", "Evaluation accuracy (avg@k, mean over benchmarks)", "accuracy",
      ("eval/all/avg@*",)),
 ]

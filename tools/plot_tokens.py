@@ -212,7 +212,8 @@ def plot_adv_scale(plt, metrics: dict, data: dict, out: str) -> str | None:
     axes[1].set_ylabel("mean |A'|/|A|")
     axes[1].set_title("|A'|/|A| vs h_hat, saved rollouts (first update)", fontsize=10)
     axes[1].grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
+    if axes[1].lines:
+        axes[1].legend(fontsize=7)
     if not drawn:
         plt.close(fig)
         return None
