@@ -33,12 +33,13 @@ INSTRUCTION = "End with Answer: <number>."
 _TEMPLATES = ("Compute {expr} step by step.", "Work out {expr} step by step.")
 _NOISE_OFFSETS = (-2, -1, 1, 2)
 _LINE_RE = re.compile(r"^(-?\d+) ([+-]) (\d+) = (-?\d+)$")
-_RESULT_RE = re.compile(r"= (-?\d+)$")
 _ANSWER_RE = re.compile(r"^Answer: (-?\d+)$")
-TOKEN_ROLES = ("result", "answer", "copy", "end")
-"""Roles of response tokens: the digits (and sign) after "=" of a step line, those of the
-"Answer:" line, every other character (operands and operators restated, the carried value, the
-"=", spaces, newlines, "Answer: "), and the end-of-sequence token."""
+TOKEN_ROLES = ("result", "answer", "carried", "operand", "operator", "format", "other", "end")
+"""Roles of response tokens (:func:`token_roles`): the digits (and sign) after "=" of a step
+line (the decisions); those of the "Answer:" line; the running value restated at the start of
+every step line after the first (a copy of the line above); the other numbers of a step line
+(copies of the prompt's operands); the "+"/"-"; the "=", spaces, newlines and "Answer: "; the
+characters of a line that is neither a step nor an answer line; the end-of-sequence token."""
 
 
 def _apply(a: int, op: str, b: int) -> int:
@@ -84,34 +85,41 @@ def parse_step_lines(text: str) -> list[tuple[int, str, int, int]]:
     return out
 
 
+def _line_roles(line: str, first_step: bool) -> tuple[list[str], bool]:
+    """Roles of the characters of one line, and whether it was a step line."""
+    m = _LINE_RE.match(line)
+    if m is None:
+        a = _ANSWER_RE.match(line)
+        if a is None:
+            return ["other"] * len(line), False
+        return ["format"] * a.start(1) + ["answer"] * (a.end(1) - a.start(1)), False
+    roles = ["format"] * len(line)
+    for group, role in ((1, "operand" if first_step else "carried"), (2, "operator"), (3, "operand"), (4, "result")):
+        roles[m.start(group):m.end(group)] = [role] * (m.end(group) - m.start(group))
+    return roles, True
+
+
 def token_roles(pieces: Sequence[str], eos_token: str = "<eos>") -> list[str]:
     """The role (:data:`TOKEN_ROLES`) of each token of a response, given its decoded pieces
-    (one character each for the character tokenizer; ``eos_token`` marks the end).
-
-    A line is split at "\\n"; in a line of the form "<a> <op> <b> = <r>" the characters of
-    ``<r>`` are "result", in "Answer: <n>" those of ``<n>`` are "answer"; a malformed line has
-    only "copy" characters. Pieces longer than one character take the role of their first one.
+    (one character each for the character tokenizer; ``eos_token`` marks the end). Lines are
+    split at newlines (which count as "format"); pieces longer than one character take the role
+    of their first character.
     """
     text = "".join(p for p in pieces if p != eos_token)
-    char_roles = ["copy"] * len(text)
-    start = 0
-    for line in text.split("\n"):
-        m = _RESULT_RE.search(line) if _LINE_RE.match(line) else None
-        role = "result"
-        if m is None:
-            m, role = _ANSWER_RE.match(line), "answer"
-        if m is not None:
-            for i in range(m.start(1), m.end(1)):
-                char_roles[start + i] = role
-        start += len(line) + 1
-    roles, pos = [], 0
+    char_roles: list[str] = []
+    seen_step = False
+    for i, line in enumerate(text.split("\n")):
+        roles, is_step = _line_roles(line, not seen_step)
+        seen_step |= is_step
+        char_roles += (["format"] if i else []) + roles
+    out, pos = [], 0
     for p in pieces:
         if p == eos_token:
-            roles.append("end")
+            out.append("end")
             continue
-        roles.append(char_roles[pos] if pos < len(char_roles) else "copy")
+        out.append(char_roles[pos] if pos < len(char_roles) else "other")
         pos += len(p)
-    return roles
+    return out
 
 
 def _check_knobs(n: int, min_operands: int, max_operands: int, max_operand: int, max_value: int,

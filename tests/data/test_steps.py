@@ -70,11 +70,12 @@ def test_noisy_targets_carry_their_errors_consistently():
 def test_token_roles():
     text = "12 - 3 = 9\n9 + 8 = 17\nAnswer: 17"
     roles = token_roles(list(text) + ["<eos>"])
-    assert [c for c, r in zip(text, roles) if r == "result"] == ["9", "1", "7"]
-    assert [c for c, r in zip(text, roles) if r == "answer"] == ["1", "7"]
-    assert roles[-1] == "end" and roles.count("copy") == len(text) - 5
-    assert set(token_roles(list("1 1 = x\nAnswer: -4"))) == {"copy", "answer"}  # malformed line: copy
-    assert token_roles(["5 + 1", " = ", "6", "<eos>"]) == ["copy", "copy", "result", "end"]
+    picked = lambda role: "".join(c for c, r in zip(text, roles) if r == role)  # noqa: E731
+    assert (picked("result"), picked("answer"), picked("carried")) == ("917", "17", "9")
+    assert (picked("operand"), picked("operator")) == ("1238", "-+")
+    assert picked("format") == "   = \n   = \nAnswer: " and roles[-1] == "end"
+    assert token_roles(list("1 1 = x\nAnswer: -4")) == ["other"] * 7 + ["format"] * 9 + ["answer"] * 2
+    assert token_roles(["5 + 1", " = ", "6", "<eos>"]) == ["operand", "format", "result", "end"]
 
 
 def test_bad_knobs():
