@@ -34,6 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import plot_run  # noqa: E402  (sibling tool)
 
 QUANTILES = (0.1, 0.5, 0.8, 0.9, 0.99)
+# stacking order (bottom first) and colours of the known token roles; others follow in name order
+ROLE_COLORS = {"result": "tab:red", "answer": "tab:orange", "operand": "tab:blue",
+               "carried": "tab:cyan", "operator": "tab:purple", "format": "tab:gray",
+               "other": "tab:brown", "end": "tab:green", "all": "tab:blue"}
 
 
 def load_records(run_dirs: Sequence[str]) -> list[dict]:
@@ -128,8 +132,9 @@ def plot_entropy_hist(plt, data: dict, out: str) -> str:
             e = rec.get("entropy") or []
             for x, role in zip(e, roles_of(rec) if roles_of else ["all"] * len(e)):
                 groups.setdefault(role, []).append(min(max(x, 1.01e-4), 9.9))
-        names = sorted(groups)
-        ax.hist([groups[k] for k in names], bins=bins, stacked=True, label=names)
+        names = [k for k in ROLE_COLORS if k in groups] + sorted(k for k in groups if k not in ROLE_COLORS)
+        ax.hist([groups[k] for k in names], bins=bins, stacked=True, label=names,
+                color=[ROLE_COLORS.get(k) for k in names] if all(k in ROLE_COLORS for k in names) else None)
         ax.set_xscale("log")
         piv = summ.get("pivot_median_over_steps", math.nan)
         if math.isfinite(piv):

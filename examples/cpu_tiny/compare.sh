@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # HAPO vs DAPO on the CPU tiny task, 5 seeds each, paired by seed; one seed rerun checks
 # determinism. Writes docs/results/cpu_tiny/: held-out accuracy per variant and seed, paired
-# differences with 95% t-intervals, training curves with bands.
+# differences with 95% t-intervals, training curves with bands, token diagnostics (the "Answer:"
+# line's roles of hapo_megatron.data.steps.token_roles: format prefix vs answer digits).
 #   bash examples/cpu_tiny/compare.sh                         # 11 runs one after another
 #   VARIANTS="dapo hapo dapo+temp dapo+tlga dapo+redistribution dapo+clip" bash examples/cpu_tiny/compare.sh
 #   SEEDS="1 2" EXTRA="trainer.total_steps=3" OUT=/tmp/x RUNS=/tmp/r bash examples/cpu_tiny/compare.sh
@@ -15,5 +16,6 @@ export BASELINE=${BASELINE:-dapo}
 export OUT=${OUT:-docs/results/cpu_tiny}
 export RUNS=${RUNS:-runs/compare_cpu_tiny}
 export TITLE=${TITLE:-"CPU tiny task: HAPO vs DAPO"}
-export TOKEN_ARGS=""
+export BASE_ARGS="logging.save_rollouts_interval=25"   # saved rollouts for the token diagnostics
+export TOKEN_ARGS="--tokens --roles steps --tokenizer runs/cpu_tiny_data/model"
 exec bash examples/lib/compare_seeds.sh "examples/cpu_tiny/compare.sh"

@@ -3,8 +3,8 @@
 # every variant x seed as its own run of examples/$TASK/run.sh, one at a time; a rerun of
 # RERUN_VARIANT (default hapo) at the first seed; then tools/compare_runs.py writes $OUT. Variants are preset names
 # ("hapo", "dapo", "dapo+clip", ...) or "hapo_ref" (HAPO with algo.h_hat_mode=reference).
-# Settings: TASK SEEDS VARIANTS BASELINE OUT RUNS TITLE TOKEN_ARGS, optional EXTRA (overrides
-# given to every run), RERUN (0 skips the determinism rerun), RERUN_VARIANT.
+# Settings: TASK SEEDS VARIANTS BASELINE OUT RUNS TITLE TOKEN_ARGS, optional BASE_ARGS (the
+# task's own overrides for every run) and EXTRA (the caller's overrides for every run), RERUN (0 skips the determinism rerun), RERUN_VARIANT.
 set -euo pipefail
 CALLER=$1
 : "${TASK:?}" "${SEEDS:?}" "${VARIANTS:?}" "${OUT:?}" "${RUNS:?}"
@@ -22,7 +22,7 @@ run_one() {  # run_one VARIANT SEED DIR: one training run, skipped when done wit
     local v=$1 s=$2 dir=$3
     # shellcheck disable=SC2207
     local args=($(variant_args "$v") --resume none trainer.seed="$s" data.seed="$s"
-                trainer.run_dir="$dir" logging.console=false $EXTRA)
+                trainer.run_dir="$dir" logging.console=false ${BASE_ARGS:-} $EXTRA)
     local log="$RUNS/logs/$(basename "$dir").log"
     if [[ -f "$dir/run.done" && "$(cat "$dir/run.done")" == "${args[*]}" ]]; then
         echo "=== $v seed $s: done ($dir)"
