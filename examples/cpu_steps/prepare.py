@@ -4,7 +4,8 @@
 
 Writes ``train.jsonl`` (with noisy step-by-step warm-start targets), ``val.jsonl`` (held-out
 problems, exact solutions) and ``model/`` (HF config + random weights + tokenizer) under
-``--out``. Deterministic in ``--seed``; does nothing when ``--out`` is already complete.
+``--out``. Deterministic in ``--seed``; does nothing when ``--out`` is already complete with the same
+settings (rebuilds it otherwise).
 The task is described in ``hapo_megatron/data/steps.py``.
 """
 
@@ -41,9 +42,14 @@ def parse_args(argv=None):
 def main(argv=None) -> str:
     args = parse_args(argv)
     marker = os.path.join(args.out, DONE)
+    wanted = {k: v for k, v in vars(args).items() if k != "force"}
     if os.path.exists(marker) and not args.force:
-        print(f"{args.out}: already prepared ({marker})")
-        return args.out
+        with open(marker) as f:
+            done = {k: v for k, v in json.load(f).items() if k != "force"}
+        if done == wanted:
+            print(f"{args.out}: already prepared ({marker})")
+            return args.out
+        print(f"{args.out}: prepared with other settings, rebuilding")
     import torch
     from transformers import AutoModelForCausalLM
 
