@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Shared body of examples/<task>/compare.sh (called by them with the settings in the environment):
 # every variant x seed as its own run of examples/$TASK/run.sh, one at a time; a rerun of
-# RERUN_VARIANT (default hapo) at the first seed; then tools/compare_runs.py writes $OUT. Variants are preset names
-# ("hapo", "dapo", "dapo+clip", ...) or "hapo_ref" (HAPO with algo.h_hat_mode=reference).
-# Settings: TASK SEEDS VARIANTS BASELINE OUT RUNS TITLE TOKEN_ARGS, optional BASE_ARGS (the
-# task's own overrides for every run) and EXTRA (the caller's overrides for every run), RERUN (0 skips the determinism rerun), RERUN_VARIANT.
+# RERUN_VARIANT (default hapo) at the first seed; then tools/compare_runs.py writes $OUT.
+# Variants are preset names ("hapo", "dapo", "dapo+clip", ...) or "hapo_ref" (HAPO with
+# algo.h_hat_mode=reference).
+# Settings: TASK SEEDS VARIANTS BASELINE OUT RUNS TITLE TOKEN_ARGS; optional BASE_ARGS (the
+# task's own overrides for every run), EXTRA (the caller's overrides for every run), RERUN (0
+# skips the determinism rerun), RERUN_VARIANT.
 set -euo pipefail
 CALLER=$1
 : "${TASK:?}" "${SEEDS:?}" "${VARIANTS:?}" "${OUT:?}" "${RUNS:?}"
@@ -57,10 +59,9 @@ if [[ "${RERUN:-1}" != 0 ]]; then
     run_one "$rv" "$first_s" "$rerun"
     cmp_args+=(--rerun "$orig=$rerun")
 fi
-command="$CALLER"
+command="SEEDS=\"$SEEDS\" VARIANTS=\"$VARIANTS\" bash $CALLER"  # as run, for the results page
 [[ -n "$EXTRA" ]] && command="EXTRA=\"$EXTRA\" $command"
-[[ "$SEEDS" != "1 2 3 4 5" ]] && command="SEEDS=\"$SEEDS\" $command"
 # shellcheck disable=SC2086
 python tools/compare_runs.py "${cmp_args[@]}" --baseline "${BASELINE:-${first_v}}" --out "$OUT" \
-    --title "$TITLE" --command "bash $command" $TOKEN_ARGS
+    --title "$TITLE" --command "$command" $TOKEN_ARGS
 echo "results: $OUT/results.md"
