@@ -18,6 +18,9 @@ final (held-out) accuracy and of the last-N training accuracy, their mean and a 
 interval over seeds (`mean +- t_{n-1} sd / sqrt(n)`, `tools/paired_stats.py`), plus a percentile
 bootstrap interval; an interval containing 0 is reported as "no measurable difference".
 
+A hand-written `<out>/notes.md`, when present, is appended to `results.md` (context that a
+rerun of the comparison must not erase).
+
 Determinism (`--rerun RUN_DIR=RERUN_DIR`): every logged metric of the two runs must be equal
 (timing and throughput keys excepted); a mismatch is reported and the exit status is 1.
 """
@@ -354,6 +357,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                             tokenizer=args.tokenizer)
         numbers["token_diagnostics"] = tokens
         page += token_section(tokens, token_plots)
+    notes = os.path.join(args.out, "notes.md")  # hand-written context kept across reruns
+    if os.path.isfile(notes):
+        with open(notes, encoding="utf-8") as f:
+            page += "\n" + f.read()
     with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
         f.write(page)
     with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:

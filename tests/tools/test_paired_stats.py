@@ -102,3 +102,11 @@ def test_determinism_check(tmp_path):
     assert "reproduced every logged metric exactly" in (out / "results.md").read_text()
     assert compare_runs.main(base + ["--rerun", f"{a}={other}"]) == 1
     assert "DIFFERED: step 4 rollout/acc" in (out / "results.md").read_text()
+
+
+def test_notes_are_appended(tmp_path):
+    out = tmp_path / "cmp"
+    os.makedirs(out)
+    (out / "notes.md").write_text("## Context\n\nkept across reruns\n")
+    assert compare_runs.main(["--variant", f"x={write_run(tmp_path / 'a')}", "--out", str(out), "--no-plots"]) == 0
+    assert (out / "results.md").read_text().endswith("## Context\n\nkept across reruns\n")
