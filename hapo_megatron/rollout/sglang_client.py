@@ -20,6 +20,10 @@ class ServerDiedError(SGLangError):
     """An SGLang server process exited or stopped answering health checks."""
 
 
+class EndpointNotFoundError(SGLangError):
+    """The server answered 404: it has no such endpoint (an older or newer SGLang version)."""
+
+
 def _log_tail(path: Optional[str], n_chars: int = 3000) -> str:
     if not path:
         return ""
@@ -123,13 +127,15 @@ class SGLangHTTP:
                 if resp.status_code == 200:
                     return self._json(resp)
                 last = f"HTTP {resp.status_code}: {getattr(resp, 'text', '')[:2000]}"
+                if resp.status_code == 404:
+                    raise EndpointNotFoundError(f"SGLang server {server.url} has no endpoint {method} {path}: {last}")
                 if resp.status_code not in RETRYABLE_STATUS:
-                    raise SGLangError(f"{method} {url} failed: {last}")
+                    raise SGLangError(f"SGLang server {server.url} refused {method} {path}: {last}")
             if server.exit_code() is not None:
                 raise server.died_error(f"{method} {path}")
             if attempt < retries:
                 self.sleep(min(self.backoff_s * (2 ** attempt), self.max_backoff_s))
-        raise SGLangError(f"{method} {url} failed after {retries + 1} attempt(s): {last}")
+        raise SGLangError(f"SGLang server {server.url}: {method} {path} failed after {retries + 1} attempt(s): {last}")
 
     @staticmethod
     def _json(resp: Any) -> Any:
@@ -169,4 +175,4 @@ class SGLangHTTP:
             raise server.died_error("health check")
 
 
-__all__ = ["SGLangError", "ServerDiedError", "ServerHandle", "SGLangHTTP", "RETRYABLE_STATUS"]
+__all__ = ["SGLangError", "ServerDiedError", "EndpointNotFoundError", "ServerHandle", "SGLangHTTP", "RETRYABLE_STATUS"]

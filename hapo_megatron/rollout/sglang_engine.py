@@ -21,14 +21,24 @@ Two ways to use it from a torchrun job:
   same order on every rank.
 
 Weight sync (``weight_sync``):
-- ``"tensor"`` (colocated): every rank serialises its copy of each bucket as CUDA-IPC handles, the
-  server's first rank gathers the ``tp`` strings and POSTs ``/update_weights_from_tensor``.
+- ``"tensor"`` (colocated): every rank serialises its copy of each bucket as CUDA-IPC handles (CPU
+  tensors: pickled by value, see ``weight_sync.serialize_bucket_for_sglang``), the server's first
+  rank gathers the ``tp`` strings and POSTs ``/update_weights_from_tensor``.
 - ``"distributed"`` (separate GPUs): rank 0 forms an NCCL group with all server TP ranks
   (``/init_weights_update_group``) and broadcasts each flattened bucket while POSTing
   ``/update_weights_from_distributed``.
 - ``"disk"`` (fallback): rank 0 writes a safetensors checkpoint and POSTs
   ``/update_weights_from_disk`` (the servers must see the directory).
 - ``"auto"``: tensor when colocated, distributed otherwise.
+
+Tensor and distributed updates run inside a weight-update session (``POST /begin_weight_update``
+... ``POST /end_weight_update``) on servers that have those endpoints (SGLang >= 0.5.23 requires
+it and answers 400 otherwise); a server answering 404 to ``/begin_weight_update`` (older SGLang)
+is remembered and updated without a session.
+
+CPU servers (``device="cpu"``, or ``"auto"`` without a CUDA device): launched with SGLang's CPU
+engine flags and the import-only stand-ins (``sglang_launch.server_command`` / ``server_env``);
+``release_memory`` / ``resume_memory`` are no-ops (nothing to free, no memory saver on CPU).
 
 Per-token temperatures: SGLang's custom logit processor runs inside the server and cannot return
 data, and the temperature cannot be recovered from the returned log-probs. So ``Sample.temperatures``
@@ -45,13 +55,14 @@ import shutil
 import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from hapo_megatron.rollout import sglang_launch as launch
+from hapo_megatron.rollout import sglang_launch as launcher
 from hapo_megatron.rollout.engine import Sample, SamplingParams, check_prompt_ids
-from hapo_megatron.rollout.sglang_client import SGLangError, SGLangHTTP, ServerHandle
+from hapo_megatron.rollout.sglang_client import EndpointNotFoundError, SGLangError, SGLangHTTP, ServerHandle
 from hapo_megatron.rollout import weight_sync as ws
 
 WEIGHT_SYNC_MODES = ("auto", "tensor", "distributed", "disk")
@@ -167,6 +178,7 @@ class SGLangEngine:
         collective: see the module docstring.
         wait_for_servers: attached servers: wait (up to ``launch_timeout_s``) until they are healthy.
         session: injectable HTTP transport (tests); ``launch=False`` never starts processes.
+        device: where launched servers run: ``"cuda"``, ``"cpu"`` or ``"auto"`` (CUDA when visible).
     """
 
     def __init__(self, *, model_path: Optional[str] = None, server_urls: Sequence[str] = (),
@@ -177,7 +189,8 @@ class SGLangEngine:
                  dtype: Any = torch.bfloat16, launch_timeout_s: float = 900.0, requests_per_call: int = 64,
                  send_sampling_seed: bool = False, disk_sync_dir: Optional[str] = None,
                  log_dir: Optional[str] = None, collective: bool = False, wait_for_servers: bool = True,
-                 session: Any = None, launch: bool = True, group_name: str = "hapo_weight_sync") -> None:
+                 session: Any = None, launch: bool = True, group_name: str = "hapo_weight_sync",
+                 device: str = "auto") -> None:
         if int(bucket_size_mb) < 1 or int(requests_per_call) < 1 or int(server_tp_size) < 1:
             raise ValueError("bucket_size_mb, requests_per_call and server_tp_size must be >= 1")
         self.model_path, self.tokenizer, self.colocate = model_path, tokenizer, bool(colocate)
@@ -188,6 +201,8 @@ class SGLangEngine:
         self.send_sampling_seed = bool(send_sampling_seed)
         self.disk_sync_dir = disk_sync_dir or os.environ.get("HAPO_SGLANG_SYNC_DIR") or None
         self.group_name = group_name
+        self.device = launcher.resolve_device(device)
+        self._has_update_session: dict[str, bool] = {}  # server url -> has /begin_weight_update
         self.dtype = dtype if isinstance(dtype, torch.dtype) else None  # export dtype for the trainer
         self.http = SGLangHTTP(timeout_s=request_timeout_s, max_retries=max_retries, session=session)
         self.collective = bool(collective)
@@ -233,7 +248,7 @@ class SGLangEngine:
         os.makedirs(log_dir, exist_ok=True)
         local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         multi_node = self.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        host = launch.node_ip() if multi_node else "127.0.0.1"
+        host = launcher.node_ip() if multi_node else "127.0.0.1"
         mine: list[tuple[int, ServerHandle]] = []
         for s in range(num_servers):
             if self.colocate and self.world_size > 1:
@@ -249,11 +264,12 @@ class SGLangEngine:
                                  f"{torch.cuda.device_count()}: fewer num_servers, or start servers on the "
                                  "other nodes with `python -m hapo_megatron.rollout.serve` and attach by URL")
             port = port_base + s
-            cmd = launch.server_command(self.model_path, port=port, tp_size=self.tp, base_gpu_id=gpu,
-                                        mem_fraction_static=mem_fraction, dtype=launch.sglang_dtype(dtype),
-                                        enable_memory_saver=self.colocate, extra_args=extra)
-            mine.append((s, launch.start_process(cmd, f"http://{host}:{port}", tp_size=self.tp,
-                                                 log_path=os.path.join(log_dir, f"sglang_server_{s}.log"))))
+            cmd = launcher.server_command(self.model_path, port=port, tp_size=self.tp, base_gpu_id=gpu,
+                                        mem_fraction_static=mem_fraction, dtype=launcher.sglang_dtype(dtype),
+                                        enable_memory_saver=self.colocate, extra_args=extra, device=self.device)
+            mine.append((s, launcher.start_process(cmd, f"http://{host}:{port}", tp_size=self.tp,
+                                                 log_path=os.path.join(log_dir, f"sglang_server_{s}.log"),
+                                                 env=launcher.server_env(cpu=self.device == "cpu"))))
         for _, h in mine:
             self.http.wait_healthy(h, timeout_s)
         urls = {s: h.url for s, h in mine}
@@ -265,13 +281,13 @@ class SGLangEngine:
         return [local.get(s, ServerHandle(url=urls[s], tp_size=self.tp)) for s in range(num_servers)]
 
     def _maybe_launch_router(self, port: int, log_dir: Optional[str], timeout_s: float) -> None:
-        if not launch.router_available():
+        if not launcher.router_available():
             warnings.warn("use_router=True but sglang_router is not installed: round-robin over the servers")
             return
         url = f"http://127.0.0.1:{port}"
         if self.rank == 0:
             log = os.path.join(log_dir, "sglang_router.log") if log_dir else None
-            self.router = launch.start_process(launch.router_command([s.url for s in self.servers], port=port),
+            self.router = launcher.start_process(launcher.router_command([s.url for s in self.servers], port=port),
                                                url, log_path=log)
             self.http.wait_healthy(self.router, timeout_s)
         else:
@@ -346,8 +362,44 @@ class SGLangEngine:
             self._server_groups = groups
         return self._server_groups
 
+    @contextmanager
+    def _update_session(self, servers: Sequence[ServerHandle]):
+        """Open a weight-update session on each of ``servers`` that supports one, close it after
+        (also when the update fails; then a failing close does not hide the first error)."""
+        opened = [srv for srv in servers if self._begin_weight_update(srv)]
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            for srv in opened:
+                try:
+                    _check_success(self.http.request(srv, "/end_weight_update", {}, retries=0),
+                                   f"{srv.url} end_weight_update")
+                except SGLangError:
+                    if ok:
+                        raise
+
+    def _begin_weight_update(self, srv: ServerHandle) -> bool:
+        """``POST /begin_weight_update``; False (remembered) when the server has no such endpoint."""
+        if self._has_update_session.get(srv.url) is False:
+            return False
+        try:
+            answer = self.http.request(srv, "/begin_weight_update", {}, retries=0)
+        except EndpointNotFoundError:
+            self._has_update_session[srv.url] = False
+            return False
+        _check_success(answer, f"{srv.url} begin_weight_update")
+        self._has_update_session[srv.url] = True
+        return True
+
     def _sync_tensor(self, named: Iterable) -> None:
         groups = self._groups_for_tensor_sync()
+        mine = [self.servers[s] for s, (leader, _) in groups.items() if self.rank == leader]
+        with self._update_session(mine):
+            self._send_tensor_buckets(named, groups)
+
+    def _send_tensor_buckets(self, named: Iterable, groups: dict) -> None:
         for bucket, last in ws.with_last(ws.bucket_named_tensors(named, self.bucket_bytes)):
             blob, keepalive = ws.serialize_bucket_for_sglang(bucket)
             for s, (leader, pg) in groups.items():
@@ -361,15 +413,16 @@ class SGLangEngine:
                     per_rank = [None] * self.tp if self.rank == leader else None
                     torch.distributed.gather_object(blob, per_rank, dst=leader, group=pg)
                 if self.rank == leader:
-                    self.http.request(self.servers[s], "/update_weights_from_tensor",
-                                      ws.tensor_update_payload(per_rank, flush_cache=last), retries=0)
+                    _check_success(self.http.request(self.servers[s], "/update_weights_from_tensor",
+                                                     ws.tensor_update_payload(per_rank, flush_cache=last), retries=0),
+                                   f"{self.servers[s].url} update_weights_from_tensor")
                 self._barrier(pg)  # the server has read our IPC handle before we free it
             del keepalive
 
     def _init_nccl_group(self) -> None:
         from sglang.srt.utils import init_custom_process_group
 
-        addr, port = launch.node_ip(), launch.free_port()
+        addr, port = launcher.node_ip(), launcher.free_port()
         world = 1 + sum(s.tp_size for s in self.servers)
         offsets = [1 + sum(s.tp_size for s in self.servers[:i]) for i in range(len(self.servers))]
         with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
@@ -389,6 +442,10 @@ class SGLangEngine:
             return
         if self._nccl_group is None:
             self._init_nccl_group()
+        with self._update_session(self.servers):
+            self._broadcast_buckets(named)
+
+    def _broadcast_buckets(self, named: Iterable) -> None:
         with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
             for bucket, last in ws.with_last(ws.bucket_named_tensors(named, self.bucket_bytes)):
                 flat, _ = ws.flatten_bucket(bucket)
@@ -429,19 +486,19 @@ class SGLangEngine:
         self._barrier()
 
     def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
-        """Colocated: free the servers' GPU memory (weights and KV cache, or ``tags``)."""
-        if self.colocate:
+        """Colocated: free the servers' GPU memory (weights and KV cache, or ``tags``); CPU: no-op."""
+        if self.colocate and self.device == "cuda":
             self._post_to_own_servers("/release_memory_occupation", {"tags": list(tags) if tags else None})
 
     def resume_memory(self, tags: Optional[Sequence[str]] = None) -> None:
         """Colocated: re-allocate what :meth:`release_memory` freed (call before ``update_weights``)."""
-        if self.colocate:
+        if self.colocate and self.device == "cuda":
             self._post_to_own_servers("/resume_memory_occupation", {"tags": list(tags) if tags else None})
 
     def shutdown(self) -> None:
         """Stop the servers (and router) this process launched; attached servers keep running."""
         for h in ([self.router] if self.router is not None else []) + list(self.servers):
-            launch.stop_process(h)
+            launcher.stop_process(h)
         if self._nccl_group is not None:
             try:
                 torch.distributed.destroy_process_group(self._nccl_group)

@@ -30,25 +30,78 @@ def sglang_dtype(dtype: torch.dtype | str) -> str:
     return _DTYPE_NAMES[dtype]
 
 
+#: environment variable naming the directory of the import-only ``sgl_kernel`` / ``torchvision``
+#: stand-ins a CPU server needs (default: ``tools/sglang_cpu_stubs`` of a source checkout)
+CPU_STUBS_ENV = "HAPO_SGLANG_CPU_STUBS"
+#: KV-cache tokens of a CPU server (without the flag SGLang sizes the pool from the machine's RAM)
+CPU_MAX_TOTAL_TOKENS = 8192
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def resolve_device(device: str = "auto") -> str:
+    """``"auto"`` -> ``"cuda"`` when a CUDA device is visible, else ``"cpu"``."""
+    if device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"device must be auto, cuda or cpu, got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def server_command(model_path: str, *, port: int, host: str = "0.0.0.0", tp_size: int = 1,
                    base_gpu_id: int = 0, mem_fraction_static: float = 0.7, dtype: str = "bfloat16",
                    enable_memory_saver: bool = False, skip_tokenizer_init: bool = True,
-                   extra_args: Sequence[str] = (), python: str = sys.executable) -> list[str]:
+                   extra_args: Sequence[str] = (), python: str = sys.executable, device: str = "cuda",
+                   max_total_tokens: int = CPU_MAX_TOTAL_TOKENS) -> list[str]:
     """The ``python -m sglang.launch_server`` command line of one rollout server.
 
     Always passes ``--enable-custom-logit-processor`` (the adaptive-temperature processor).
-    ``enable_memory_saver`` (colocated runs) enables ``/release_memory_occupation``.
+    ``enable_memory_saver`` (colocated GPU runs) enables ``/release_memory_occupation``.
     ``skip_tokenizer_init``: requests and answers are token ids only.
+    ``device="cpu"`` (see :func:`resolve_device`): SGLang's CPU engine flags (``--device cpu
+    --attention-backend torch_native --max-total-tokens``, float32; no memory saver, which needs
+    CUDA); run it with :func:`server_env` ``(cpu=True)``.
     """
+    device = resolve_device(device)
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path),
-           "--host", host, "--port", str(int(port)), "--tp-size", str(int(tp_size)),
-           "--base-gpu-id", str(int(base_gpu_id)), "--mem-fraction-static", str(float(mem_fraction_static)),
-           "--dtype", dtype, "--enable-custom-logit-processor"]
-    if enable_memory_saver:
-        cmd.append("--enable-memory-saver")
+           "--host", host, "--port", str(int(port)), "--tp-size", str(int(tp_size))]
+    if device == "cpu":
+        cmd += ["--device", "cpu", "--attention-backend", "torch_native",
+                "--max-total-tokens", str(int(max_total_tokens)), "--dtype", "float32"]
+    else:
+        cmd += ["--base-gpu-id", str(int(base_gpu_id)), "--mem-fraction-static", str(float(mem_fraction_static)),
+                "--dtype", dtype]
+        if enable_memory_saver:
+            cmd.append("--enable-memory-saver")
+    cmd.append("--enable-custom-logit-processor")
     if skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
     return cmd + [str(a) for a in extra_args]
+
+
+def cpu_stubs_dir() -> Optional[str]:
+    """Directory of the ``sgl_kernel`` / ``torchvision`` stand-ins (``$HAPO_SGLANG_CPU_STUBS``, else
+    ``tools/sglang_cpu_stubs`` next to the ``hapo_megatron`` package), or ``None`` if absent."""
+    path = os.environ.get(CPU_STUBS_ENV) or os.path.join(_PACKAGE_PARENT, "tools", "sglang_cpu_stubs")
+    return path if os.path.isdir(os.path.join(path, "sgl_kernel")) else None
+
+
+def server_env(*, cpu: bool, base: Optional[dict] = None) -> dict:
+    """Environment of a server process: ``base`` (default: ours) with ``hapo_megatron`` importable
+    (the custom logit processor is pickled by reference) and, for a CPU server,
+    ``SGLANG_USE_CPU_ENGINE=1`` (without it ``--device cpu`` takes CUDA paths) plus the
+    import-only stand-ins on ``PYTHONPATH`` (only in the server's environment, never ours)."""
+    env = dict(os.environ if base is None else base)
+    paths = [_PACKAGE_PARENT]
+    if cpu:
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        stubs = cpu_stubs_dir()
+        if stubs is None:
+            raise RuntimeError(f"a CPU SGLang server needs the import-only sgl_kernel/torchvision stand-ins: "
+                               f"set {CPU_STUBS_ENV} to a checkout's tools/sglang_cpu_stubs")
+        paths.insert(0, stubs)
+    old = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in old if p not in paths])
+    return env
 
 
 def router_command(worker_urls: Sequence[str], *, port: int, host: str = "0.0.0.0",
@@ -115,5 +168,5 @@ def stop_process(handle: ServerHandle, timeout_s: float = 30.0) -> None:
         pass
 
 
-__all__ = ["sglang_dtype", "server_command", "router_command", "router_available", "node_ip",
+__all__ = ["sglang_dtype", "server_command", "resolve_device", "server_env", "cpu_stubs_dir", "CPU_STUBS_ENV", "router_command", "router_available", "node_ip",
            "free_port", "start_process", "stop_process"]

@@ -135,20 +135,38 @@ def serialize_bucket_for_sglang(bucket: list[NamedTensor]) -> tuple[str, torch.T
     """One server TP rank's entry of ``serialized_named_tensors`` (needs SGLang), and the
     flattened tensor it refers to, which the caller keeps alive until the server has answered.
 
-    Uses SGLang's own ``FlattenedTensorBucket`` and ``MultiprocessingSerializer`` (the format its
-    ``load_format="flattened_bucket"`` reader expects) after SGLang's torch-reduction patch, which
-    names CUDA devices by UUID so the server maps them correctly (applied only for CUDA buckets:
-    the patch assumes CUDA tensors and would break CPU-tensor pickling in this process).
+    The body is SGLang's own ``FlattenedTensorBucket`` dict (what its ``load_format=
+    "flattened_bucket"`` reader expects), pickled one of two ways:
+
+    - CUDA tensors: ``MultiprocessingSerializer`` (``ForkingPickler``: CUDA-IPC handles, nothing
+      copied) after SGLang's torch-reduction patch, which names devices by UUID so the server maps
+      them correctly (applied only here: the patch assumes CUDA tensors).
+    - CPU tensors: plain ``pickle`` BY VALUE (the bytes travel in the request). ``ForkingPickler``
+      would send shared-memory file descriptors, which a CPU server's scheduler cannot receive
+      (SGLang 0.5.23 died with ``AuthenticationError: digest sent was rejected``). The server's
+      ``SafeUnpickler`` accepts this form: it allows ``torch._utils._rebuild_tensor_v2`` and routes
+      ``torch.storage._load_from_bytes`` to its restricted loader.
     """
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-    if any(t.is_cuda for _, t in bucket):
-        monkey_patch_torch_reductions()
+    on_cuda = any(t.is_cuda for _, t in bucket)
     fb = FlattenedTensorBucket(named_tensors=[(n, t.detach().contiguous()) for n, t in bucket])
     data = {"flattened_tensor": fb.get_flattened_tensor(), "metadata": fb.get_metadata()}
-    return MultiprocessingSerializer.serialize(data, output_str=True), data["flattened_tensor"]
+    if on_cuda:
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()
+        return MultiprocessingSerializer.serialize(data, output_str=True), data["flattened_tensor"]
+    return serialize_by_value(data), data["flattened_tensor"]
+
+
+def serialize_by_value(obj: Any) -> str:
+    """``obj`` pickled with its tensors' bytes inline, base64-encoded (SGLang's HTTP wire form)."""
+    import base64
+    import pickle
+
+    return base64.b64encode(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
 
 
 def write_hf_checkpoint(named_tensors: Iterable[NamedTensor], out_dir: str, *, shard_bytes: int,
@@ -184,4 +202,4 @@ def write_hf_checkpoint(named_tensors: Iterable[NamedTensor], out_dir: str, *, s
 
 __all__ = ["bucket_named_tensors", "with_last", "tensor_nbytes", "dtype_name", "flatten_bucket",
            "unflatten_bucket", "distributed_update_payload", "init_group_payload",
-           "tensor_update_payload", "serialize_bucket_for_sglang", "write_hf_checkpoint"]
+           "tensor_update_payload", "serialize_bucket_for_sglang", "serialize_by_value", "write_hf_checkpoint"]

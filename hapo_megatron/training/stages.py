@@ -188,7 +188,54 @@ def layout(rt: Runtime, batch: RolloutBatch) -> tuple[list[list[dict]], dict[str
                                     micro_batch_size=cfg.parallel.micro_batch_size,
                                     max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
                                     pad_multiple=_pad_multiple(rt)) for idx in minis]
+    for mb in (mb for mini in mbs for mb in mini):  # rows whose engine reported temperatures (HF)
+        mb["engine_reported_temperatures"] = torch.tensor(
+            [i >= 0 and len(batch.temperatures[i]) > 0 for i in mb["seq_index"].tolist()], dtype=torch.bool)
     return mbs, metrics
+
+
+def recompute_temperatures(rt: Runtime, micro_batches: list[dict]) -> dict[str, float]:
+    """Per-token sampling temperatures, recomputed trainer-side for every engine (SGLang cannot
+    report them): the engine's rule ``T = T_base * (1 + tau * h_hat(H))`` applied to the
+    old-policy entropy at T_base (the rollout policy's weights) with the statistics the rollout
+    used (``rt.entropy_stats``, the previous step's); plain ``T_base`` when the rollout was not
+    adaptive. Replaces ``mb["temperatures"]``; returns token sums for the metrics, including the
+    absolute difference to the engine's own values where it reported them."""
+    from hapo_megatron.algo import normalize_entropy
+    from hapo_megatron.rollout.engine import SamplingParams
+    params = SamplingParams.from_config(rt.cfg.rollout, rt.cfg.algo, entropy_stats=rt.entropy_stats)
+    t_base = float(params.temperature)
+    sums = {"t_n": 0.0, "t_sum": 0.0, "t_sq": 0.0, "t_diff": 0.0, "t_diff_n": 0.0}
+    for mb in micro_batches:
+        mask = mb["loss_mask"] != 0
+        ent = mb["old_entropy"].float()
+        temps = torch.full_like(ent, t_base)
+        if params.uses_adaptive:
+            h_hat = normalize_entropy(ent, params.entropy_stats, params.h_hat_mode)
+            temps = t_base * (1.0 + params.temperature_tau * h_hat.float())
+        temps = torch.where(mask, temps, torch.ones_like(temps))
+        reported = mb.get("engine_reported_temperatures")
+        if reported is not None:
+            both = mask & reported.unsqueeze(-1)
+            sums["t_diff"] += float(((temps - mb["temperatures"]).abs() * both).sum())
+            sums["t_diff_n"] += float(both.sum())
+        mb["temperatures"] = temps
+        sums["t_n"] += float(mask.sum())
+        sums["t_sum"] += float((temps * mask).sum())
+        sums["t_sq"] += float((temps.double() ** 2 * mask).sum())
+    return sums
+
+
+def _temperature_metrics(tot: dict[str, float]) -> dict[str, float]:
+    n = tot.get("t_n", 0.0)
+    if not n:
+        return {}
+    mean = tot["t_sum"] / n
+    out = {"rollout/temperature_mean": mean,
+           "rollout/temperature_std": math.sqrt(max(tot["t_sq"] / n - mean ** 2, 0.0))}
+    if tot.get("t_diff_n"):
+        out["rollout/temperature_engine_abs_diff"] = tot["t_diff"] / tot["t_diff_n"]
+    return out
 
 
 def old_logprob_pass(rt: Runtime, minis: list[list[dict]]):
@@ -213,7 +260,8 @@ def old_logprob_pass(rt: Runtime, minis: list[list[dict]]):
         stats = global_entropy_stats(ent, mask, group=g.dp, entropy_pivot=cfg.algo.entropy_pivot)
         diff = sum(float(((mb["old_logprobs"] - mb["rollout_logprobs"]).abs() * mb["loss_mask"]).sum())
                    for mb in all_mbs)
-        sums = {"n": float(mask.sum()), "ent": float((ent * mask).sum()), "diff": diff}
+        sums = {"n": float(mask.sum()), "ent": float((ent * mask).sum()), "diff": diff,
+                **recompute_temperatures(rt, all_mbs)}
         if cfg.algo.old_logprob_source == "rollout":
             for mb in all_mbs:  # keep the recomputed ones: the diagnostics' first-update ratio
                 mb["recomputed_logprobs"] = mb["old_logprobs"]
@@ -225,7 +273,7 @@ def old_logprob_pass(rt: Runtime, minis: list[list[dict]]):
     tot = sum_metrics_across_ranks(sums, contribute=rt.contributes_metrics and g.is_pipeline_last)
     n = max(tot.get("n", 0.0), 1.0)
     metrics = {"entropy/mean": tot.get("ent", 0.0) / n, "rollout/logprob_abs_diff": tot.get("diff", 0.0) / n,
-               **{f"entropy/{k}": float(v) for k, v in stats.to_dict().items()}}
+               **{f"entropy/{k}": float(v) for k, v in stats.to_dict().items()}, **_temperature_metrics(tot)}
     return stats, metrics
 
 

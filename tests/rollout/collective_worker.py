@@ -26,7 +26,7 @@ def collective_worker(rank, world_size, tmp_dir):
     # one colocated server with tp=2 spanning both ranks: tensor sync gathers both ranks' handles
     sess = FakeSession()
     eng = se.SGLangEngine(server_urls=URLS[:1], server_tp_size=2, colocate=True, weight_sync="tensor",
-                          session=sess, launch=False, bucket_size_mb=1, collective=True)
+                          session=sess, launch=False, bucket_size_mb=1, collective=True, device="cuda")
     eng.bucket_bytes = 64 * 32 * 2
     samples = eng.generate([[10], [20]], SamplingParams(n=2, max_new_tokens=3))
     out["samples"] = [[s.response_ids for s in g] for g in samples]
@@ -54,7 +54,7 @@ def collective_worker(rank, world_size, tmp_dir):
     if rank == 0:
         sess3 = FakeSession()
         eng3 = se.SGLangEngine(server_urls=URLS[:1], server_tp_size=2, colocate=True, weight_sync="tensor",
-                               session=sess3, launch=False)
+                               session=sess3, launch=False, device="cuda")
         eng3.bucket_bytes = 64 * 32 * 2
         eng3.generate([[10]], SamplingParams(n=1, max_new_tokens=2))
         eng3.update_weights(iter(named_weights()))

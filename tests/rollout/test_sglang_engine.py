@@ -225,16 +225,21 @@ def test_tensor_sync_single_process_payloads():
 
 def test_release_resume_only_when_colocated():
     sess = FakeSession()
-    eng = engine(sess, colocate=True, weight_sync="disk")
+    eng = engine(sess, colocate=True, weight_sync="disk", device="cuda")
     eng.release_memory()
     eng.resume_memory(tags=["weights"])
     assert [b for _, b in sess.posts("/release_memory_occupation")] == [{"tags": None}] * 2
     assert [b for _, b in sess.posts("/resume_memory_occupation")] == [{"tags": ["weights"]}] * 2
     sess2 = FakeSession()
-    eng2 = engine(sess2, colocate=False)
+    eng2 = engine(sess2, colocate=False, device="cuda")
     eng2.release_memory()
     eng2.resume_memory()
     assert [c for c in sess2.calls if c[0] == "POST"] == []
+    sess3 = FakeSession()  # CPU servers: nothing to free, no memory saver -> no request at all
+    eng3 = engine(sess3, colocate=True, device="cpu")
+    eng3.release_memory()
+    eng3.resume_memory()
+    assert [c for c in sess3.calls if c[0] == "POST"] == []
 
 
 # ---------------------------------------------------------------- config, launch commands
