@@ -194,12 +194,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"config saved to {save_config(cfg, os.path.join(cfg.trainer.run_dir, 'config.yaml'))}", flush=True)
     import torch.distributed as dist
 
+    from hapo_megatron.rollout.sglang_client import SGLangError
     from hapo_megatron.training.trainer import TrainingStopped, fit
     try:
         fit(cfg, tokenizer=tokenizer, datasets=datasets)
     except TrainingStopped as e:
         if rank == 0:
             print(f"hapo train: stopped: {e}", file=sys.stderr, flush=True)
+        return 1
+    except SGLangError as e:  # rank 0 only (it drives the engine); torchrun then ends the others
+        print(f"hapo train: stopped: the SGLang rollout engine failed (checkpoints saved so far are kept): {e}",
+              file=sys.stderr, flush=True)
         return 1
     if dist.is_initialized() and "RANK" in os.environ:
         dist.barrier()

@@ -34,6 +34,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--advertise-host", default=None, help="host in the printed URLs (default: this node's IP)")
     p.add_argument("--mem-fraction-static", type=float, default=0.7)
     p.add_argument("--dtype", default="bf16")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                   help="cpu: SGLang's CPU engine (float32, import-only stand-ins); auto: cuda when visible")
     p.add_argument("--colocate", action="store_true", help="enable release/resume of GPU memory")
     p.add_argument("--log-dir", default="sglang_logs")
     p.add_argument("--url-file", default=None, help="also write the URLs to this file")
@@ -54,14 +56,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     host = a.advertise_host or launch.node_ip()
     http = SGLangHTTP(timeout_s=30)
     servers = []
+    device = launch.resolve_device(a.device)
     for i in range(a.num_servers):
         port = a.port_base + i
         cmd = launch.server_command(a.model_path, port=port, host=a.host, tp_size=a.tp_size,
                                     base_gpu_id=a.base_gpu_id + i * a.tp_size,
                                     mem_fraction_static=a.mem_fraction_static, dtype=launch.sglang_dtype(a.dtype),
-                                    enable_memory_saver=a.colocate, extra_args=a.extra)
+                                    enable_memory_saver=a.colocate, extra_args=a.extra, device=device)
         servers.append(launch.start_process(cmd, f"http://{host}:{port}", tp_size=a.tp_size,
-                                            log_path=os.path.join(a.log_dir, f"sglang_server_{i}.log")))
+                                            log_path=os.path.join(a.log_dir, f"sglang_server_{i}.log"),
+                                            env=launch.server_env(cpu=device == "cpu")))
 
     def stop_all() -> None:
         for s in servers:

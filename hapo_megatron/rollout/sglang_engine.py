@@ -50,6 +50,7 @@ top-k/top-p renormalisation.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -224,6 +225,7 @@ class SGLangEngine:
             self.servers = self._launch_servers(int(num_servers), mem_fraction_static, dtype,
                                                 list(extra_server_args), int(port_base),
                                                 float(launch_timeout_s), log_dir)
+        atexit.register(self.shutdown)  # launched servers run in their own sessions: never leave them behind
         if use_router:
             self._maybe_launch_router(int(port_base) + len(self.servers) + 97, log_dir, float(launch_timeout_s))
         if self.weight_sync == "tensor" and self.world_size > 1 and self.world_size != len(self.servers) * self.tp:
@@ -270,8 +272,13 @@ class SGLangEngine:
             mine.append((s, launcher.start_process(cmd, f"http://{host}:{port}", tp_size=self.tp,
                                                  log_path=os.path.join(log_dir, f"sglang_server_{s}.log"),
                                                  env=launcher.server_env(cpu=self.device == "cpu"))))
-        for _, h in mine:
-            self.http.wait_healthy(h, timeout_s)
+        try:
+            for _, h in mine:
+                self.http.wait_healthy(h, timeout_s)
+        except BaseException:  # no engine object will exist to shut them down later
+            for _, h in mine:
+                launcher.stop_process(h)
+            raise
         urls = {s: h.url for s, h in mine}
         if self.world_size > 1:
             gathered: list = [None] * self.world_size

@@ -35,6 +35,8 @@ def sglang_dtype(dtype: torch.dtype | str) -> str:
 CPU_STUBS_ENV = "HAPO_SGLANG_CPU_STUBS"
 #: KV-cache tokens of a CPU server (without the flag SGLang sizes the pool from the machine's RAM)
 CPU_MAX_TOTAL_TOKENS = 8192
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -91,6 +93,10 @@ def server_env(*, cpu: bool, base: Optional[dict] = None) -> dict:
     ``SGLANG_USE_CPU_ENGINE=1`` (without it ``--device cpu`` takes CUDA paths) plus the
     import-only stand-ins on ``PYTHONPATH`` (only in the server's environment, never ours)."""
     env = dict(os.environ if base is None else base)
+    for name in _LAUNCHER_VARS:  # torchrun's rendezvous variables would make the server's own
+        env.pop(name, None)      # torch.distributed init wait for the trainer's ranks forever
+    for name in [k for k in env if k.startswith("TORCHELASTIC_")]:
+        env.pop(name)
     paths = [_PACKAGE_PARENT]
     if cpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"

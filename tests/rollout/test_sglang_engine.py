@@ -291,3 +291,61 @@ def test_collective_generate_and_weight_sync_on_two_ranks(tmp_path):
     assert (r0["disk_posts"], r1["disk_posts"]) == (2, 0)
     assert r0["drained"] == r1["drained"] == len(names)
     assert r0["solo_tensor_posts"] == [[f"rank0:{n}"] * 2 for n in names]  # same handle for both TP ranks
+
+
+# ---------------------------------------------------------------- weight-update sessions (SGLang >= 0.5.23)
+def _post_paths(sess):
+    return ["/" + u.split("/", 3)[-1] for m, u, _ in sess.calls if m == "POST"]
+
+
+@pytest.mark.skipif(not SGLANG_AVAILABLE, reason="sglang not installed")
+def test_tensor_sync_runs_inside_a_weight_update_session():
+    sess = FakeSession()
+    eng = engine(sess, server_urls=URLS[:1], colocate=True, weight_sync="tensor")
+    eng.bucket_bytes = 64 * 32 * 2
+    eng.update_weights(iter(named_weights()))
+    paths = _post_paths(sess)
+    assert paths[0] == "/begin_weight_update" and paths[-1] == "/end_weight_update"
+    assert set(paths[1:-1]) == {"/update_weights_from_tensor"} and len(paths) > 3
+
+
+@pytest.mark.skipif(not SGLANG_AVAILABLE, reason="sglang not installed")
+def test_server_without_session_endpoints_is_updated_without_them():
+    sess = FakeSession(failures={"/begin_weight_update": [404]})  # an older SGLang
+    eng = engine(sess, server_urls=URLS[:1], colocate=True, weight_sync="tensor")
+    eng.update_weights(iter(named_weights()))
+    eng.update_weights(iter(named_weights()))
+    paths = _post_paths(sess)
+    assert paths.count("/begin_weight_update") == 1  # detected once, remembered
+    assert "/end_weight_update" not in paths and paths.count("/update_weights_from_tensor") == 2
+
+
+@pytest.mark.skipif(not SGLANG_AVAILABLE, reason="sglang not installed")
+def test_refused_update_names_server_endpoint_and_status_and_closes_the_session():
+    sess = FakeSession(failures={"/update_weights_from_tensor": [400]})
+    eng = engine(sess, server_urls=URLS[:1], colocate=True, weight_sync="tensor")
+    with pytest.raises(SGLangError, match=r"http://a:1 refused POST /update_weights_from_tensor: HTTP 400"):
+        eng.update_weights(iter(named_weights()))
+    assert _post_paths(sess)[-1] == "/end_weight_update"  # not left open
+
+
+def test_distributed_sync_runs_inside_a_session(monkeypatch):
+    sess = FakeSession()
+    eng = engine(sess, weight_sync="distributed")
+    eng._nccl_group, eng._sync_device = "fake-group", "cpu"
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda t, group=None, group_src=None: None)
+    eng.update_weights(iter(named_weights()))
+    paths = _post_paths(sess)
+    assert paths[:2] == ["/begin_weight_update"] * 2 and paths[-2:] == ["/end_weight_update"] * 2
+
+
+def test_cpu_payload_is_pickled_by_value_and_accepted_by_sglangs_safe_unpickler():
+    pytest.importorskip("sglang.srt.utils")
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    from hapo_megatron.rollout import weight_sync as ws
+
+    blob, _ = ws.serialize_bucket_for_sglang(named_weights())
+    data = MultiprocessingSerializer.deserialize(blob)  # the server's SafeUnpickler
+    assert torch.equal(data["flattened_tensor"], torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named_weights()]))
+    assert [m.name for m in data["metadata"]] == [n for n, _ in named_weights()]

@@ -1,0 +1,58 @@
+"""Trainer-side per-token temperatures (stages.recompute_temperatures): the engine's rule applied
+to the old-policy entropy, for every engine; the mismatch against engine-reported values."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hapo_megatron.algo import EntropyStats
+from hapo_megatron.config import AlgoConfig, RolloutConfig
+from hapo_megatron.training import stages
+
+STATS = EntropyStats(pivot=1.0, std=0.5, pos_max=2.0, neg_min=-2.0)  # of log-entropies
+
+
+def _rt(stats, *, adaptive=True, tau=0.2, t_base=0.8, mode="signed"):
+    cfg = SimpleNamespace(rollout=RolloutConfig(temperature=t_base),
+                          algo=AlgoConfig(adaptive_temperature=adaptive, temperature_tau=tau, h_hat_mode=mode))
+    return SimpleNamespace(cfg=cfg, entropy_stats=stats)
+
+
+def _mb():
+    ent = torch.tensor([[0.2, 1.0, 3.5, 9.0], [2.0, 0.1, 0.0, 0.0]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.float32)
+    engine = torch.ones(2, 4)
+    engine[0, 1:] = torch.tensor([0.7, 0.9, 0.8])  # row 0: the engine reported these
+    return {"old_entropy": ent, "loss_mask": mask, "temperatures": engine,
+            "engine_reported_temperatures": torch.tensor([True, False])}
+
+
+def _hand(h, t_base=0.8, tau=0.2, pivot=1.0, std=0.5, pos_max=2.0, neg_min=-2.0):
+    z = (math.log(max(h, 1e-8)) - pivot) / std  # statistics live in log-entropy space
+    h_hat = z / pos_max if z > 0 else z / abs(neg_min)  # signed mode
+    return t_base * (1 + tau * max(-1.0, min(1.0, h_hat)))
+
+
+def test_adaptive_temperatures_recomputed_from_old_entropy():
+    mb = _mb()
+    sums = stages.recompute_temperatures(_rt(STATS), [mb])
+    want = torch.ones(2, 4)
+    for r, c in [(0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]:
+        want[r, c] = _hand(float(mb["old_entropy"][r, c]))
+    assert torch.allclose(mb["temperatures"], want, atol=1e-6)
+    assert sums["t_n"] == 5 and sums["t_sum"] == pytest.approx(float(want[mb["loss_mask"] != 0].sum()), abs=1e-5)
+    engine = torch.tensor([0.7, 0.9, 0.8])
+    assert sums["t_diff_n"] == 3  # only row 0 reported temperatures
+    assert sums["t_diff"] == pytest.approx(float((want[0, 1:] - engine).abs().sum()), abs=1e-5)
+    m = stages._temperature_metrics(sums)
+    assert m["rollout/temperature_std"] > 0.01 and m["rollout/temperature_engine_abs_diff"] > 0
+
+
+@pytest.mark.parametrize("kw,stats", [({"adaptive": False}, STATS), ({}, None), ({"tau": 0.0}, STATS)])
+def test_non_adaptive_rollouts_get_t_base(kw, stats):
+    mb = _mb()
+    stages.recompute_temperatures(_rt(stats, **kw), [mb])
+    mask = mb["loss_mask"] != 0
+    assert torch.allclose(mb["temperatures"][mask], torch.tensor(0.8)) and bool(torch.all(mb["temperatures"][~mask] == 1))
