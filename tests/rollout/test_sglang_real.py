@@ -123,8 +123,8 @@ def _train_and_sync_worker(rank, world, url, model_dir, sync_dir):
         named, kept = actor.export_hf_weights(), []
 
         def keep(stream):
-            for name, t in stream:
-                kept.append((name, t.detach().clone()))
+            for name, t in stream:  # numpy: tensors through a multiprocessing queue would travel
+                kept.append((name, t.detach().numpy().copy()))  # as fds of a process that exits
                 yield name, t
         if eng is not None:
             eng.update_weights(keep(named))
@@ -145,7 +145,7 @@ def test_megatron_actor_weights_reach_the_server(real_server, real_model_dir, tm
     initial = hf_model(None, real_model_dir)
     before = hf_greedy(initial, PROMPTS, 8)
     for mode in ("tensor", "disk"):
-        trained = hf_model(r0[mode]["weights"], real_model_dir)
+        trained = hf_model([(n, torch.from_numpy(w)) for n, w in r0[mode]["weights"]], real_model_dir)
         want = hf_greedy(trained, PROMPTS, 8)
         assert want != before, "training did not change the greedy continuations: the check would be vacuous"
         assert r0[mode]["greedy"] == want, mode
