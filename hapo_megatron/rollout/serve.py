@@ -30,8 +30,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--base-gpu-id", type=int, default=0)
     p.add_argument("--port-base", type=int, default=30000)
-    p.add_argument("--host", default="0.0.0.0", help="bind address")
-    p.add_argument("--advertise-host", default=None, help="host in the printed URLs (default: this node's IP)")
+    p.add_argument("--host", default=None,
+                   help="bind address (default: this node's address on the interface toward other nodes; "
+                        "127.0.0.1 for a trainer on the same node; never 0.0.0.0 unless asked)")
+    p.add_argument("--advertise-host", default=None, help="host in the printed URLs (default: the bind address)")
     p.add_argument("--mem-fraction-static", type=float, default=0.7)
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
@@ -53,13 +55,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = parse_args(argv)
     os.makedirs(a.log_dir, exist_ok=True)
-    host = a.advertise_host or launch.node_ip()
+    bind = a.host or launch.node_ip()
+    host = a.advertise_host or bind
     http = SGLangHTTP(timeout_s=30)
     servers = []
     device = launch.resolve_device(a.device)
     for i in range(a.num_servers):
         port = a.port_base + i
-        cmd = launch.server_command(a.model_path, port=port, host=a.host, tp_size=a.tp_size,
+        cmd = launch.server_command(a.model_path, port=port, host=bind, tp_size=a.tp_size,
                                     base_gpu_id=a.base_gpu_id + i * a.tp_size,
                                     mem_fraction_static=a.mem_fraction_static, dtype=launch.sglang_dtype(a.dtype),
                                     enable_memory_saver=a.colocate, extra_args=a.extra, device=device)

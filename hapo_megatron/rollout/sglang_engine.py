@@ -250,6 +250,7 @@ class SGLangEngine:
         os.makedirs(log_dir, exist_ok=True)
         local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         multi_node = self.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        # bind no wider than the job needs: loopback on one node, the node's address across nodes
         host = launcher.node_ip() if multi_node else "127.0.0.1"
         mine: list[tuple[int, ServerHandle]] = []
         for s in range(num_servers):
@@ -266,7 +267,7 @@ class SGLangEngine:
                                  f"{torch.cuda.device_count()}: fewer num_servers, or start servers on the "
                                  "other nodes with `python -m hapo_megatron.rollout.serve` and attach by URL")
             port = port_base + s
-            cmd = launcher.server_command(self.model_path, port=port, tp_size=self.tp, base_gpu_id=gpu,
+            cmd = launcher.server_command(self.model_path, port=port, host=host, tp_size=self.tp, base_gpu_id=gpu,
                                         mem_fraction_static=mem_fraction, dtype=launcher.sglang_dtype(dtype),
                                         enable_memory_saver=self.colocate, extra_args=extra, device=self.device)
             mine.append((s, launcher.start_process(cmd, f"http://{host}:{port}", tp_size=self.tp,

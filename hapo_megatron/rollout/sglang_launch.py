@@ -49,14 +49,16 @@ def resolve_device(device: str = "auto") -> str:
     return device
 
 
-def server_command(model_path: str, *, port: int, host: str = "0.0.0.0", tp_size: int = 1,
+def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp_size: int = 1,
                    base_gpu_id: int = 0, mem_fraction_static: float = 0.7, dtype: str = "bfloat16",
                    enable_memory_saver: bool = False, skip_tokenizer_init: bool = True,
                    extra_args: Sequence[str] = (), python: str = sys.executable, device: str = "cuda",
                    max_total_tokens: int = CPU_MAX_TOTAL_TOKENS) -> list[str]:
     """The ``python -m sglang.launch_server`` command line of one rollout server.
 
-    Always passes ``--enable-custom-logit-processor`` (the adaptive-temperature processor).
+    Always passes ``--enable-custom-logit-processor`` (the adaptive-temperature processor), which
+    lets any client that reaches the port run code in the server: ``host`` (the bind address)
+    defaults to the loopback address; bind a node's address only when other nodes must reach it.
     ``enable_memory_saver`` (colocated GPU runs) enables ``/release_memory_occupation``.
     ``skip_tokenizer_init``: requests and answers are token ids only.
     ``device="cpu"`` (see :func:`resolve_device`): SGLang's CPU engine flags (``--device cpu
@@ -110,7 +112,7 @@ def server_env(*, cpu: bool, base: Optional[dict] = None) -> dict:
     return env
 
 
-def router_command(worker_urls: Sequence[str], *, port: int, host: str = "0.0.0.0",
+def router_command(worker_urls: Sequence[str], *, port: int, host: str = "127.0.0.1",
                    policy: str = "cache_aware", python: str = sys.executable) -> list[str]:
     """The ``python -m sglang_router.launch_router`` command line over ``worker_urls``."""
     if not worker_urls:

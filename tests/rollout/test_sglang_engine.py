@@ -349,3 +349,28 @@ def test_cpu_payload_is_pickled_by_value_and_accepted_by_sglangs_safe_unpickler(
     data = MultiprocessingSerializer.deserialize(blob)  # the server's SafeUnpickler
     assert torch.equal(data["flattened_tensor"], torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named_weights()]))
     assert [m.name for m in data["metadata"]] == [n for n, _ in named_weights()]
+
+
+# ---------------------------------------------------------------- bind policy (issue 15, part 1)
+def test_launched_servers_bind_loopback_on_one_node(monkeypatch, tmp_path):
+    from hapo_megatron.rollout import sglang_launch
+
+    started = []
+
+    def fake_start(cmd, url, **kw):
+        started.append((cmd, url, kw["env"]))
+        return ServerHandle(url=url)
+
+    monkeypatch.setattr(sglang_launch, "start_process", fake_start)
+    monkeypatch.setenv("RANK", "0")  # as under torchrun: must not reach the server
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    se.SGLangEngine(model_path=str(tmp_path), num_servers=2, session=FakeSession(), log_dir=str(tmp_path),
+                    port_base=31000, device="cpu", weight_sync="disk")
+    assert [url for _, url, _ in started] == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"]
+    for cmd, _, env in started:
+        assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and "0.0.0.0" not in cmd
+        assert env["SGLANG_USE_CPU_ENGINE"] == "1" and "--device" in cmd and "torch_native" in cmd
+        assert "RANK" not in env and "MASTER_PORT" not in env
+    assert server_command("/m", port=1)[server_command("/m", port=1).index("--host") + 1] == "127.0.0.1"
+    r = router_command(URLS, port=2)
+    assert r[r.index("--host") + 1] == "127.0.0.1"
