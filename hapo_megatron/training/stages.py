@@ -199,8 +199,9 @@ def recompute_temperatures(rt: Runtime, micro_batches: list[dict]) -> dict[str, 
     report them): the engine's rule ``T = T_base * (1 + tau * h_hat(H))`` applied to the
     old-policy entropy at T_base (the rollout policy's weights) with the statistics the rollout
     used (``rt.entropy_stats``, the previous step's); plain ``T_base`` when the rollout was not
-    adaptive. Replaces ``mb["temperatures"]``; returns token sums for the metrics, including the
-    absolute difference to the engine's own values where it reported them."""
+    adaptive. ``mb["temperatures"]`` keeps the engine's own values where it reported them (what was
+    really used; HF engine) and gets the recomputed ones elsewhere (SGLang); returns token sums for
+    the metrics, including the absolute difference between the two where both exist."""
     from hapo_megatron.algo import normalize_entropy
     from hapo_megatron.rollout.engine import SamplingParams
     params = SamplingParams.from_config(rt.cfg.rollout, rt.cfg.algo, entropy_stats=rt.entropy_stats)
@@ -219,6 +220,7 @@ def recompute_temperatures(rt: Runtime, micro_batches: list[dict]) -> dict[str, 
             both = mask & reported.unsqueeze(-1)
             sums["t_diff"] += float(((temps - mb["temperatures"]).abs() * both).sum())
             sums["t_diff_n"] += float(both.sum())
+            temps = torch.where(both, mb["temperatures"], temps)
         mb["temperatures"] = temps
         sums["t_n"] += float(mask.sum())
         sums["t_sum"] += float((temps * mask).sum())

@@ -41,9 +41,12 @@ def test_adaptive_temperatures_recomputed_from_old_entropy():
     want = torch.ones(2, 4)
     for r, c in [(0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]:
         want[r, c] = _hand(float(mb["old_entropy"][r, c]))
-    assert torch.allclose(mb["temperatures"], want, atol=1e-6)
-    assert sums["t_n"] == 5 and sums["t_sum"] == pytest.approx(float(want[mb["loss_mask"] != 0].sum()), abs=1e-5)
     engine = torch.tensor([0.7, 0.9, 0.8])
+    # row 1 (no engine values, e.g. SGLang) gets the recomputed ones; row 0 keeps what the engine used
+    assert torch.allclose(mb["temperatures"][1], want[1], atol=1e-6)
+    assert torch.equal(mb["temperatures"][0, 1:], engine) and mb["temperatures"][0, 0] == 1
+    used = torch.cat([engine, want[1, :2]])
+    assert sums["t_n"] == 5 and sums["t_sum"] == pytest.approx(float(used.sum()), abs=1e-5)
     assert sums["t_diff_n"] == 3  # only row 0 reported temperatures
     assert sums["t_diff"] == pytest.approx(float((want[0, 1:] - engine).abs().sum()), abs=1e-5)
     m = stages._temperature_metrics(sums)
@@ -53,6 +56,7 @@ def test_adaptive_temperatures_recomputed_from_old_entropy():
 @pytest.mark.parametrize("kw,stats", [({"adaptive": False}, STATS), ({}, None), ({"tau": 0.0}, STATS)])
 def test_non_adaptive_rollouts_get_t_base(kw, stats):
     mb = _mb()
+    mb["engine_reported_temperatures"] = torch.tensor([False, False])  # an engine like SGLang
     stages.recompute_temperatures(_rt(stats, **kw), [mb])
     mask = mb["loss_mask"] != 0
     assert torch.allclose(mb["temperatures"][mask], torch.tensor(0.8)) and bool(torch.all(mb["temperatures"][~mask] == 1))
