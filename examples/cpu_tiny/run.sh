@@ -11,26 +11,4 @@ cd "$(dirname "$0")/../.."
 DATA=runs/cpu_tiny_data
 python examples/cpu_tiny/prepare.py --out "$DATA"
 
-# A preset other than hapo gets its own run directory unless the caller names one.
-preset=hapo
-args=("$@")
-for ((i = 0; i < ${#args[@]}; i++)); do
-    case "${args[$i]}" in
-        --preset) preset="${args[$((i + 1))]:-hapo}" ;;
-        --preset=*) preset="${args[$i]#--preset=}" ;;
-    esac
-done
-# SGLang rollouts get their own run directory too (the server is launched on rank 0's node with
-# SGLang's CPU flags; see docs/troubleshooting.md "SGLang on CPU").
-suffix=""
-if [[ " $* " == *" rollout.engine=sglang "* ]]; then
-    suffix=_sglang
-fi
-extra=()
-if [[ " $* " != *" trainer.experiment_name="* && " $* " != *" trainer.run_dir="* ]]; then
-    extra+=("trainer.experiment_name=cpu_tiny_${preset//+/_}${suffix}")
-fi
-
-export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
-exec torchrun --standalone --nproc-per-node "${NPROC:-2}" -m hapo_megatron.train \
-    --config examples/cpu_tiny/config.yaml ${extra[@]+"${extra[@]}"} "$@"
+exec bash examples/lib/train_cpu_example.sh cpu_tiny "$@"

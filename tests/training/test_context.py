@@ -10,14 +10,9 @@ import pytest
 from hapo_megatron.config import HapoConfig
 from hapo_megatron.train import main, preflight
 from hapo_megatron.training.context import apply_context_override, check_sequence_fits, sglang_context_args
-from tests.training.tiny_setup import ROOT, prepare_tiny, tiny_overrides
+from tests.training.tiny_setup import ROOT, tiny_overrides
 
 CONFIG = os.path.join(ROOT, "examples", "cpu_tiny", "config.yaml")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return prepare_tiny(str(tmp_path_factory.mktemp("tiny")), n_train=40, n_val=4)  # 256 positions
 
 
 def _cfg(prompt, response, override=None):

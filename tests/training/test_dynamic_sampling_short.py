@@ -5,23 +5,11 @@ optimizer steps that ran."""
 import math
 import os
 
-import pytest
-
 from tests.distributed import run_distributed
-from tests.training.tiny_setup import ROOT, prepare_tiny, tiny_overrides
+from tests.training.tiny_setup import ROOT, tiny_overrides, train_main
 
 CONFIG = os.path.join(ROOT, "examples", "cpu_tiny", "config.yaml")
 BATCH, MINI, SFT = 8, 2, 3
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return prepare_tiny(str(tmp_path_factory.mktemp("tiny")), n_train=40, n_val=4)
-
-
-def _train(rank, world, argv):
-    from hapo_megatron.train import main
-    return main(argv)
 
 
 def test_short_batches_train_on_what_was_kept_and_the_schedule_counts_real_steps(tiny, tmp_path):
@@ -35,7 +23,7 @@ def test_short_batches_train_on_what_was_kept_and_the_schedule_counts_real_steps
         "trainer.save_interval": 3, "trainer.val_at_end": "false", "algo.filter_groups": "true",
         "algo.filter_groups_metric": "score", "algo.max_num_gen_batches": 1,
         "reward.reward_fn": "tests.training.parity_reward:score", "reward.overlong_buffer_enable": "false"})]
-    assert run_distributed(_train, 1, argv, timeout=600) == [0]
+    assert run_distributed(train_main, 1, argv, timeout=600) == [0]
     recs = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "batch/num_groups" in r]
     assert [r["step"] for r in recs] == [1, 2, 3]
     for r in recs:

@@ -7,23 +7,11 @@ Dropping `h_hat_mode` on its way to the loss or to the sampler fails this test."
 
 import os
 
-import pytest
-
 from tests.distributed import run_distributed
-from tests.training.tiny_setup import ROOT, prepare_tiny, tiny_overrides
+from tests.training.tiny_setup import ROOT, tiny_overrides, train_main
 
 CONFIG = os.path.join(ROOT, "examples", "cpu_tiny", "config.yaml")
 T_BASE = 1.0
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return prepare_tiny(str(tmp_path_factory.mktemp("tiny")), n_train=40, n_val=4)
-
-
-def _train(rank, world, argv):
-    from hapo_megatron.train import main
-    return main(argv)
 
 
 def test_reference_mode_reaches_rollout_temperatures_and_loss(tiny, tmp_path):
@@ -35,7 +23,7 @@ def test_reference_mode_reaches_rollout_temperatures_and_loss(tiny, tmp_path):
         "parallel.tensor_model_parallel_size": 1, "trainer.total_steps": 2, "trainer.save_interval": 0,
         "trainer.val_at_end": "false", "logging.save_rollouts_interval": 1, "rollout.temperature": T_BASE,
         "algo.h_hat_mode": "reference", "algo.temperature_tau": 0.5, "algo.entropy_pivot": 0.5})]
-    assert run_distributed(_train, 1, argv, timeout=600) == [0]
+    assert run_distributed(train_main, 1, argv, timeout=600) == [0]
     recs = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "loss/high_entropy_frac" in r]
     assert [r["step"] for r in recs] == [1, 2]
     for r in recs:  # signed mode with pivot 0.5 would give about 0.5

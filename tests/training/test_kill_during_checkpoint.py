@@ -9,19 +9,9 @@ import pytest
 import torch.multiprocessing as mp
 
 from tests.distributed import _worker, free_port, run_distributed
-from tests.training.tiny_setup import ROOT, prepare_tiny, tiny_overrides
+from tests.training.tiny_setup import ROOT, tiny_overrides, train_main
 
 CONFIG = os.path.join(ROOT, "examples", "cpu_tiny", "config.yaml")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return prepare_tiny(str(tmp_path_factory.mktemp("tiny")), n_train=40, n_val=4)
-
-
-def _train(rank, world, argv):
-    from hapo_megatron.train import main
-    return main(argv)
 
 
 def _train_and_hang_in_save(rank, world, argv, hang_in, marker):
@@ -37,7 +27,7 @@ def _train_and_hang_in_save(rank, world, argv, hang_in, marker):
             time.sleep(3600)
 
     MegatronActor.save = save
-    return _train(rank, world, argv)
+    return train_main(rank, world, argv)
 
 
 def test_sigkill_during_checkpoint_write_then_resume(tiny, tmp_path):
@@ -64,7 +54,7 @@ def test_sigkill_during_checkpoint_write_then_resume(tiny, tmp_path):
     assert open(os.path.join(ckpts, "latest")).read().strip() == "step_000002"
     assert not os.path.exists(os.path.join(ckpts, "step_000004"))  # only its unfinished .tmp- dir
 
-    assert run_distributed(_train, 1, argv + ["--resume", "auto"], timeout=600) == [0]
+    assert run_distributed(train_main, 1, argv + ["--resume", "auto"], timeout=600) == [0]
     assert open(os.path.join(ckpts, "latest")).read().strip() == "step_000004"
     assert not os.path.exists(os.path.join(ckpts, ".tmp-step_000004"))
     steps = [r["step"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "rollout/reward_mean" in r]

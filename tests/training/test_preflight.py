@@ -3,17 +3,10 @@
 import json
 import os
 
-import pytest
-
 from hapo_megatron.train import main
-from tests.training.tiny_setup import ROOT, prepare_tiny, tiny_overrides
+from tests.training.tiny_setup import ROOT, tiny_overrides
 
 CONFIG = os.path.join(ROOT, "examples", "cpu_tiny", "config.yaml")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return prepare_tiny(str(tmp_path_factory.mktemp("tiny")), n_train=40, n_val=4)
 
 
 def _fails(capsys, tiny, run_dir, *extra, match):

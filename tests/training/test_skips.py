@@ -4,17 +4,10 @@ stops with a clear message after trainer.max_consecutive_skips."""
 import json
 import os
 
-import pytest
-
 from tests.distributed import run_distributed
-from tests.training.tiny_setup import ROOT, prepare_tiny, tiny_overrides
+from tests.training.tiny_setup import ROOT, tiny_overrides
 
 CONFIG = os.path.join(ROOT, "examples", "cpu_tiny", "config.yaml")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return prepare_tiny(str(tmp_path_factory.mktemp("tiny")), n_train=40, n_val=4)
 
 
 def _train(rank, world, argv):

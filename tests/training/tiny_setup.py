@@ -33,3 +33,9 @@ def tiny_overrides(data: str, run_dir: str, **extra) -> list[str]:
     }
     kv.update(extra)
     return [f"{k}={v}" for k, v in kv.items()]
+
+
+def train_main(rank: int, world: int, argv: list[str]) -> int:
+    """`hapo_megatron.train.main(argv)` on a rank spawned by `tests.distributed.run_distributed`."""
+    from hapo_megatron.train import main
+    return main(argv)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Shared launcher of the CPU examples: `bash examples/lib/train_cpu_example.sh TASK [args...]` runs
+# hapo_megatron.train on ${NPROC:-2} CPU processes with examples/TASK/config.yaml. Extra arguments go
+# to the trainer (--preset, --resume, section.field=value ...). Unless the caller names a run
+# directory, the run goes to runs/TASK_<preset>[_sglang] so presets and engines do not share one.
+set -euo pipefail
+task=$1
+shift
+cd "$(dirname "$0")/../.."
+
+preset=hapo
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+    case "${args[$i]}" in
+        --preset) preset="${args[$((i + 1))]:-hapo}" ;;
+        --preset=*) preset="${args[$i]#--preset=}" ;;
+    esac
+done
+# SGLang rollouts: the server is launched on rank 0's node with SGLang's CPU flags
+# (see docs/troubleshooting.md "SGLang on CPU").
+suffix=""
+if [[ " $* " == *" rollout.engine=sglang "* ]]; then
+    suffix=_sglang
+fi
+extra=()
+if [[ " $* " != *" trainer.experiment_name="* && " $* " != *" trainer.run_dir="* ]]; then
+    extra+=("trainer.experiment_name=${task}_${preset//+/_}${suffix}")
+fi
+
+export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
+exec torchrun --standalone --nproc-per-node "${NPROC:-2}" -m hapo_megatron.train \
+    --config "examples/${task}/config.yaml" ${extra[@]+"${extra[@]}"} "$@"
