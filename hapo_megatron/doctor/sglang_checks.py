@@ -1,7 +1,8 @@
 """A real SGLang server on a tiny random model, driven through the trainer's own engine
 (`rollout.engine.make_engine`, which launches servers with `rollout.sglang_launch`): generation
-with the adaptive-temperature processor, then one weight update per weight-sync mode. GPU only:
-on CPU the server needs import stand-ins that only the test tree has (tests/rollout)."""
+with the adaptive-temperature processor, then one weight update per weight-sync mode. On CPU the
+server runs SGLang's CPU engine with the import-only stand-ins of tools/sglang_cpu_stubs (the
+launcher adds them), in float32, for the modes that need no NCCL (tensor, disk)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ import time
 import torch
 
 from hapo_megatron.doctor.report import FAIL, PASS, SKIP, CheckResult
+from hapo_megatron.rollout.sglang_launch import CPU_STUBS_ENV, cpu_stubs_dir
 
 MODES = ("tensor", "distributed", "disk")
+CPU_MODES = ("tensor", "disk")  # "distributed" is NCCL
 SERVER_FIX = ("read the server log named in the error; the image pins the SGLang build this project tests "
               "(docs/docker.md)")
 
 
-def write_tiny_model(out_dir: str) -> str:
+def write_tiny_model(out_dir: str, dtype: torch.dtype = torch.bfloat16) -> str:
     """A tiny random Qwen2 with the character tokenizer (no download)."""
     from transformers import AutoModelForCausalLM
 
@@ -28,35 +31,35 @@ def write_tiny_model(out_dir: str) -> str:
     tok = build_char_tokenizer(out_dir)
     cfg = tiny_hf_config("qwen2", vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id)
-    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(out_dir)
+    AutoModelForCausalLM.from_config(cfg).to(dtype).save_pretrained(out_dir)
     return out_dir
 
 
-def _engine(model_dir: str, mode: str, log_dir: str):
+def _engine(model_dir: str, mode: str, log_dir: str, dtype: torch.dtype):
     from hapo_megatron.config import HapoConfig
     from hapo_megatron.rollout.factory import make_engine
     cfg = HapoConfig.from_dict({"rollout": {"engine": "sglang", "n": 2, "max_response_length": 16, "sglang": {
         "num_servers": 1, "weight_sync": mode, "colocate": mode == "tensor", "mem_fraction_static": 0.2,
         "request_timeout_s": 120}}})
-    return cfg, make_engine(cfg.rollout, hf_config_or_path=model_dir, device="cuda", dtype=torch.bfloat16,
-                            log_dir=log_dir)
+    return cfg, make_engine(cfg.rollout, hf_config_or_path=model_dir, dtype=dtype, log_dir=log_dir)
 
 
-def _one_mode(model_dir: str, mode: str, log_dir: str) -> str:
+def _one_mode(model_dir: str, mode: str, log_dir: str, device: str, dtype: torch.dtype) -> str:
     from transformers import AutoModelForCausalLM
 
     from hapo_megatron.algo import EntropyStats
     from hapo_megatron.rollout.engine import SamplingParams
-    cfg, engine = _engine(model_dir, mode, log_dir)
+    cfg, engine = _engine(model_dir, mode, log_dir, dtype)
     try:
         params = SamplingParams.from_config(cfg.rollout, cfg.algo, entropy_stats=EntropyStats.neutral(), seed=1)
         t0 = time.time()
         samples = engine.generate([[5, 6, 7], [8, 9]], params)
         gen_s = time.time() - t0
         assert len(samples) == 2 and all(len(s) == 2 for s in samples), "wrong number of samples"
-        weights = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).cuda().state_dict()
+        weights = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).to(device).state_dict()
         t0 = time.time()
-        engine.update_weights(iter(weights.items()))
+        # own tensors, as the trainer's export yields them (a tied HF model shares two entries' storage)
+        engine.update_weights((k, v.detach().clone()) for k, v in weights.items())
         sync_s = time.time() - t0
         engine.generate([[5, 6, 7]], params)  # still serves after the update
     finally:
@@ -67,16 +70,19 @@ def _one_mode(model_dir: str, mode: str, log_dir: str) -> str:
 def check_sglang_server(model_dir: str | None = None) -> CheckResult:
     if importlib.util.find_spec("sglang") is None:
         return CheckResult("SGLang server", SKIP, "sglang is not installed")
-    if not torch.cuda.is_available():
-        return CheckResult("SGLang server", SKIP, "needs a CUDA GPU (the CPU server is covered by tests/rollout)")
+    cuda = torch.cuda.is_available()
+    if not cuda and cpu_stubs_dir() is None:
+        return CheckResult("SGLang server", SKIP, f"CPU server needs the stand-ins of tools/sglang_cpu_stubs "
+                           f"(set {CPU_STUBS_ENV} to a source checkout's copy)")
+    device, dtype, modes = ("cuda", torch.bfloat16, MODES) if cuda else ("cpu", torch.float32, CPU_MODES)
     figures, failed = [], []
     with tempfile.TemporaryDirectory(prefix="hapo_doctor_") as tmp:
-        model_dir = model_dir or write_tiny_model(os.path.join(tmp, "model"))
-        for mode in MODES:
+        model_dir = model_dir or write_tiny_model(os.path.join(tmp, "model"), dtype)
+        for mode in modes:
             try:
-                figures.append(_one_mode(model_dir, mode, os.path.join(tmp, f"logs_{mode}")))
+                figures.append(_one_mode(model_dir, mode, os.path.join(tmp, f"logs_{mode}"), device, dtype))
             except Exception as e:  # noqa: BLE001 - one mode failing must not hide the others
                 failed.append(f"{mode}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
     if failed:
         return CheckResult("SGLang server", FAIL, "; ".join(failed + figures), SERVER_FIX)
-    return CheckResult("SGLang server", PASS, "adaptive temperature; " + "; ".join(figures))
+    return CheckResult("SGLang server", PASS, f"{device}, adaptive temperature; " + "; ".join(figures))

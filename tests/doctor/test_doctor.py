@@ -1,6 +1,7 @@
 """`hapo doctor` on CPU: its CPU subset prints the table (every check a line with its figure),
 exits 0 when nothing failed, and a failing check prints its fix and makes the exit status 1."""
 
+import importlib.util
 import os
 import re
 
@@ -37,6 +38,8 @@ def _rows(out: str) -> dict:
 def test_cpu_subset_prints_its_table(capsys, qwen7b_config_dir):
     rc = hapo(["doctor", "--config", RECIPE, f"model.hf_model_path={qwen7b_config_dir}"])
     out = capsys.readouterr().out
+    with capsys.disabled():  # the CPU table in the CI log
+        print("\n" + out)
     rows = _rows(out)
     assert rc == 0, out
     for name in ("torch", "cuda devices", "import megatron.core", "import transformer_engine.pytorch",
@@ -49,6 +52,9 @@ def test_cpu_subset_prints_its_table(capsys, qwen7b_config_dir):
         assert rows[name][0] == PASS and "max |err|" in rows[name][1], rows[name]
     assert "gloo" in rows["TP=2"][1]
     assert rows["TE spec vs local"][0] == "SKIP"
+    if importlib.util.find_spec("sglang") is not None:  # a real CPU server, both CPU weight-sync modes
+        assert rows["SGLang server"][0] == PASS, rows["SGLang server"]
+        assert "tensor: generate" in rows["SGLang server"][1] and "disk: generate" in rows["SGLang server"][1]
     assert rows["memory plan"][0] == PASS and "GiB" in rows["memory plan"][1]
     assert "trainer state offloaded during generation: yes" in out  # the plan itself is printed
     assert re.search(r"\d+ passed, 0 failed, \d+ skipped", out)
