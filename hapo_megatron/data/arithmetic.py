@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from typing import Any, Sequence
 
-from hapo_megatron.data.rows import write_rows
+from hapo_megatron.data.rows import math_row, write_rows
 
 __all__ = ["generate_arithmetic_rows", "write_arithmetic_dataset", "evaluate_expression", "OPS"]
 
@@ -66,14 +66,9 @@ def generate_arithmetic_rows(n: int, seed: int, *, min_digits: int = 1, max_digi
         expr = " ".join([str(operands[0])] + [f"{op} {x}" for op, x in zip(chosen, operands[1:])])
         answer = evaluate_expression(operands, chosen)
         question = rng.choice(_TEMPLATES).format(expr=expr)
-        rows.append({
-            "data_source": data_source,
-            "prompt": [{"role": "user", "content": f"{question} {instruction}".strip()}],
-            "ability": "math",
-            "reward_model": {"ground_truth": str(answer), "style": "rule"},
-            "extra_info": {"index": i, "expression": expr, "answer": answer,
-                           "solution": f"{expr} = {answer}\nAnswer: {answer}"},
-        })
+        rows.append(math_row(data_source=data_source, question=f"{question} {instruction}".strip(),
+                             answer=answer, extra_info={"index": i, "expression": expr, "answer": answer,
+                                                        "solution": f"{expr} = {answer}\nAnswer: {answer}"}))
     return rows
 
 

@@ -23,6 +23,13 @@ __all__ = ["load_prompt_rows", "validate_row", "write_rows", "SUPPORTED_SUFFIXES
 SUPPORTED_SUFFIXES = (".parquet", ".jsonl")
 
 
+def math_row(*, data_source: str, question: str, answer: Any, extra_info: dict) -> dict:
+    """One verl/DAPO-layout row of a generated math task (single user turn, rule reward)."""
+    return {"data_source": data_source, "prompt": [{"role": "user", "content": question}],
+            "ability": "math", "reward_model": {"ground_truth": str(answer), "style": "rule"},
+            "extra_info": extra_info}
+
+
 def _suffix(path: str) -> str:
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in SUPPORTED_SUFFIXES:

@@ -26,6 +26,8 @@ import random
 import re
 from typing import Any, Sequence
 
+from hapo_megatron.data.rows import math_row
+
 __all__ = ["generate_step_rows", "step_solution", "parse_step_lines", "token_roles", "TOKEN_ROLES", "STEP_OPS"]
 
 STEP_OPS = ("+", "-")
@@ -171,12 +173,7 @@ def generate_step_rows(n: int, seed: int, *, min_operands: int = 2, max_operands
         _, answer = step_solution(operands, ops)
         solution, _ = step_solution(operands, ops, noise, noise_rng if noise > 0 else None)
         question = rng.choice(_TEMPLATES).format(expr=expr)
-        rows.append({
-            "data_source": data_source,
-            "prompt": [{"role": "user", "content": f"{question} {instruction}".strip()}],
-            "ability": "math",
-            "reward_model": {"ground_truth": str(answer), "style": "rule"},
-            "extra_info": {"index": i, "expression": expr, "answer": answer, "num_steps": k - 1,
-                           "solution": solution},
-        })
+        rows.append(math_row(data_source=data_source, question=f"{question} {instruction}".strip(),
+                             answer=answer, extra_info={"index": i, "expression": expr, "answer": answer,
+                                                        "num_steps": k - 1, "solution": solution}))
     return rows
