@@ -3,6 +3,8 @@
 # One node unless NNODES > 1; with several nodes run the same command on EVERY node with the same
 # NNODES / MASTER_ADDR / RUN_ID: torchrun's c10d rendezvous assigns the node ranks, and
 # trainer.run_dir must be on a shared file system. GPUS_PER_NODE defaults to the visible GPUs.
+# Launched SGLang servers are placed by the trainer on every node (each node's first rank starts
+# that node's share on its own GPUs; rank 0 routes over all): nothing to start beforehand.
 #
 # The working directory is NOT changed: relative paths in the config (data/..., runs/...) resolve
 # against the directory you run this from (in the image: /workspace, where data/ and runs/ are

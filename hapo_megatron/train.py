@@ -65,20 +65,18 @@ def check_dist_timeout(cfg) -> None:
             "rollout.sglang.request_timeout_s")
 
 
-def check_launched_servers_fit_node(cfg, local_world_size: int) -> None:
-    """Servers the trainer launches all start on rank 0's node: refuse more GPUs than it has
-    (with several nodes, servers are started on every node and attached by URL)."""
+def check_server_placement(cfg, world_size: int, env=None) -> None:
+    """The SGLang servers the trainer launches must fit the nodes: each node runs its share on its
+    own GPUs (rollout.placement; ValueError naming the fields when they do not fit)."""
+    from hapo_megatron.rollout.placement import NodeContext, plan_servers
     sg = cfg.rollout.sglang
-    if cfg.rollout.engine != "sglang" or sg.server_urls or not sg.colocate:
+    if cfg.rollout.engine != "sglang" or sg.server_urls:
         return
-    need = sg.num_servers * sg.server_tp_size
-    if need > local_world_size:
-        raise ValueError(
-            f"rollout.sglang.num_servers={sg.num_servers} x server_tp_size={sg.server_tp_size} = {need} GPUs, but "
-            f"servers launched by the trainer start on rank 0's node, which has {local_world_size} "
-            "(LOCAL_WORLD_SIZE). Set num_servers to GPUs per node / server_tp_size, or on several nodes start "
-            "servers on every node and pass rollout.sglang.server_urls (examples/qwen2.5-math-7b-sglang/launch.sh "
-            "does both; docs/multinode.md)")
+    env = os.environ if env is None else env
+    ctx = NodeContext.from_env(int(env.get("RANK", 0)), world_size, env)
+    plan_servers(num_servers=sg.num_servers, server_tp_size=sg.server_tp_size, num_nodes=ctx.num_nodes,
+                 ranks_per_node=ctx.ranks_per_node, colocate=sg.colocate, port_base=sg.port_base,
+                 gpus_per_node=torch.cuda.device_count() if torch.cuda.is_available() else None)
 
 
 def _load_model_config(path: Optional[str]):
@@ -106,7 +104,7 @@ def preflight(cfg, world_size: int):
     check_sequence_fits(hf_config, cfg)
     sglang_context_args(cfg, cfg.rollout.sglang.extra_server_args)  # no clashing server flags
     check_dist_timeout(cfg)
-    check_launched_servers_fit_node(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    check_server_placement(cfg, world_size)
     cfg.parallel.validate_world(world_size)
     if cfg.model.megatron_load_path and not os.path.isdir(cfg.model.megatron_load_path):
         raise FileNotFoundError(f"model.megatron_load_path: {cfg.model.megatron_load_path!r} does not exist")

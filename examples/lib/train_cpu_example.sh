@@ -16,7 +16,7 @@ for ((i = 0; i < ${#args[@]}; i++)); do
         --preset=*) preset="${args[$i]#--preset=}" ;;
     esac
 done
-# SGLang rollouts: the server is launched on rank 0's node with SGLang's CPU flags
+# SGLang rollouts: the server is launched by rank 0 (one node) with SGLang's CPU flags
 # (see docs/troubleshooting.md "SGLang on CPU").
 suffix=""
 if [[ " $* " == *" rollout.engine=sglang "* ]]; then

@@ -3,5 +3,7 @@
 #   NNODES=2 MASTER_ADDR=node0.example MASTER_PORT=29500 RUN_ID=hapo1 bash examples/qwen3-8b/train_multinode.sh \
 #       trainer.run_dir=/shared/runs/hapo_qwen3-8b
 # torchrun's c10d rendezvous assigns the node ranks; trainer.run_dir must be on a shared file system.
+# Every node runs its own SGLang servers (config: num_servers 0 = GPUs / server_tp_size per node),
+# started by its first rank; rank 0 routes over all of them (docs/multinode.md).
 : "${NNODES:?set NNODES}"
 exec bash "$(dirname "$0")/../launch.sh" "examples/qwen3-8b/config.yaml" "$@"

@@ -164,9 +164,10 @@ class SGLangConfig(_Section):
     server_urls: list[str] = field(default_factory=list)
     """Attach to running servers at these URLs; empty means launch num_servers servers."""
     num_servers: int = 1
-    """Servers to launch (ignored when server_urls is set)."""
+    """Servers to launch in total, spread evenly over the nodes (each node starts its share on its
+    own GPUs); 0: fill every node (its GPUs / server_tp_size). Ignored when server_urls is set."""
     server_tp_size: int = 1
-    """Tensor-parallel size of each launched server."""
+    """Tensor-parallel size of each launched server (its GPUs, all on one node)."""
     mem_fraction_static: float = 0.7
     """SGLang's static GPU memory fraction (weights + KV cache), in (0, 1]."""
     weight_sync: str = "auto"
@@ -184,12 +185,13 @@ class SGLangConfig(_Section):
     extra_server_args: list[str] = field(default_factory=list)
     """Extra command-line arguments for launched servers."""
     port_base: int = 30000
-    """First port of launched servers (server i listens on port_base + i)."""
+    """First port of launched servers (server i of the whole job listens on port_base + i)."""
 
     def _validate(self) -> None:
         p = self._path
-        for name in ("num_servers", "server_tp_size", "bucket_size_mb"):
+        for name in ("server_tp_size", "bucket_size_mb"):
             _check_min(f"{p}.{name}", getattr(self, name), 1)
+        _check_min(f"{p}.num_servers", self.num_servers, 0)
         _check_open_unit(f"{p}.mem_fraction_static", self.mem_fraction_static, right_closed=True)
         _check_choice(f"{p}.weight_sync", self.weight_sync, WEIGHT_SYNC_MODES)
         _check_min(f"{p}.request_timeout_s", self.request_timeout_s, 0.0, strict=True)

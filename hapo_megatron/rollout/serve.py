@@ -1,4 +1,6 @@
-"""Start this node's SGLang rollout servers and keep them running (multi-node recipes).
+"""Start this node's SGLang rollout servers and keep them running (servers a trainer attaches to by
+URL, e.g. on rollout nodes of their own; servers the trainer launches it places on every node
+itself, see ``node_servers``).
 
     python -m hapo_megatron.rollout.serve --model-path Qwen/Qwen2.5-Math-7B \\
         --num-servers 4 --tp-size 2 --port-base 30000 --mem-fraction-static 0.45 --colocate \\

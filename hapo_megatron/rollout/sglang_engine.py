@@ -6,10 +6,12 @@ round-robin over the servers (or sent through ``sglang_router`` when installed a
 
 Two ways to use it from a torchrun job:
 
-- ``collective=False`` (default; what the trainer does today): only global rank 0 builds and calls
-  the engine. Launched servers start on rank 0's node (GPUs ``s * tp ...``, after the trainer's
-  GPUs when not colocated); servers on other nodes are started beforehand (``python -m
-  hapo_megatron.rollout.serve``) and attached by URL. Weight sync: ``tensor`` (CUDA IPC) reaches
+- ``collective=False`` (default): only this process builds and calls the engine. Servers it
+  launches start on its own node (GPUs ``s * tp ...``, after the trainer's GPUs when not
+  colocated). The trainer does not launch through here: ``node_servers.start_node_servers``
+  starts each node's servers on that node and hands rank 0 an engine over all of them (attached
+  as handles); servers started beforehand (``python -m hapo_megatron.rollout.serve``) are
+  attached by URL. Weight sync of a single engine: ``tensor`` (CUDA IPC) reaches
   only servers on rank 0's node; ``distributed`` (NCCL) needs servers on GPUs other than rank 0's;
   ``disk`` works everywhere the servers see the directory (``disk_sync_dir`` or the environment
   variable ``HAPO_SGLANG_SYNC_DIR``, e.g. on a shared file system).
@@ -213,7 +215,8 @@ class SGLangEngine:
         self._server_groups: Optional[dict] = None
         self.router: Optional[ServerHandle] = None
         if server_urls:
-            self.servers = [ServerHandle(url=u.rstrip("/"), tp_size=self.tp) for u in server_urls]
+            self.servers = [u if isinstance(u, ServerHandle) else ServerHandle(url=u.rstrip("/"), tp_size=self.tp)
+                            for u in server_urls]  # handles: servers started elsewhere (node_servers)
             if wait_for_servers and self.rank == 0:
                 for srv in self.servers:
                     self.http.wait_healthy(srv, float(launch_timeout_s))
@@ -253,6 +256,10 @@ class SGLangEngine:
         # bind no wider than the job needs: loopback on one node, the node's address across nodes
         host = launcher.node_ip() if multi_node else "127.0.0.1"
         mine: list[tuple[int, ServerHandle]] = []
+        if num_servers == 0:  # one per server_tp_size GPUs of this node (the trainer: node_servers)
+            gpus = torch.cuda.device_count() if self.device == "cuda" and torch.cuda.is_available() else 0
+            first = 0 if self.colocate else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            num_servers = max(1, (gpus - first) // self.tp) if gpus else 1
         for s in range(num_servers):
             if self.colocate and self.world_size > 1:
                 if self.rank != s * self.tp:

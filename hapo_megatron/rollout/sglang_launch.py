@@ -128,16 +128,19 @@ def router_available() -> bool:
     return importlib.util.find_spec("sglang_router") is not None
 
 
-def node_ip() -> str:
-    """This node's address as seen by other nodes (no packet is sent)."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        s.connect(("10.255.255.255", 1))
-        return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-    finally:
-        s.close()
+def node_ip(toward: Optional[str] = None) -> str:
+    """This node's address as seen by other nodes: the one of the interface that routes to
+    ``toward`` (a host, e.g. MASTER_ADDR; default: the default route). No packet is sent."""
+    for target in ([toward] if toward else []) + ["10.255.255.255"]:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            s.connect((target, 1))
+            return s.getsockname()[0]
+        except OSError:
+            continue
+        finally:
+            s.close()
+    return "127.0.0.1"
 
 
 def free_port() -> int:

@@ -82,7 +82,7 @@ class Runtime:
     val_ds: Any
     sampler: Any
     actor: Any
-    engine: Any  # rank 0 only
+    engine: Any  # rank 0; with launched SGLang servers also every node's first rank (node_servers)
     reward_fn: Any
     logger: MetricsLogger
     ckpt: CheckpointManager
@@ -186,9 +186,19 @@ def _start_fresh(run_dir: str, ckpt_root: str) -> None:
         warnings.warn(f"starting a new run in {run_dir}: previous checkpoints moved to {old}")
 
 
+def launches_node_servers(cfg) -> bool:
+    """SGLang servers the trainer starts itself: on every node (rollout.node_servers)."""
+    return cfg.rollout.engine == "sglang" and not cfg.rollout.sglang.server_urls
+
+
 def build_engine(cfg, hf_config, tokenizer):
-    """The rollout engine (call on rank 0 only)."""
+    """The rollout engine of this rank (every rank calls it). Rank 0 gets the engine that
+    generates. Launched SGLang servers start on every node, each node's first rank starting its
+    own (`rollout.node_servers`); those ranks get an engine too (weight sync of their node's
+    servers, shutdown). Every other rank: None."""
     from hapo_megatron.rollout.factory import make_engine
+    if not launches_node_servers(cfg) and dist.get_rank() != 0:
+        return None
     on_gpu = torch.cuda.is_available()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.model.dtype, torch.float32) \
         if on_gpu else torch.float32
@@ -199,21 +209,30 @@ def build_engine(cfg, hf_config, tokenizer):
         from hapo_megatron.training.context import sglang_context_args
         extra = sglang_context_args(cfg, rollout.sglang.extra_server_args)
         rollout = replace(rollout, sglang=replace(rollout.sglang, extra_server_args=extra))
+    if launches_node_servers(cfg):
+        from hapo_megatron.rollout.node_servers import start_node_servers
+        sync_dir = os.environ.get("HAPO_SGLANG_SYNC_DIR")  # disk sync across nodes: run_dir is shared
+        if not sync_dir and int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) < dist.get_world_size():
+            sync_dir = os.path.join(cfg.trainer.run_dir, "sglang_weights")
+        return start_node_servers(rollout.sglang, model_path=cfg.model.hf_model_path, tokenizer=tokenizer,
+                                  dtype=dtype, device="cuda" if on_gpu else "cpu", disk_sync_dir=sync_dir,
+                                  log_dir=os.path.join(cfg.trainer.run_dir, "sglang_logs"))
     src = cfg.model.hf_model_path if rollout.engine == "sglang" else hf_config
     return make_engine(rollout, hf_config_or_path=src, tokenizer=tokenizer,
                        device="cuda" if on_gpu else "cpu", dtype=dtype)
 
 
 def _start_engine(rt: Runtime) -> None:
-    """Build the engine on rank 0. Colocated on CUDA, every rank offloads its trainer state
-    first, so the servers size their memory pool from a free GPU, and reloads it after."""
+    """Build the engine (collective: servers start on every node). Colocated on CUDA, every rank
+    offloads its trainer state first, so the servers size their memory pool from a free GPU, and
+    reloads it after."""
     from hapo_megatron.training.offload import make_actor_offloader
     from hapo_megatron.training.stages import release_engine, trainer_offloaded
     rt.offloader = make_actor_offloader(rt.cfg, rt.actor)
     with trainer_offloaded(rt):
+        rt.engine = build_engine(rt.cfg, rt.hf_config, rt.tokenizer)
         if rt.is_main:
-            rt.engine = build_engine(rt.cfg, rt.hf_config, rt.tokenizer)
-            release_engine(rt)  # the first weight sync resumes the weights
+            release_engine(rt)  # every server's memory; the first weight sync resumes the weights
         dist.barrier()
 
 

@@ -1,0 +1,227 @@
+"""SGLang servers on every node of a torchrun job, routed together by rank 0 (how `hapo train`
+launches its servers, on one node or many).
+
+:func:`start_node_servers` is collective (every rank calls it):
+
+1. the plan (:func:`placement.plan_servers`) from the torchrun layout: each node runs its share
+   of the servers on its own GPUs;
+2. each node's first rank (local rank 0) starts its node's servers, bound to the node's address
+   (:func:`placement.server_host`: loopback on one node), and waits until they answer;
+3. the URLs (or a node's start-up error, then raised on every rank) are all-gathered over the
+   trainer's process group; rank 0 checks that it reaches every server and tells the others;
+4. node leaders get a :class:`NodeServersEngine`, every other rank ``None``.
+
+Rank 0's engine generates over every server (round-robin, or an ``sglang_router`` in front of
+them) and releases / resumes their memory over HTTP. Weight sync:
+
+- ``tensor`` (colocated): CUDA-IPC handles only open on their own node, so every node's leader
+  sends its own copy of the weights (the export yields every tensor on every rank) to its node's
+  servers, between two barriers of the leaders (after rank 0 resumed the servers' weights; before
+  rank 0 generates again);
+- ``disk`` / ``distributed``: rank 0 updates every server, the other leaders only keep pace with
+  the collective export (disk needs a directory every node sees: ``disk_sync_dir``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from hapo_megatron.rollout import placement
+from hapo_megatron.rollout import sglang_launch as launcher
+from hapo_megatron.rollout.engine import Sample, SamplingParams
+from hapo_megatron.rollout.sglang_client import SGLangError, SGLangHTTP, ServerHandle
+from hapo_megatron.rollout.sglang_engine import SGLangEngine, resolve_weight_sync
+
+REACH_TIMEOUT_S = 60.0  # how long rank 0 tries to reach another node's healthy server
+
+
+def _dist() -> tuple[int, int]:
+    d = torch.distributed
+    if d.is_available() and d.is_initialized():
+        return d.get_rank(), d.get_world_size()
+    return 0, 1
+
+
+def _all_gather(obj: Any, world: int) -> list:
+    if world == 1:
+        return [obj]
+    out: list = [None] * world
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj: Any, world: int) -> Any:
+    if world == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class NodeServersEngine:
+    """The rollout engine of one node leader (see the module docstring): rank 0 generates and
+    manages memory through ``cluster`` (every server); each leader syncs its own node's servers
+    through ``node_sync`` (tensor mode) and stops them at shutdown."""
+
+    def __init__(self, *, ctx: placement.NodeContext, slots: Sequence[placement.ServerSlot],
+                 own: Sequence[ServerHandle], cluster: Optional[SGLangEngine], node_sync: Optional[SGLangEngine],
+                 weight_sync: str, leaders_group: Any, dtype: Any) -> None:
+        self.ctx, self.slots, self.own = ctx, list(slots), list(own)
+        self.cluster, self.node_sync = cluster, node_sync
+        self.weight_sync, self.leaders_group = weight_sync, leaders_group
+        self.dtype = dtype if isinstance(dtype, torch.dtype) else None  # export dtype (stages.sync_weights)
+        atexit.register(self.shutdown)
+
+    @property
+    def servers(self) -> list[ServerHandle]:
+        """Every server (rank 0) or this node's own."""
+        return self.cluster.servers if self.cluster is not None else self.own
+
+    def _rank0(self, what: str) -> SGLangEngine:
+        if self.cluster is None:
+            raise RuntimeError(f"{what} runs on global rank 0 (this is rank {self.ctx.rank})")
+        return self.cluster
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        return self._rank0("generation").generate(prompt_ids, params)
+
+    def check_health(self) -> None:
+        self._rank0("the health check").check_health()
+
+    def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Rank 0: every server's memory (HTTP reaches every node); no-op on the other leaders."""
+        if self.cluster is not None:
+            self.cluster.release_memory(tags)
+
+    def resume_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        if self.cluster is not None:
+            self.cluster.resume_memory(tags)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Collective over the node leaders (every leader calls it with the same stream)."""
+        self._leaders_barrier()  # rank 0 has resumed every server's weights before any node sends
+        named = iter(named_tensors)
+        if self.weight_sync == "tensor" and self.node_sync is not None:
+            self.node_sync.update_weights(named)
+        elif self.weight_sync != "tensor" and self.cluster is not None:
+            self.cluster.update_weights(named)
+        for _ in named:  # the export runs collectives: keep pace with the ranks that send
+            pass
+        self._leaders_barrier()  # every node's servers hold the new weights before rank 0 generates
+
+    def _leaders_barrier(self) -> None:
+        if self.leaders_group is not None:
+            torch.distributed.barrier(group=self.leaders_group)
+
+    def shutdown(self) -> None:
+        """Stop this node's servers (and rank 0's router); idempotent."""
+        for eng in (self.cluster, self.node_sync):
+            if eng is not None:
+                eng.shutdown()
+        for h in self.own:
+            launcher.stop_process(h)
+
+
+def _launch_own(slots, *, ctx, host: str, model_path: str, cfg, dtype, device: str, log_dir: str,
+                timeout_s: float, http: SGLangHTTP) -> tuple[list[ServerHandle], Optional[str]]:
+    """Start this node's servers and wait for them; ``(handles, error or None)`` (all stopped on error)."""
+    handles: list[ServerHandle] = []
+    try:
+        for slot in slots:
+            cmd = launcher.server_command(
+                model_path, port=slot.port, host=host, tp_size=cfg.server_tp_size, base_gpu_id=slot.gpu_ids[0],
+                mem_fraction_static=cfg.mem_fraction_static, dtype=launcher.sglang_dtype(dtype),
+                enable_memory_saver=cfg.colocate, extra_args=list(cfg.extra_server_args), device=device)
+            handles.append(launcher.start_process(
+                cmd, f"http://{host}:{slot.port}", tp_size=cfg.server_tp_size,
+                log_path=os.path.join(log_dir, f"sglang_server_{slot.index}.log"),
+                env=launcher.server_env(cpu=device == "cpu")))
+        for h in handles:
+            http.wait_healthy(h, timeout_s)
+    except Exception as e:  # noqa: BLE001 - reported to every rank, which all stop
+        for h in handles:
+            launcher.stop_process(h)
+        return [], f"node {ctx.node}: {type(e).__name__}: {e}"
+    return handles, None
+
+
+def _unreachable(handles: Sequence[ServerHandle], http: SGLangHTTP, timeout_s: float) -> list[str]:
+    """URLs among ``handles`` that do not answer ``/health`` within ``timeout_s``."""
+    deadline, left = time.monotonic() + timeout_s, list(handles)
+    while left:
+        left = [h for h in left if not http.healthy(h, timeout_s=5.0)]
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(1.0)
+    return [h.url for h in left]
+
+
+def start_node_servers(cfg: Any, *, model_path: str, tokenizer: Any = None, dtype: Any = torch.bfloat16,
+                       device: str = "auto", log_dir: Optional[str] = None, disk_sync_dir: Optional[str] = None,
+                       launch_timeout_s: float = 900.0, **engine_kwargs: Any) -> Optional[NodeServersEngine]:
+    """Place ``cfg``'s servers (an ``SGLangConfig``) on every node and connect them; collective.
+
+    Returns the engine on node leaders (rank 0's generates), ``None`` on the other ranks. Raises
+    ValueError when the plan does not fit, SGLangError (on every rank) when a node's servers do
+    not start or rank 0 cannot reach them. ``engine_kwargs`` go to the ``SGLangEngine`` objects.
+    """
+    rank, world = _dist()
+    ctx = placement.NodeContext.from_env(rank, world)
+    device = launcher.resolve_device(device)
+    slots = placement.plan_servers(
+        num_servers=cfg.num_servers, server_tp_size=cfg.server_tp_size, num_nodes=ctx.num_nodes,
+        ranks_per_node=ctx.ranks_per_node, colocate=cfg.colocate, port_base=cfg.port_base,
+        gpus_per_node=torch.cuda.device_count() if device == "cuda" and torch.cuda.is_available() else None)
+    mode = resolve_weight_sync(cfg.weight_sync, colocate=cfg.colocate)
+    if mode == "disk" and ctx.num_nodes > 1 and not (disk_sync_dir or os.environ.get("HAPO_SGLANG_SYNC_DIR")):
+        raise ValueError("weight_sync='disk' on several nodes needs a directory every node sees: "
+                         "set HAPO_SGLANG_SYNC_DIR (the trainer uses <trainer.run_dir>/sglang_weights)")
+    leaders_group = torch.distributed.new_group(ctx.leader_ranks()) if ctx.num_nodes > 1 else None
+    http = SGLangHTTP(timeout_s=30, max_retries=0)
+    mine = [s for s in slots if s.node == ctx.node]
+    own: list[ServerHandle] = []
+    error = None
+    if ctx.is_node_leader and mine:
+        log_dir = log_dir or os.path.join(os.getcwd(), "sglang_logs")
+        os.makedirs(log_dir, exist_ok=True)
+        own, error = _launch_own(mine, ctx=ctx, host=placement.server_host(ctx.num_nodes), model_path=model_path,
+                                 cfg=cfg, dtype=dtype, device=device, log_dir=log_dir, timeout_s=launch_timeout_s,
+                                 http=http)
+    reports = [r for r in _all_gather({"urls": [h.url for h in own], "error": error}, world) if r]
+    errors = [r["error"] for r in reports if r["error"]]
+    urls = [u for r in reports for u in r["urls"]]  # node by node: the plan's order
+    if not errors and len(urls) != len(slots):
+        errors = [f"{len(urls)} servers started for a plan of {len(slots)}"]
+    local = {h.url: h for h in own}
+    handles = [local.get(u) or ServerHandle(url=u, tp_size=cfg.server_tp_size) for u in urls]
+    if rank == 0 and not errors:
+        far = _unreachable([h for h in handles if h.url not in local], http, REACH_TIMEOUT_S)
+        if far:
+            errors = [f"rank 0 cannot reach {far}: each node's servers bind the address in "
+                      f"${placement.NODE_ADDR_ENV} or the node's address toward MASTER_ADDR; set "
+                      f"{placement.NODE_ADDR_ENV} on every node to an address node 0 reaches (docs/multinode.md)"]
+    errors = _broadcast(errors, world)
+    if errors:
+        for h in own:
+            launcher.stop_process(h)
+        raise SGLangError("SGLang servers did not start on every node: " + "; ".join(errors))
+    if not ctx.is_node_leader:
+        return None
+    common = dict(model_path=model_path, tokenizer=tokenizer, dtype=dtype, launch=False, wait_for_servers=False,
+                  launch_timeout_s=launch_timeout_s, device=device, **engine_kwargs)
+    cluster = node_sync = None
+    if rank == 0:
+        cluster = SGLangEngine.from_config(cfg, server_urls=handles, log_dir=log_dir, disk_sync_dir=disk_sync_dir,
+                                           **common)
+    if mode == "tensor" and own:
+        node_sync = SGLangEngine.from_config(cfg, server_urls=own, weight_sync="tensor", use_router=False, **common)
+    return NodeServersEngine(ctx=ctx, slots=slots, own=own, cluster=cluster, node_sync=node_sync, weight_sync=mode,
+                             leaders_group=leaders_group, dtype=dtype)
+
+
+__all__ = ["NodeServersEngine", "start_node_servers", "REACH_TIMEOUT_S"]

@@ -1,0 +1,67 @@
+"""A stand-in for ``python -m sglang.launch_server`` (no model, starts in a fraction of a second).
+
+Takes SGLang's command line, binds ``--host``/``--port`` and answers like a server: ``/health``,
+``/generate`` (token ``p[0] + i + 1``, log-prob ``-0.1 * (i + 1)``), every other POST
+``{"success": true}``. It appends what it saw to ``$HAPO_TEST_STANDIN_DIR/server_<port>.jsonl``:
+a ``start`` line (argv, bound address, pid, parent pid) and one line per request.
+``$HAPO_TEST_STANDIN_UPDATE_DELAY_S`` delays weight updates (to expose missing barriers).
+"""
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+p = argparse.ArgumentParser()
+p.add_argument("--host", required=True)
+p.add_argument("--port", type=int, required=True)
+args, _ = p.parse_known_args()
+RECORD = os.path.join(os.environ["HAPO_TEST_STANDIN_DIR"], f"server_{args.port}.jsonl")
+DELAY_S = float(os.environ.get("HAPO_TEST_STANDIN_UPDATE_DELAY_S", "0"))
+_lock = threading.Lock()
+
+
+def record(**entry):
+    with _lock, open(RECORD, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def generate(ids, sp):
+    out = [ids[0] + i + 1 for i in range(sp["max_new_tokens"])]
+    triples = [[-0.1 * (i + 1), t, None] for i, t in enumerate(out)]
+    return {"output_ids": out, "meta_info": {"finish_reason": {"type": "length"}, "output_token_logprobs": triples}}
+
+
+class Handler(BaseHTTPRequestHandler):
+    def _send(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._send(200 if self.path == "/health" else 404, None)
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
+        if self.path == "/generate":
+            record(path=self.path, rows=len(body["input_ids"]))
+            self._send(200, [generate(i, sp) for i, sp in zip(body["input_ids"], body["sampling_params"])])
+            return
+        if self.path.startswith("/update_weights") and DELAY_S:
+            time.sleep(DELAY_S)
+        record(path=self.path, body={k: v for k, v in (body or {}).items() if k != "input_ids"})
+        self._send(200, {"success": True, "message": "ok"})
+
+    def log_message(self, *a):
+        pass
+
+
+server = ThreadingHTTPServer((args.host, args.port), Handler)
+record(path="start", argv=sys.argv[1:], bound=server.server_address[0], pid=os.getpid(), ppid=os.getppid())
+server.serve_forever()
