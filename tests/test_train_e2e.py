@@ -82,7 +82,8 @@ def test_cpu_example_runs_and_logs(full_run):
 
 
 def test_token_diagnostics_logged_and_rollouts_saved(full_run, tiny):
-    from hapo_megatron.diagnostics import analyze_rollouts, main as diag_main, read_rollouts, rollout_path
+    from hapo_megatron.analysis import analyze_rollouts, read_rollouts, rollout_path
+    from hapo_megatron.analysis.cli import main as diag_main
     run_dir, _ = full_run
     recs = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "rollout/reward_mean" in r]
     for key in ("diag/entropy_mean", "diag/entropy_pivot", "diag/high_entropy_share",
@@ -90,11 +91,19 @@ def test_token_diagnostics_logged_and_rollouts_saved(full_run, tiny):
                 "diag/adv_ratio_high", "diag/response_length_mean"):
         assert key in recs[-1], key
     assert abs(recs[-1]["diag/entropy_mean"] - recs[-1]["entropy/mean"]) < 1e-4
+    for r in recs:  # the clip flags the diagnostics count are the loss's own, of every update
+        for side in ("low", "high", "dual"):
+            assert r[f"diag/clipfrac_{side}"] == pytest.approx(r[f"loss/clipfrac_{side}"], rel=1e-9, abs=1e-12)
     assert recs[-1]["diag/response_length_mean"] == pytest.approx(recs[-1]["rollout/response_length_mean"])
     assert sorted(os.listdir(os.path.join(run_dir, "rollouts"))) == ["step_000002.jsonl", "step_000004.jsonl"]
     rows = read_rollouts(rollout_path(run_dir, 4))
     assert len(rows) == 32 and [r["index"] for r in rows] == list(range(32))  # 8 prompts x n=4
-    assert all(r["step"] == 4 and r["ratio"] == [1.0] * len(r["response_ids"]) for r in rows)
+    assert all(r["step"] == 4 and len(r["ratio"]) == len(r["response_ids"]) for r in rows)
+    # the loss's ratios: 1 in the first mini-batch (4 groups, before any optimizer step of the
+    # step), moved in the second (after one)
+    first = set(list(dict.fromkeys(r["uid"] for r in rows))[:4])
+    assert all(abs(x - 1) < 1e-5 for r in rows if r["uid"] in first for x in r["ratio"])
+    assert max(abs(x - 1) for r in rows if r["uid"] not in first for x in r["ratio"]) > 1e-6
     report = analyze_rollouts(rows)
     assert report["metrics"]["diag/entropy_mean"] > 0 and "top_clipped_low" in report
     assert diag_main([rollout_path(run_dir, 2), "--tokenizer", os.path.join(tiny, "model")]) == 0

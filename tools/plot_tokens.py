@@ -12,7 +12,8 @@ Writes, per call:
 - `clip_side_entropy.png`: share of high-/low-entropy tokens clipped at the left (1 - eps_L) and
   right (1 + eps_R) bound, over all PPO updates (`loss/clip{low,high}_{high,low}_entropy`);
 - `adv_scale.png`: |A'|/|A| per entropy branch over training steps (`loss/adv_scale_*`, all PPO
-  updates) and, from the saved rollouts, against h_hat at the first update;
+  updates) and, from the saved rollouts, against h_hat in each token's last update (rollouts
+  saved before the loss reported its own values hold the first update's);
 - `tokens.json`: per variant the token count, entropy quantiles, the share of tokens above the
   pivot (h_hat > 0), and per role: token share, mean entropy, share above the pivot, and the
   roles' share of the above-pivot tokens.
@@ -42,7 +43,7 @@ ROLE_COLORS = {"result": "tab:red", "answer": "tab:orange", "operand": "tab:blue
 
 def load_records(run_dirs: Sequence[str]) -> list[dict]:
     """Saved-rollout records of every `rollouts/step_*.jsonl` of the runs, in order."""
-    from hapo_megatron.diagnostics import read_rollouts
+    from hapo_megatron.analysis import read_rollouts
 
     records = []
     for d in run_dirs:
@@ -215,7 +216,7 @@ def plot_adv_scale(plt, metrics: dict, data: dict, out: str) -> str | None:
         drawn = True
     axes[1].set_xlabel("h_hat")
     axes[1].set_ylabel("mean |A'|/|A|")
-    axes[1].set_title("|A'|/|A| vs h_hat, saved rollouts (first update)", fontsize=10)
+    axes[1].set_title("|A'|/|A| vs h_hat, saved rollouts", fontsize=10)
     axes[1].grid(alpha=0.3)
     if axes[1].lines:
         axes[1].legend(fontsize=7)

@@ -34,6 +34,7 @@ from hapo_megatron.algo.entropy import (
 from hapo_megatron.algo.loss import (
     LOSS_METRIC_COUNTS,
     LOSS_METRIC_MEANS,
+    PolicyTokenFields,
     agg_loss,
     finalize_loss_metrics,
     hapo_policy_loss,
@@ -53,6 +54,7 @@ __all__ = [
     "OLD_LOGPROB_SOURCES",
     "LOSS_METRIC_COUNTS",
     "LOSS_METRIC_MEANS",
+    "PolicyTokenFields",
     "EntropyStats",
     "adaptive_clip_ranges",
     "adaptive_temperature",

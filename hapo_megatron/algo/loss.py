@@ -46,6 +46,7 @@ dual-clip bound ``-A' c`` is active (``A' < 0``); the per-entropy-branch fractio
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields
 from typing import Dict, Mapping, Optional, Tuple
 
 import torch
@@ -79,6 +80,26 @@ LOSS_METRIC_MEANS: Dict[str, Tuple[str, str]] = {
     "loss/tis_weight": ("loss/tis_weight_sum", "loss/num_tokens"),
 }
 LOSS_METRIC_COUNTS = ("loss/num_tokens", "loss/num_seqs", "loss/num_high_entropy_tokens", "loss/num_low_entropy_tokens")
+
+
+@dataclass(frozen=True)
+class PolicyTokenFields:
+    """The per-token view of one loss evaluation, all ``[B, T]`` and detached: the importance
+    ratio ``rho`` (1 on padding), the advantage ``A'`` the loss used (after redistribution; 0 on
+    padding) and which clip bound was active (bool, False on padding): ``clip_low`` (``A' < 0``,
+    ``rho < 1 - eps_L_t``), ``clip_high`` (``A' > 0``, ``rho > 1 + eps_R_t``), ``clip_dual``
+    (``A' < 0``, the dual-clip bound ``-A' c`` is the smaller). The ``loss/clipfrac_*_sum``
+    metrics are the sums of these flags: one computation, for the metrics and the diagnostics."""
+
+    ratio: torch.Tensor
+    adv_after: torch.Tensor
+    clip_low: torch.Tensor
+    clip_high: torch.Tensor
+    clip_dual: torch.Tensor
+
+    def apply(self, fn) -> "PolicyTokenFields":
+        """A copy with ``fn`` applied to every tensor (e.g. a context-parallel gather, ``.cpu()``)."""
+        return PolicyTokenFields(*(fn(getattr(self, f.name)) for f in fields(self)))
 
 
 def _check_agg_mode(loss_agg_mode: str) -> None:
@@ -349,7 +370,8 @@ def hapo_policy_loss(
     kl_loss_type: str = "low_var_kl",
     rollout_logprobs: Optional[torch.Tensor] = None,
     tis_cap: Optional[float] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
+    return_token_fields: bool = False,
+):
     """HAPO policy loss (spec sections 4-6) as ``(loss_sum, normalizer, metrics)``.
 
     Per valid token: ``rho = exp(logprobs - old_logprobs)`` (log-ratio clamped to +-20), clip ranges
@@ -371,7 +393,8 @@ def hapo_policy_loss(
     Returns:
         ``loss_sum`` (0-dim float32, differentiable), ``normalizer`` (0-dim float32; 0 when nothing
         is valid, then ``loss_sum`` is 0 with zero gradient), ``metrics`` (float64 sums; use
-        :func:`finalize_loss_metrics` after summing them over micro-batches/ranks).
+        :func:`finalize_loss_metrics` after summing them over micro-batches/ranks), and with
+        ``return_token_fields`` a fourth value, the :class:`PolicyTokenFields` of this evaluation.
     """
     eps_l, eps_r, c = _check_loss_args(clip_ratio_low, clip_ratio_high, clip_ratio_c, clip_alpha, adv_beta,
                                        adaptive_clip, adaptive_advantage, h_hat, loss_agg_mode)
@@ -399,4 +422,8 @@ def hapo_policy_loss(
                                     seq_token_counts=seq_token_counts, num_seqs=num_seqs)
     n_seq = _num_seqs(valid.sum(dim=-1), seq_token_counts, num_seqs)
     metrics = _policy_metrics(valid, aux, h_hat, pg_mat, entropy, kl_mat, tis_w, n_seq)
-    return loss_sum, normalizer, metrics
+    if not return_token_fields:
+        return loss_sum, normalizer, metrics
+    fields = PolicyTokenFields(ratio=aux["ratio"], adv_after=aux["adv_p"].detach(), clip_low=aux["clip_low"],
+                               clip_high=aux["clip_high"], clip_dual=aux["clip_dual"])
+    return loss_sum, normalizer, metrics, fields

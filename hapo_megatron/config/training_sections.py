@@ -183,9 +183,9 @@ class LoggingConfig(_Section):
     """Log every this many steps."""
     save_rollouts_interval: int = 0
     """Every this many steps, write the step's rollouts with per-token diagnostics (entropy,
-    h_hat, advantages before/after redistribution, first-update ratio and clip flags,
-    temperatures) to <run_dir>/rollouts/step_<step>.jsonl for `python -m
-    hapo_megatron.diagnostics` (0 = never)."""
+    h_hat, temperatures, advantages before/after redistribution, the loss's ratio and clip flags
+    in the token's last PPO update) to <run_dir>/rollouts/step_<step>.jsonl for `python -m
+    hapo_megatron.analysis` (0 = never)."""
 
     def _validate(self) -> None:
         _check_choice("logging.wandb_mode", self.wandb_mode, WANDB_MODES)

@@ -24,6 +24,7 @@ from typing import Mapping
 
 import torch
 
+from hapo_megatron.convert.adapters import ADAPTERS, get_adapter
 from hapo_megatron.convert.base import TE_ALIASES, ModelAdapter, ParamMap, check_hf_state
 from hapo_megatron.convert.hf_io import (
     HFCheckpointReader,
@@ -32,7 +33,6 @@ from hapo_megatron.convert.hf_io import (
     prepare_output_dir,
     save_hf_checkpoint,
 )
-from hapo_megatron.convert.llama import LlamaAdapter
 from hapo_megatron.convert.megatron_ckpt import load_megatron_checkpoint, read_hf_config, save_megatron_checkpoint
 from hapo_megatron.convert.model_io import (
     export_hf_weights,
@@ -40,17 +40,7 @@ from hapo_megatron.convert.model_io import (
     load_hf_weights_into_mcore,
     unwrap_model,
 )
-from hapo_megatron.convert.qwen2 import Qwen2Adapter
-from hapo_megatron.convert.qwen3 import Qwen3Adapter
 from hapo_megatron.models.gpt import DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size
-from hapo_megatron.models.hf_config import validate_hf_config
-
-ADAPTERS: dict[str, type[ModelAdapter]] = {"llama": LlamaAdapter, "qwen2": Qwen2Adapter, "qwen3": Qwen3Adapter}
-
-
-def get_adapter(hf_config) -> ModelAdapter:
-    """The adapter of `hf_config`'s architecture; ValueError for unsupported ones."""
-    return ADAPTERS[validate_hf_config(hf_config)](hf_config)
 
 
 def hf_to_mcore(hf_state: Mapping[str, torch.Tensor], config, tp_rank: int, tp_size: int, pp_rank: int,

@@ -59,7 +59,7 @@ def load_hf_weights_into_mcore(model, hf_model_path_or_state, hf_config, *, tp_r
     and wrongly shaped tensors). Layers are located by each layer's own global `layer_number`, so
     pp_rank/pp_size are informational (they are not needed to place layers, also with VPP).
     """
-    from hapo_megatron.convert import get_adapter
+    from hapo_megatron.convert.adapters import get_adapter
     from hapo_megatron.convert.hf_io import HFCheckpointReader
 
     adapter = get_adapter(hf_config)
@@ -126,7 +126,7 @@ def export_hf_weights(model_chunks, hf_config, *, tp_group=None, pp_group=None,
     a time. Tensors are on the parameters' device, cast to `dtype` when given, with the vocab
     padding removed; the tied `lm_head.weight` is not yielded (HF omits it too).
     """
-    from hapo_megatron.convert import get_adapter
+    from hapo_megatron.convert.adapters import get_adapter
 
     adapter = get_adapter(hf_config)
     chunks = _as_chunks(model_chunks)

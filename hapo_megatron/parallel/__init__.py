@@ -5,6 +5,7 @@
 - `linear`: the same from hidden states and the output weight (no logits materialised).
 - `stats`: exact global entropy statistics over DP x CP, global token counts.
 - `context_parallel`: Megatron's CP sequence layout as index math.
+- `micro_batch`: the typed micro-batch the forward pass and the loss read (`MicroBatch`).
 - `loss`: the HAPO loss for `forward_backward_func` (per-token-loss path).
 """
 
@@ -29,6 +30,7 @@ from hapo_megatron.parallel.loss import (
     make_logprob_func,
     make_loss_func,
 )
+from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.parallel.stats import (
     exact_global_sum,
     global_entropy_stats,
@@ -40,6 +42,7 @@ from hapo_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entrop
 __all__ = [
     "HiddenStates",
     "LossConfig",
+    "MicroBatch",
     "ParallelGroups",
     "all_gather_from_cp",
     "cp_chunk_indices",

@@ -21,14 +21,14 @@ What `num_tokens` counts depends on `loss_agg_mode`:
 
 Under tensor parallelism every TP rank computes the same loss from its vocab shard
 (`vocab_parallel_logprobs_entropy`); under context parallelism the batch tensors given here
-are already this rank's CP shard (`context_parallel.split_for_cp`).
+are already this rank's CP shard (`MicroBatch.split_for_cp`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -40,17 +40,19 @@ from hapo_megatron.algo import (
     KL_LOSS_TYPES,
     LOSS_AGG_MODES,
     EntropyStats,
+    PolicyTokenFields,
     compute_entropy_stats,
     hapo_policy_loss,
     normalize_entropy,
 )
 from hapo_megatron.parallel.linear import HiddenStates, logprobs_entropy_from_hidden
+from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 
 #: tokens per chunk of the fused log-prob/entropy: 2 float32 buffers of 1024 x V/tp (~0.6 GB at
 #: V/tp = 76k) instead of 2 x T x V/tp for the whole micro-batch.
 DEFAULT_LOGPROB_CHUNK = 1024
-_REQUIRED = ("labels", "loss_mask", "old_logprobs", "advantages")
+_REQUIRED = ("old_logprobs", "advantages")  # besides labels / loss_mask, which every MicroBatch has
 
 
 @dataclass(frozen=True)
@@ -164,24 +166,22 @@ def zero_loss_like(output: Output) -> torch.Tensor:
     return t.new_zeros((), dtype=torch.float32)
 
 
-def _check_batch(batch: Mapping[str, torch.Tensor], shape) -> None:
-    for key in _REQUIRED:
-        if key not in batch:
-            raise ValueError(f"batch is missing {key!r} (needs {_REQUIRED})")
-    for key, t in batch.items():
-        if torch.is_tensor(t) and key in _REQUIRED + ("old_entropy", "ref_logprobs", "rollout_logprobs"):
-            if tuple(t.shape) != tuple(shape):
-                raise ValueError(f"batch[{key!r}] must have shape {tuple(shape)}, got {tuple(t.shape)}")
+def _check_batch(batch: MicroBatch) -> None:
+    if not isinstance(batch, MicroBatch):
+        raise TypeError(f"batch must be a MicroBatch, got {type(batch).__name__}")
+    for name in _REQUIRED:
+        if getattr(batch, name) is None:
+            raise ValueError(f"batch.{name} is required by the loss (needs {_REQUIRED})")
 
 
 def _h_hat(cfg: LossConfig, stats: Optional[EntropyStats], batch, entropy, valid):
     """Normalised entropy `[b, s]` (detached) or None when it is neither needed nor computable."""
     if cfg.h_hat_entropy == "old":
-        if "old_entropy" not in batch:
+        if batch.old_entropy is None:
             if cfg.needs_h_hat:
-                raise ValueError("batch['old_entropy'] is required with h_hat_entropy='old'")
+                raise ValueError("batch.old_entropy is required with h_hat_entropy='old'")
             return None, stats
-        source = batch["old_entropy"].detach()
+        source = batch.old_entropy.detach()
     else:
         source = entropy.detach()
     if cfg.entropy_stats_scope == "microbatch":
@@ -205,21 +205,27 @@ def _sequence_counts(valid: torch.Tensor, cp_group):
     return lengths, n_seq
 
 
-def hapo_loss_from_logits(logits: Output, batch: Mapping[str, torch.Tensor], *, cfg: LossConfig,
+TokenSink = Callable[[PolicyTokenFields], None]
+
+
+def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: LossConfig,
                           stats: Optional[EntropyStats], tp_group=None, cp_group=None,
-                          temperature: Union[float, torch.Tensor] = 1.0):
+                          temperature: Union[float, torch.Tensor] = 1.0,
+                          on_token_fields: Optional[TokenSink] = None):
     """HAPO loss of one micro-batch as `(loss_sum, num_tokens, metrics)` for Megatron.
 
     Args:
         logits: `[b, s, V/tp]` this rank's vocab shard (GPTModel output, batch first), or the
             `HiddenStates` of `models.forward_hidden_states` (fused output layer).
-        batch: `[b, s]` tensors (this rank's CP shard): `labels` (int64), `loss_mask`,
-            `old_logprobs`, `advantages`; `old_entropy` (h_hat_entropy "old"); optional
-            `ref_logprobs` (KL), `rollout_logprobs` (tis_cap).
+        batch: a `MicroBatch` (this rank's CP shard) with `old_logprobs` and `advantages`;
+            `old_entropy` (h_hat_entropy "old"); optional `ref_logprobs` (KL),
+            `rollout_logprobs` (tis_cap).
         cfg: `LossConfig`. stats: the step's global `EntropyStats` (scope "global").
         tp_group / cp_group: tensor / context parallel groups (None = not split).
         temperature: float or `[b, s]` tensor dividing the logits (the sampling base temperature;
             a tensor is this rank's CP shard, like the batch).
+        on_token_fields: called with the `PolicyTokenFields` of this micro-batch (this rank's
+            CP shard): the per-token ratio, advantage and clip flags the metrics are sums of.
 
     Returns:
         `loss_sum` (0-dim float32, differentiable), `num_tokens` (0-dim int32, see the module
@@ -231,13 +237,11 @@ def hapo_loss_from_logits(logits: Output, batch: Mapping[str, torch.Tensor], *, 
     """
     if not isinstance(logits, HiddenStates) and logits.dim() != 3:
         raise ValueError(f"logits must be [b, s, V/tp], got shape {tuple(logits.shape)}")
-    if "labels" not in batch:
-        raise ValueError(f"batch is missing 'labels' (needs {_REQUIRED})")
-    shape = batch["labels"].shape
-    _check_batch(batch, shape)
-    valid = batch["loss_mask"].detach() != 0
+    _check_batch(batch)
+    shape = batch.labels.shape
+    valid = batch.loss_mask.detach() != 0
     logprobs, entropy = logprobs_entropy_from_logits(
-        logits, batch["labels"], tp_group=tp_group, temperature=temperature,
+        logits, batch.labels, tp_group=tp_group, temperature=temperature,
         chunk_size=cfg.logprob_chunk_size, entropy_grad=cfg.entropy_coeff != 0.0)
     h_hat, _ = _h_hat(cfg, stats, batch, entropy, valid)
 
@@ -246,17 +250,19 @@ def hapo_loss_from_logits(logits: Output, batch: Mapping[str, torch.Tensor], *, 
     horizon = None
     if mode == "seq-mean-token-sum-norm":
         horizon = cfg.loss_scale_factor or float(shape[1] * _cp_size(cp_group))
-    loss_sum, normalizer, metrics = hapo_policy_loss(
-        logprobs, batch["old_logprobs"], batch["advantages"], valid, h_hat,
+    loss_sum, normalizer, metrics, token_fields = hapo_policy_loss(
+        logprobs, batch.old_logprobs, batch.advantages, valid, h_hat,
         clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
         clip_ratio_c=cfg.clip_ratio_c, adaptive_clip=cfg.adaptive_clip, clip_alpha=cfg.clip_alpha,
         adaptive_advantage=cfg.adaptive_advantage, adv_beta=cfg.adv_beta, loss_agg_mode=mode,
         loss_scale_factor=horizon, seq_token_counts=lengths,
         num_seqs=float(n_seq),
         entropy=entropy, entropy_coeff=cfg.entropy_coeff,
-        ref_logprobs=batch.get("ref_logprobs"), kl_loss_coef=cfg.kl_loss_coef,
-        kl_loss_type=cfg.kl_loss_type, rollout_logprobs=batch.get("rollout_logprobs"),
-        tis_cap=cfg.tis_cap)
+        ref_logprobs=batch.ref_logprobs, kl_loss_coef=cfg.kl_loss_coef,
+        kl_loss_type=cfg.kl_loss_type, rollout_logprobs=batch.rollout_logprobs,
+        tis_cap=cfg.tis_cap, return_token_fields=True)
+    if on_token_fields is not None:
+        on_token_fields(token_fields)
     if mode == "token-mean":
         count = int(valid.sum())
     else:
@@ -270,7 +276,7 @@ def hapo_loss_from_logits(logits: Output, batch: Mapping[str, torch.Tensor], *, 
     return loss_sum, num_tokens, metrics
 
 
-def make_loss_func(batch: Mapping[str, torch.Tensor], **kw) -> Callable[[torch.Tensor], tuple]:
+def make_loss_func(batch: MicroBatch, **kw) -> Callable[[torch.Tensor], tuple]:
     """`loss_func(output_tensor)` for `forward_backward_func`; `kw` go to `hapo_loss_from_logits`."""
 
     def loss_func(output_tensor: torch.Tensor):

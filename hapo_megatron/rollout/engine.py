@@ -1,4 +1,5 @@
-"""The rollout-engine interface: sampling parameters, samples, the protocol and the factory.
+"""The rollout-engine interface: sampling parameters, samples, the protocol (engines are built by
+`rollout.factory.make_engine`, which sits above their implementations).
 
 Every engine (the embedded HF-transformers engine, SGLang servers) takes prompts as token ids and
 returns, per prompt, ``n`` :class:`Sample` objects in prompt order. Each sample carries the
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -180,7 +181,12 @@ class RolloutEngine(Protocol):
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named full tensors (``export_hf_weights`` output) into the engine's model."""
+        """Load HF-named full tensors (``export_hf_weights`` output) into the engine's model.
+
+        Contract: reads ``named_tensors`` to the end on every rank that calls it, also when the
+        update fails (then it raises after reading). The export behind the iterator runs
+        collectives over the trainer's ranks, so a rank that stops reading early leaves the
+        others waiting in them; `drain_weights` reads the rest."""
         ...
 
     def release_memory(self) -> None:
@@ -194,6 +200,13 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None:
         """Release every resource (servers, processes, model)."""
         ...
+
+
+def drain_weights(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Read the rest of a weight stream (running the export's collectives); returns how many
+    tensors were left."""
+    it: Iterator = iter(named_tensors)
+    return sum(1 for _ in it)
 
 
 def check_prompt_ids(prompt_ids: Any) -> list[list[int]]:
@@ -213,4 +226,4 @@ def check_prompt_ids(prompt_ids: Any) -> list[list[int]]:
     return out
 
 
-__all__ = ["FINISH_REASONS", "Sample", "SamplingParams", "RolloutEngine", "check_prompt_ids"]
+__all__ = ["FINISH_REASONS", "Sample", "SamplingParams", "RolloutEngine", "check_prompt_ids", "drain_weights"]

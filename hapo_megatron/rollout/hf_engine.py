@@ -260,9 +260,9 @@ class HFRolloutEngine:
         model tensors that were not provided (a tied weight counts as provided when any of its
         aliases is, e.g. ``lm_head.weight`` / ``model.embed_tokens.weight``).
         """
+        items = list(named_tensors)  # read to the end first (the RolloutEngine contract)
         sd = self.model.state_dict()
         groups = self._param_groups()
-        items = list(named_tensors)
         unknown, bad_shape, dup, seen = [], [], [], set()
         for name, t in items:
             if not torch.is_tensor(t):

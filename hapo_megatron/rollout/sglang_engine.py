@@ -64,7 +64,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from hapo_megatron.rollout import sglang_launch as launcher
-from hapo_megatron.rollout.engine import Sample, SamplingParams, check_prompt_ids
+from hapo_megatron.rollout.engine import Sample, SamplingParams, check_prompt_ids, drain_weights
 from hapo_megatron.rollout.sglang_client import EndpointNotFoundError, SGLangError, SGLangHTTP, ServerHandle
 from hapo_megatron.rollout import weight_sync as ws
 
@@ -355,9 +355,14 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Stream HF-named tensors to every server in buckets of ``bucket_size_mb`` (collective)."""
+        """Stream HF-named tensors to every server in buckets of ``bucket_size_mb`` (collective).
+        Every rank reads ``named_tensors`` to the end, also when the update fails."""
         sync = {"tensor": self._sync_tensor, "distributed": self._sync_distributed, "disk": self._sync_disk}
-        sync[self.weight_sync](iter(named_tensors))
+        named = iter(named_tensors)
+        try:
+            sync[self.weight_sync](named)
+        finally:
+            drain_weights(named)  # ranks without a part in this mode, and any rank after an error
         self._barrier()
 
     def _barrier(self, group: Any = None) -> None:
@@ -452,9 +457,7 @@ class SGLangEngine:
 
     def _sync_distributed(self, named: Iterable) -> None:
         if self.rank != 0:
-            for _ in named:  # export_hf_weights may be collective: keep pace
-                pass
-            return
+            return  # update_weights reads the rest
         if self._nccl_group is None:
             self._init_nccl_group()
         with self._update_session(self.servers):
@@ -473,9 +476,7 @@ class SGLangEngine:
 
     def _sync_disk(self, named: Iterable) -> None:
         if self.rank != 0:
-            for _ in named:
-                pass
-            return
+            return  # update_weights reads the rest
         path = self.disk_sync_dir or os.path.join(tempfile.gettempdir(), f"hapo_sglang_weights_{os.getpid()}")
         shutil.rmtree(path, ignore_errors=True)
         config_dir = self.model_path if self.model_path and os.path.isdir(self.model_path) else None

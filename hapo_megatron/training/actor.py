@@ -1,10 +1,11 @@
 """The Megatron actor: model chunks wrapped in Megatron DDP, the (distributed) optimizer, the LR
 schedule, forward-only log-prob passes and mini-batch updates through ``forward_backward_func``.
 
-Micro-batches are dicts of ``[b, s]`` tensors from `hapo_megatron.training.batching` (full
-sequences; this class cuts the context-parallel chunk). A loss factory ``make_loss(mb)`` returns
-Megatron's ``loss_func(output_tensor) -> (loss_sum, num_tokens, metrics)`` with
-``calculate_per_token_loss=True``: Megatron divides the gradients by the global token count.
+Micro-batches are `MicroBatch` values from `hapo_megatron.training.batching` (full sequences, on
+the host; this class cuts the context-parallel chunk and moves it to the model's device). A loss
+factory ``make_loss(mb)`` returns Megatron's ``loss_func(output_tensor) -> (loss_sum, num_tokens,
+metrics)`` with ``calculate_per_token_loss=True``: Megatron divides the gradients by the global
+token count.
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ import torch
 import torch.distributed as dist
 
 from hapo_megatron.compat.processes import children_allowed
+from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.training.checkpoint import OPTIMIZER_FORMAT, optimizer_sharding_metadata
 from hapo_megatron.training.optimizer_checkpoint import load_optimizer_state
 
-LossFactory = Callable[[dict], Callable]
+LossFactory = Callable[[MicroBatch], Callable]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-MB_TENSOR_KEYS = ("input_ids", "position_ids", "labels", "loss_mask", "advantages", "rollout_logprobs",
-                  "temperatures", "old_logprobs", "old_entropy", "ref_logprobs")
 
 
 @dataclass
@@ -136,19 +136,21 @@ class MegatronActor:
         return opt, sched
 
     # ------------------------------------------------------------------ forward / backward
-    def _local(self, mb: dict) -> dict:
-        """This rank's context-parallel chunk of a full-sequence micro-batch."""
-        if self.groups.cp_size == 1:
-            return mb
-        from hapo_megatron.parallel.context_parallel import split_for_cp
-        return {k: (split_for_cp(v, self.groups.cp_size, self.groups.cp_rank, dim=1)
-                    if k in MB_TENSOR_KEYS and torch.is_tensor(v) and v.dim() == 2 else v)
-                for k, v in mb.items()}
+    def _local(self, mb: MicroBatch) -> MicroBatch:
+        """This rank's context-parallel chunk of a full-sequence micro-batch, on the model's device."""
+        g = self.groups
+        return mb.split_for_cp(g.cp_size, g.cp_rank).to(self.device)
 
-    def forward_backward(self, micro_batches: list[dict], make_loss: LossFactory, *,
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters live (the micro-batches go there for the forward pass)."""
+        return next(self.model[0].parameters()).device
+
+    def forward_backward(self, micro_batches: list[MicroBatch], make_loss: LossFactory, *,
                          forward_only: bool, model: Optional[list] = None) -> list[dict]:
         """Run Megatron's schedule over ``micro_batches`` (on ``model``, default the policy);
-        returns the loss metrics of each micro-batch (last pipeline stage only; ``[]`` elsewhere)."""
+        returns the loss metrics of each micro-batch (last pipeline stage only; ``[]`` elsewhere).
+        ``make_loss`` gets each micro-batch's local chunk, in order."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from hapo_megatron.models.gpt import forward_hidden_states
@@ -158,11 +160,11 @@ class MegatronActor:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            out = forward(model, mb["input_ids"], mb["position_ids"], None)
+            out = forward(model, mb.input_ids, mb.position_ids, None)
             return out, make_loss(mb)
 
-        seq_len = max(int(mb["input_ids"].shape[1]) for mb in local)
-        mbs = max(int(mb["input_ids"].shape[0]) for mb in local)
+        seq_len = max(mb.seq_len for mb in local)
+        mbs = max(mb.batch_size for mb in local)
         ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         with ctx:
             out = get_forward_backward_func()(
@@ -171,33 +173,31 @@ class MegatronActor:
                 forward_only=forward_only)
         return list(out or [])
 
-    def compute_logprobs_entropy(self, micro_batches: list[dict], *, temperature: float = 1.0,
-                                 chunk_size: Optional[int] = None, model: Optional[list] = None,
-                                 keys: tuple[str, str] = ("old_logprobs", "old_entropy")) -> None:
-        """Old-log-prob pass: sets ``mb["old_logprobs"]`` and ``mb["old_entropy"]`` (``[b, s]``
-        float32, full sequence, zero where ``loss_mask`` is 0) on the last pipeline stage
-        (``model``/``keys`` select another model, e.g. the KL reference, and other keys)."""
+    def compute_logprobs_entropy(self, micro_batches: list[MicroBatch], *, temperature: float = 1.0,
+                                 chunk_size: Optional[int] = None,
+                                 model: Optional[list] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Forward-only pass: ``(logprobs, entropy)`` of each micro-batch, ``[b, s]`` float32 on
+        the host, full sequences (gathered over CP), zero where ``loss_mask`` is 0; on the last
+        pipeline stage (``[]`` elsewhere). ``model`` selects another model (e.g. the KL reference)."""
         from hapo_megatron.parallel.loss import logprobs_entropy_from_logits, zero_loss_like
 
         results: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-        def make_loss(mb):
+        def make_loss(mb: MicroBatch):
             def loss_func(output):  # logits, or HiddenStates with the fused output layer
-                lp, ent = logprobs_entropy_from_logits(output, mb["labels"], tp_group=self.groups.tp,
+                lp, ent = logprobs_entropy_from_logits(output, mb.labels, tp_group=self.groups.tp,
                                                        temperature=temperature, chunk_size=chunk_size)
-                mask = mb["loss_mask"]
+                mask = mb.loss_mask
                 results.append(((lp * mask).float(), (ent * mask).float()))
                 return zero_loss_like(output), mask.sum().to(torch.int), {}
             return loss_func
 
-        for mb in micro_batches:
-            for key in keys:
-                mb.pop(key, None)
         self.forward_backward(micro_batches, make_loss, forward_only=True, model=model)
         if not self.groups.is_pipeline_last:
-            return
-        for mb, (lp, ent) in zip(micro_batches, results):
-            mb[keys[0]], mb[keys[1]] = self._gather_cp(lp), self._gather_cp(ent)
+            return []
+        if len(results) != len(micro_batches):
+            raise RuntimeError(f"{len(results)} log-prob results for {len(micro_batches)} micro-batches")
+        return [(self.gather_cp(lp).cpu(), self.gather_cp(ent).cpu()) for lp, ent in results]
 
     # ------------------------------------------------------------------ KL reference
     def make_reference(self, *, ckpt_path: Optional[str] = None, hf_path: Optional[str] = None,
@@ -236,7 +236,9 @@ class MegatronActor:
         with children_allowed():
             dist_checkpointing.save({"model": unwrap_model(reference[0]).sharded_state_dict()}, path)
 
-    def _gather_cp(self, t: torch.Tensor) -> torch.Tensor:
+    def gather_cp(self, t: torch.Tensor) -> torch.Tensor:
+        """The full sequence ``[b, s]`` of this rank's context-parallel shard ``[b, s / cp]``
+        (collective over the CP group; ``t`` itself without CP)."""
         if self.groups.cp_size == 1:
             return t
         from hapo_megatron.parallel.context_parallel import all_gather_from_cp
@@ -253,12 +255,12 @@ class MegatronActor:
             for v in m.values():
                 if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
                     bad = 1.0
-        flag = torch.tensor([bad])
+        flag = torch.tensor([bad], device=self.device)  # NCCL groups reduce device tensors only
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag.item() == 0.0
 
-    def train_step(self, micro_batches: list[dict], make_loss: LossFactory) -> StepResult:
+    def train_step(self, micro_batches: list[MicroBatch], make_loss: LossFactory) -> StepResult:
         """One optimizer step over ``micro_batches`` (gradients accumulated, normalised by the
         global token count). A non-finite loss or gradient skips the update."""
         for chunk in self.model:
@@ -356,11 +358,15 @@ class MegatronActor:
                 if "step" in st:
                     st["step"] = torch.tensor(step, dtype=torch.float32)
 
-    def scheduler_state(self) -> dict:
-        return self.scheduler.state_dict()
+    def train_state_dict(self) -> dict[str, Any]:
+        """The actor's part of ``rl_state.json``: skipped updates and the LR schedule."""
+        return {"num_skipped_updates": int(self.num_skipped), "scheduler": self.scheduler.state_dict()}
 
-    def load_scheduler_state(self, state: dict) -> None:
-        self.scheduler.load_state_dict(state)
+    def load_train_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of `train_state_dict` (keys an older checkpoint lacks keep their values)."""
+        self.num_skipped = int(state.get("num_skipped_updates", 0))
+        if state.get("scheduler"):
+            self.scheduler.load_state_dict(state["scheduler"])
 
 
 def sum_metrics_across_ranks(local: dict[str, Any], *, contribute: bool) -> dict[str, float]:

@@ -18,6 +18,8 @@ from typing import Sequence
 
 import torch
 
+from hapo_megatron.parallel.micro_batch import MicroBatch
+
 PAD_ID = 0
 
 
@@ -106,13 +108,14 @@ def _round_up(x: int, m: int) -> int:
     return ((x + m - 1) // m) * m
 
 
-def collate(seqs: Sequence[SequenceData], *, pad_multiple: int = 1) -> dict[str, torch.Tensor]:
-    """Pad sequences into a micro-batch of ``[b, s]`` tensors.
+def collate(seqs: Sequence[SequenceData], *, pad_multiple: int = 1) -> MicroBatch:
+    """Pad sequences into a `MicroBatch` of ``[b, s]`` tensors.
 
-    Keys: ``input_ids``, ``position_ids``, ``labels`` (int64), ``loss_mask``, ``advantages``,
-    ``rollout_logprobs``, ``temperatures`` (float32), and ``seq_index`` ``[b]`` (int64, -1 for
-    dummies). ``s`` is the longest sequence rounded up to ``pad_multiple`` (e.g. TP size with
-    sequence parallelism, 2*CP with context parallelism).
+    Sets ``input_ids``, ``position_ids``, ``labels`` (int64), ``loss_mask``, ``advantages``,
+    ``rollout_logprobs``, ``temperatures`` (float32), ``seq_index`` ``[b]`` (int64, -1 for
+    dummies) and ``engine_temperatures`` ``[b]`` (the sequence came with temperatures). ``s`` is
+    the longest sequence rounded up to ``pad_multiple`` (e.g. TP size with sequence parallelism,
+    2*CP with context parallelism).
     """
     if not seqs:
         raise ValueError("seqs must not be empty")
@@ -138,16 +141,13 @@ def collate(seqs: Sequence[SequenceData], *, pad_multiple: int = 1) -> dict[str,
             rollout_lp[i, sl] = torch.tensor(x.rollout_logprobs, dtype=torch.float32)
         if x.temperatures:
             temps[i, sl] = torch.tensor(x.temperatures, dtype=torch.float32)
-    return {
-        "input_ids": input_ids,
-        "position_ids": torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous(),
-        "labels": labels,
-        "loss_mask": loss_mask,
-        "advantages": advantages,
-        "rollout_logprobs": rollout_lp,
-        "temperatures": temps,
-        "seq_index": torch.tensor([x.index for x in seqs], dtype=torch.long),
-    }
+    return MicroBatch(
+        input_ids=input_ids,
+        position_ids=torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous(),
+        labels=labels, loss_mask=loss_mask, advantages=advantages, rollout_logprobs=rollout_lp,
+        temperatures=temps, seq_index=torch.tensor([x.index for x in seqs], dtype=torch.long),
+        engine_temperatures=torch.tensor([x.index >= 0 and len(x.temperatures) > 0 for x in seqs],
+                                         dtype=torch.bool))
 
 
 def dummy_sequence(template: SequenceData) -> SequenceData:
@@ -158,7 +158,7 @@ def dummy_sequence(template: SequenceData) -> SequenceData:
 
 def build_rank_micro_batches(seqs: Sequence[SequenceData], *, dp_rank: int, dp_size: int,
                              micro_batch_size: int = 1, max_tokens_per_micro_batch: int | None = None,
-                             pad_multiple: int = 1) -> list[dict[str, torch.Tensor]]:
+                             pad_multiple: int = 1) -> list[MicroBatch]:
     """This data-parallel rank's padded micro-batches for one (mini-)batch of sequences.
 
     The split is `balance_partitions` by token count (identical on every rank); a rank left

@@ -86,7 +86,7 @@ class MetricsLogger:
     def __init__(self, run_dir: str, *, total_steps: int, initial_step: int = 0, enabled: bool = True,
                  console: bool = True, jsonl: bool = True, wandb: bool = False,
                  wandb_mode: str = "offline", wandb_project: str | None = None,
-                 experiment_name: str | None = None, tensorboard: bool = False,
+                 wandb_entity: str | None = None, experiment_name: str | None = None, tensorboard: bool = False,
                  log_interval: int = 1, config: Mapping[str, Any] | None = None,
                  desc: str = "train", tensorboard_dir: str | None = None):
         self.enabled, self.log_interval = enabled, max(1, int(log_interval))
@@ -97,16 +97,16 @@ class MetricsLogger:
             return
         os.makedirs(run_dir, exist_ok=True)
         if wandb:
-            self._wandb = self._init_wandb(run_dir, wandb_mode, wandb_project, experiment_name, config)
+            self._wandb = self._init_wandb(run_dir, wandb_mode, wandb_project, wandb_entity, experiment_name, config)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(log_dir=tensorboard_dir or os.path.join(run_dir, "tensorboard"))
 
     @staticmethod
-    def _init_wandb(run_dir, mode, project, name, config):
+    def _init_wandb(run_dir, mode, project, entity, name, config):
         import wandb
         os.environ.setdefault("WANDB_SILENT", "true")
-        return wandb.init(project=project or "hapo_megatron", name=name, mode=mode,
+        return wandb.init(project=project or "hapo_megatron", entity=entity, name=name, mode=mode,
                           dir=run_dir, config=dict(config or {}), resume="allow")
 
     def _progress(self):

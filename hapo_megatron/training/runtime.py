@@ -1,8 +1,8 @@
-"""Everything a training run holds (`Runtime`), how it is built from a `HapoConfig`, and the RL
-state that goes into checkpoints.
+"""Everything a training run holds (`Runtime`) and how it is built from a `HapoConfig`.
 
 Rank 0 owns the rollout engine and the metric sinks; every rank holds the actor shard, the
-datasets and the per-step metadata (broadcast from rank 0).
+datasets and the per-step metadata (broadcast from rank 0). The checkpointed RL state is one
+`RLState` (`training.rl_state`).
 """
 
 from __future__ import annotations
@@ -11,15 +11,26 @@ import glob
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from hapo_megatron.config import HapoConfig
+from hapo_megatron.data import PromptDataset
+from hapo_megatron.parallel.groups import ParallelGroups
+from hapo_megatron.rewards import RewardResult
+from hapo_megatron.rollout.engine import RolloutEngine
+from hapo_megatron.training.actor import MegatronActor
 from hapo_megatron.training.checkpoint import (CheckpointManager, Layout, read_checkpoint_info,
                                                resume_message)
 from hapo_megatron.training.metrics import MetricsLogger, Timer
+from hapo_megatron.training.offload import StorageOffloader
+from hapo_megatron.training.rl_state import RLState
 from hapo_megatron.training.rl_step import DynamicSampler
+
+if TYPE_CHECKING:  # transformers is imported only where a tokenizer or config is loaded
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 
 def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
@@ -70,32 +81,27 @@ def optimizer_steps_per_rl_step(cfg) -> int:
 
 @dataclass
 class Runtime:
-    """The live state of one run on this rank."""
+    """The live state of one run on this rank (built by `build_runtime`)."""
 
-    cfg: Any
-    groups: Any
+    cfg: HapoConfig
+    groups: ParallelGroups
     rank: int
     world_size: int
-    tokenizer: Any
-    hf_config: Any
-    train_ds: Any
-    val_ds: Any
-    sampler: Any
-    actor: Any
-    engine: Any  # rank 0; with launched SGLang servers also every node's first rank (node_servers)
-    reward_fn: Any
+    tokenizer: PreTrainedTokenizerBase
+    hf_config: PretrainedConfig
+    train_ds: PromptDataset
+    val_ds: Optional[PromptDataset]
+    actor: MegatronActor
+    engine: Optional[RolloutEngine]  # rank 0; with launched SGLang servers also every node's first rank (node_servers)
+    reward_fn: Callable[..., RewardResult]
     logger: MetricsLogger
     ckpt: CheckpointManager
-    dyn: DynamicSampler
+    rl: RLState  # step, sampler, dynamic sampling, entropy statistics, skips (checkpointed)
     timer: Timer = field(default_factory=Timer)
-    step: int = 0
-    entropy_stats: Any = None
-    consecutive_skips: int = 0
-    sft_done: bool = False
     start_step: int = 0
-    reference: Any = None  # frozen KL reference model chunks (algo.kl_loss_coef > 0)
-    offloader: Any = None  # training.offload.StorageOffloader (colocated SGLang on CUDA) or None
-    engine_released: set = field(default_factory=set)  # engine memory regions released (stages.release_engine)
+    reference: Optional[list[torch.nn.Module]] = None  # frozen KL reference chunks (algo.kl_loss_coef > 0)
+    offloader: Optional[StorageOffloader] = None  # colocated SGLang on CUDA, else None
+    engine_released: set[str] = field(default_factory=set)  # engine memory regions released (engine_memory)
 
     @property
     def is_main(self) -> bool:
@@ -116,32 +122,18 @@ class Runtime:
         return (int(self.cfg.trainer.seed) * 1_000_003 + step * 1_009 + gen_index) % (2**31 - 1)
 
     # ------------------------------------------------------------------ checkpoint state
-    def rl_state(self) -> dict[str, Any]:
-        return {
-            "sampler": self.sampler.state_dict(),
-            "entropy_stats": self.entropy_stats.to_dict() if self.entropy_stats is not None else None,
-            "consecutive_skips": self.consecutive_skips,
-            "num_skipped_updates": self.actor.num_skipped,
-            "sft_done": self.sft_done,
-            "dynamic_sampling": self.dyn.state_dict(),
-            "scheduler": self.actor.scheduler_state(),
-        }
+    def checkpoint_state(self) -> dict[str, Any]:
+        """``rl_state.json``: the RL loop's `RLState` and the actor's skip count / LR schedule."""
+        return {**self.rl.state_dict(), **self.actor.train_state_dict()}
 
     def restore(self, state: dict[str, Any]) -> None:
-        from hapo_megatron.algo import EntropyStats
-        self.step = self.start_step = int(state["step"])
-        self.sampler.load_state_dict(state["sampler"])
-        es = state.get("entropy_stats")
-        self.entropy_stats = EntropyStats.from_dict(es) if es else None
-        self.consecutive_skips = int(state.get("consecutive_skips", 0))
-        self.actor.num_skipped = int(state.get("num_skipped_updates", 0))
-        self.sft_done = bool(state.get("sft_done", True))
-        self.dyn.load_state_dict(state.get("dynamic_sampling", {}))
-        if state.get("scheduler"):
-            self.actor.load_scheduler_state(state["scheduler"])
+        self.rl.load_state_dict(state)
+        self.start_step = self.rl.step
+        self.actor.load_train_state_dict(state)
 
     def save_checkpoint(self) -> str:
-        return self.ckpt.save(self.step, rl_state=self.rl_state(), save_model=self.actor.save)
+        state = self.checkpoint_state()
+        return self.ckpt.save(state.pop("step"), rl_state=state, save_model=self.actor.save)
 
 
 def setup_reference(rt: Runtime) -> None:
@@ -226,8 +218,8 @@ def _start_engine(rt: Runtime) -> None:
     """Build the engine (collective: servers start on every node). Colocated on CUDA, every rank
     offloads its trainer state first, so the servers size their memory pool from a free GPU, and
     reloads it after."""
+    from hapo_megatron.training.engine_memory import release_engine, trainer_offloaded
     from hapo_megatron.training.offload import make_actor_offloader
-    from hapo_megatron.training.stages import release_engine, trainer_offloaded
     rt.offloader = make_actor_offloader(rt.cfg, rt.actor)
     with trainer_offloaded(rt):
         rt.engine = build_engine(rt.cfg, rt.hf_config, rt.tokenizer)
@@ -236,11 +228,21 @@ def _start_engine(rt: Runtime) -> None:
         dist.barrier()
 
 
-def build_runtime(cfg, groups, *, tokenizer=None, datasets=None) -> Runtime:
+def build_logger(cfg: HapoConfig, *, enabled: bool) -> MetricsLogger:
+    """The metric sinks of ``cfg.logging`` (rank 0 only: ``enabled``), every field named."""
+    lg = cfg.logging
+    return MetricsLogger(
+        cfg.trainer.run_dir, total_steps=cfg.trainer.total_steps, enabled=enabled, console=lg.console,
+        jsonl=lg.jsonl, wandb=lg.wandb, wandb_mode=lg.wandb_mode, wandb_project=lg.wandb_project,
+        wandb_entity=lg.wandb_entity, experiment_name=lg.wandb_run_name, tensorboard=lg.tensorboard,
+        log_interval=lg.log_interval, config=cfg.to_dict(), desc=cfg.trainer.experiment_name,
+        tensorboard_dir=lg.tensorboard_dir, initial_step=0)
+
+
+def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, datasets=None) -> Runtime:
     """Build datasets, actor, engine (rank 0), sinks and checkpoint manager; resume if asked."""
     from hapo_megatron.data import PromptSampler
     from hapo_megatron.rewards import get_reward_fn
-    from hapo_megatron.training.actor import MegatronActor
     from hapo_megatron.training.checkpoint import resolve_resume
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -264,29 +266,23 @@ def build_runtime(cfg, groups, *, tokenizer=None, datasets=None) -> Runtime:
     if resume_from is None and rank == 0:
         _start_fresh(cfg.trainer.run_dir, ckpt_root)
     dist.barrier()
-    lg = cfg.logging
-    logger = MetricsLogger(
-        cfg.trainer.run_dir, total_steps=cfg.trainer.total_steps, enabled=rank == 0, console=lg.console,
-        jsonl=lg.jsonl, wandb=lg.wandb, wandb_mode=lg.wandb_mode, wandb_project=lg.wandb_project,
-        experiment_name=lg.wandb_run_name, tensorboard=lg.tensorboard, log_interval=lg.log_interval,
-        config=cfg.to_dict(), desc=cfg.trainer.experiment_name, tensorboard_dir=lg.tensorboard_dir,
-        initial_step=0)
+    logger = build_logger(cfg, enabled=rank == 0)
     rt = Runtime(
         cfg=cfg, groups=groups, rank=rank, world_size=world, tokenizer=tokenizer, hf_config=hf_config,
-        train_ds=train_ds, val_ds=val_ds,
-        sampler=PromptSampler(train_ds, cfg.data.train_batch_size if cfg.rollout.generate_batch_size is None
-                              else cfg.rollout.generate_batch_size, seed=cfg.data.seed,
-                              shuffle=cfg.data.shuffle),
-        actor=actor, engine=None,
+        train_ds=train_ds, val_ds=val_ds, actor=actor, engine=None,
         reward_fn=get_reward_fn(cfg.reward.reward_fn), logger=logger,
         ckpt=CheckpointManager(ckpt_root, keep_last_k=cfg.trainer.keep_last_k or 10**9, rank=rank,
                                barrier=dist.barrier, layout=Layout.from_groups(groups)),
-        dyn=DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
-                           max_num_gen_batches=cfg.algo.max_num_gen_batches))
+        rl=RLState(
+            sampler=PromptSampler(train_ds, cfg.data.train_batch_size if cfg.rollout.generate_batch_size is None
+                                  else cfg.rollout.generate_batch_size, seed=cfg.data.seed,
+                                  shuffle=cfg.data.shuffle),
+            dyn=DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
+                               max_num_gen_batches=cfg.algo.max_num_gen_batches)))
     _start_engine(rt)
     if resume_from:
         logger.write(resume_message(resume_from, read_checkpoint_info(resume_from), rt.ckpt.layout))
         rt.restore(rt.ckpt.load(resume_from, load_model=actor.load))
-        logger.resume(rt.step)
-        logger.write(f"resumed from {resume_from} at step {rt.step}")
+        logger.resume(rt.rl.step)
+        logger.write(f"resumed from {resume_from} at step {rt.rl.step}")
     return rt

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
+from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.training.actor import sum_metrics_across_ranks
 from hapo_megatron.training.batching import SequenceData, build_rank_micro_batches
 
@@ -38,11 +39,11 @@ def cross_entropy_loss_factory(tp_group):
     Megatron). Metrics ``sft/loss_sum``, ``sft/num_tokens``, ``sft/correct`` (argmax hits)."""
     from hapo_megatron.parallel.loss import DEFAULT_LOGPROB_CHUNK, logprobs_entropy_from_logits
 
-    def make_loss(mb):
+    def make_loss(mb: MicroBatch):
         def loss_func(output):  # logits, or HiddenStates with the fused output layer
-            lp, _ = logprobs_entropy_from_logits(output, mb["labels"], tp_group=tp_group,
+            lp, _ = logprobs_entropy_from_logits(output, mb.labels, tp_group=tp_group,
                                                  chunk_size=DEFAULT_LOGPROB_CHUNK)
-            mask = mb["loss_mask"].to(lp.dtype)
+            mask = mb.loss_mask.to(lp.dtype)
             loss = -(lp * mask).sum()
             return loss, mask.sum().to(torch.int), {"sft/loss_sum": loss.detach().double(),
                                                     "sft/num_tokens": mask.sum().double()}
@@ -86,5 +87,5 @@ def run_sft(rt) -> dict[str, float]:
                 bar.update(1)
     if bar is not None:
         bar.close()
-    rt.sft_done = True
+    rt.rl.sft_done = True
     return last

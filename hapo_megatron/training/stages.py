@@ -2,22 +2,33 @@
 
 rollout (rank 0) -> sequences + advantages (every rank, same answer) -> micro-batch layout ->
 old-log-prob pass + global entropy statistics -> PPO updates -> weight sync -> eval/checkpoint.
+
+Between the stages travel typed values: a `RolloutBatch`, then this rank's micro-batches of each
+PPO mini-batch (`Minis`, lists of `MicroBatch`). A stage returns new micro-batches with the fields
+it adds (`MicroBatch.with_`); it never edits the ones it was given.
 """
 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
-from typing import Any
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from hapo_megatron.training.actor import sum_metrics_across_ranks
+from hapo_megatron.algo import EntropyStats, PolicyTokenFields
+from hapo_megatron.parallel.loss import LossConfig, TokenSink
+from hapo_megatron.parallel.micro_batch import MicroBatch
+from hapo_megatron.rollout.engine import SamplingParams, drain_weights
+from hapo_megatron.training.actor import LossFactory, sum_metrics_across_ranks
 from hapo_megatron.training.batching import build_rank_micro_batches, split_mini_batches
+from hapo_megatron.training.engine_memory import (ENGINE_MEMORY_TAGS, empty_cache, release_engine,
+                                                  resume_engine, trainer_offloaded)
 from hapo_megatron.training.rl_step import (RolloutBatch, rollout_metrics, score_samples, sequence_advantages,
                                             shape_rewards, to_sequences)
 from hapo_megatron.training.runtime import Runtime, broadcast_object
+
+Minis = list[list[MicroBatch]]  # this rank's micro-batches of each PPO mini-batch, in training order
 
 
 def _stop_ids(rt: Runtime) -> list[int]:
@@ -27,10 +38,9 @@ def _stop_ids(rt: Runtime) -> list[int]:
 
 def _generate_round(rt: Runtime, step: int, gen_index: int, group_offset: int) -> RolloutBatch:
     """One generation batch on rank 0: sample, score, shape."""
-    from hapo_megatron.rollout.engine import SamplingParams
     cfg = rt.cfg
-    records = rt.sampler.next_batch()
-    params = SamplingParams.from_config(cfg.rollout, cfg.algo, entropy_stats=rt.entropy_stats,
+    records = rt.rl.sampler.next_batch()
+    params = SamplingParams.from_config(cfg.rollout, cfg.algo, entropy_stats=rt.rl.entropy_stats,
                                         seed=rt.sampling_seed(step, gen_index), stop_token_ids=_stop_ids(rt))
     samples = rt.engine.generate([r.prompt_ids for r in records], params)
     batch = score_samples(samples, records, reward_fn=rt.reward_fn,
@@ -60,34 +70,35 @@ def rollout(rt: Runtime, step: int) -> tuple[RolloutBatch, dict[str, float]]:
                 _tell_others(("error", f"{type(e).__name__}: {e}"))  # the others stop too
                 raise
             broadcast_object(("done", (packed, metrics, sampler_state)))
-    rt.sampler.load_state_dict(sampler_state)
+    rt.rl.sampler.load_state_dict(sampler_state)
     return RolloutBatch.unpack(packed), metrics
 
 
-def _rollout_rank0(rt: Runtime, step: int):
+def _rollout_rank0(rt: Runtime, step: int) -> tuple[dict, dict[str, float], dict]:
     target = rt.cfg.data.train_batch_size
     resume_engine(rt)  # the KV cache (the weights came back in sync_weights)
-    rt.dyn.reset()
+    dyn = rt.rl.dyn
+    dyn.reset()
     generated, offset = [], 0
     while True:
-        b = _generate_round(rt, step, rt.dyn.num_gen_batches, offset)
+        b = _generate_round(rt, step, dyn.num_gen_batches, offset)
         generated.append(b)
         offset += len(set(b.group_ids))
-        rt.dyn.add(b)
-        if not rt.dyn.needs_more(target):
+        dyn.add(b)
+        if not dyn.needs_more(target):
             break
-        broadcast_object(("progress", {"step": step, "round": rt.dyn.num_gen_batches}))  # heartbeat
-    kept = rt.dyn.take(target)
+        broadcast_object(("progress", {"step": step, "round": dyn.num_gen_batches}))  # heartbeat
+    kept = dyn.take(target)
     # colocated engines give the accelerator back to the actor; the weights go too unless the step
     # is skipped (no weight sync follows then, and released weights are not kept)
     release_engine(rt, None if len(kept) else [t for t in ENGINE_MEMORY_TAGS if t != "weights"])
     metrics = {**rollout_metrics(RolloutBatch.concat(generated),
                                  max_response_length=rt.cfg.rollout.max_response_length),
-               **rt.dyn.metrics(),
+               **dyn.metrics(),
                "batch/reward_mean": sum(kept.rewards) / max(len(kept), 1),
                "batch/acc": sum(kept.accs) / max(len(kept), 1),
                "batch/num_groups": float(len(set(kept.group_ids)))}
-    return kept.pack(), metrics, rt.sampler.state_dict()
+    return kept.pack(), metrics, rt.rl.sampler.state_dict()
 
 
 def wait_for_rank0(rt: Runtime):
@@ -102,68 +113,6 @@ def wait_for_rank0(rt: Runtime):
             raise RuntimeError(f"rank 0 failed during the rollout or evaluation: {body}")
 
 
-@contextmanager
-def trainer_offloaded(rt: Runtime):
-    """Every rank: the actor's state in host memory (when `rt.offloader` is set) and the caching
-    allocator emptied, so the colocated servers can use the GPU; reloaded on exit."""
-    off = rt.offloader
-    if off is not None:
-        off.offload()
-    _empty_cache()
-    if off is not None and dist.is_initialized():
-        dist.barrier()  # every GPU is free before rank 0 resumes the servers' memory
-    try:
-        yield
-    finally:
-        if off is not None:
-            off.reload()
-
-
-ENGINE_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's memory-saver regions
-
-
-def _takes_tags(method) -> bool:
-    import inspect
-    try:
-        return "tags" in inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def release_engine(rt: Runtime, tags=None) -> None:
-    """``engine.release_memory`` of ``tags`` (all when None or when the engine takes no tags),
-    remembered in ``rt.engine_released`` so that `resume_engine` resumes exactly those (SGLang
-    refuses to resume a region that is not released)."""
-    tags = tuple(tags or ENGINE_MEMORY_TAGS)
-    if not _takes_tags(rt.engine.release_memory) or set(tags) == set(ENGINE_MEMORY_TAGS):
-        rt.engine.release_memory()
-        rt.engine_released = set(ENGINE_MEMORY_TAGS)
-        return
-    todo = [t for t in tags if t not in rt.engine_released]
-    if todo:
-        rt.engine.release_memory(tags=todo)
-        rt.engine_released |= set(todo)
-
-
-def resume_engine(rt: Runtime, tags=None) -> None:
-    """Resume the released regions among ``tags`` (None = all released ones); an engine without
-    tags resumes everything at once."""
-    want = set(ENGINE_MEMORY_TAGS if tags is None else tags) & rt.engine_released
-    if not want:
-        return
-    if not _takes_tags(rt.engine.resume_memory):
-        rt.engine.resume_memory()
-        rt.engine_released = set()
-        return
-    rt.engine.resume_memory(tags=[t for t in ENGINE_MEMORY_TAGS if t in want])
-    rt.engine_released -= want
-
-
-def _empty_cache() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def _pad_multiple(rt: Runtime) -> int:
     g, m = rt.groups, 1
     if rt.cfg.parallel.sequence_parallel and g.tp_size > 1:
@@ -173,7 +122,7 @@ def _pad_multiple(rt: Runtime) -> int:
     return m
 
 
-def layout(rt: Runtime, batch: RolloutBatch) -> tuple[list[list[dict]], dict[str, float]]:
+def layout(rt: Runtime, batch: RolloutBatch) -> tuple[Minis, dict[str, float]]:
     """Advantages from per-sequence (reward, length, group) and this rank's micro-batches of each
     PPO mini-batch (DP-balanced by token count; identical assignment on every rank)."""
     cfg, g = rt.cfg, rt.groups
@@ -188,44 +137,55 @@ def layout(rt: Runtime, batch: RolloutBatch) -> tuple[list[list[dict]], dict[str
                                     micro_batch_size=cfg.parallel.micro_batch_size,
                                     max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
                                     pad_multiple=_pad_multiple(rt)) for idx in minis]
-    for mb in (mb for mini in mbs for mb in mini):  # rows whose engine reported temperatures (HF)
-        mb["engine_reported_temperatures"] = torch.tensor(
-            [i >= 0 and len(batch.temperatures[i]) > 0 for i in mb["seq_index"].tolist()], dtype=torch.bool)
     return mbs, metrics
 
 
-def recompute_temperatures(rt: Runtime, micro_batches: list[dict]) -> dict[str, float]:
+def _flat(minis: Minis) -> list[MicroBatch]:
+    return [mb for mini in minis for mb in mini]
+
+
+def _regroup(flat: list[MicroBatch], like: Minis) -> Minis:
+    """``flat`` (in `_flat` order) cut into the mini-batches of ``like``."""
+    out, k = [], 0
+    for mini in like:
+        out.append(flat[k:k + len(mini)])
+        k += len(mini)
+    return out
+
+
+def recompute_temperatures(rt: Runtime,
+                           micro_batches: list[MicroBatch]) -> tuple[list[MicroBatch], dict[str, float]]:
     """Per-token sampling temperatures, recomputed trainer-side for every engine (SGLang cannot
     report them): the engine's rule ``T = T_base * (1 + tau * h_hat(H))`` applied to the
     old-policy entropy at T_base (the rollout policy's weights) with the statistics the rollout
-    used (``rt.entropy_stats``, the previous step's); plain ``T_base`` when the rollout was not
-    adaptive. ``mb["temperatures"]`` keeps the engine's own values where it reported them (what was
-    really used; HF engine) and gets the recomputed ones elsewhere (SGLang); returns token sums for
-    the metrics, including the absolute difference between the two where both exist."""
+    used (``rt.rl.entropy_stats``, the previous step's); plain ``T_base`` when the rollout was not
+    adaptive. Returns the micro-batches with ``temperatures`` that keep the engine's own values
+    where it reported them (what was really used; HF engine) and the recomputed ones elsewhere
+    (SGLang), and token sums for the metrics, including the absolute difference between the two
+    where both exist."""
     from hapo_megatron.algo import normalize_entropy
-    from hapo_megatron.rollout.engine import SamplingParams
-    params = SamplingParams.from_config(rt.cfg.rollout, rt.cfg.algo, entropy_stats=rt.entropy_stats)
+    params = SamplingParams.from_config(rt.cfg.rollout, rt.cfg.algo, entropy_stats=rt.rl.entropy_stats)
     t_base = float(params.temperature)
     sums = {"t_n": 0.0, "t_sum": 0.0, "t_sq": 0.0, "t_diff": 0.0, "t_diff_n": 0.0}
+    out = []
     for mb in micro_batches:
-        mask = mb["loss_mask"] != 0
-        ent = mb["old_entropy"].float()
+        mask = mb.loss_mask != 0
+        ent = mb.old_entropy.float()
         temps = torch.full_like(ent, t_base)
         if params.uses_adaptive:
             h_hat = normalize_entropy(ent, params.entropy_stats, params.h_hat_mode)
             temps = t_base * (1.0 + params.temperature_tau * h_hat.float())
         temps = torch.where(mask, temps, torch.ones_like(temps))
-        reported = mb.get("engine_reported_temperatures")
-        if reported is not None:
-            both = mask & reported.unsqueeze(-1)
-            sums["t_diff"] += float(((temps - mb["temperatures"]).abs() * both).sum())
+        if mb.engine_temperatures is not None:
+            both = mask & mb.engine_temperatures.unsqueeze(-1)
+            sums["t_diff"] += float(((temps - mb.temperatures).abs() * both).sum())
             sums["t_diff_n"] += float(both.sum())
-            temps = torch.where(both, mb["temperatures"], temps)
-        mb["temperatures"] = temps
+            temps = torch.where(both, mb.temperatures, temps)
+        out.append(mb.with_(temperatures=temps))
         sums["t_n"] += float(mask.sum())
         sums["t_sum"] += float((temps * mask).sum())
         sums["t_sq"] += float((temps.double() ** 2 * mask).sum())
-    return sums
+    return out, sums
 
 
 def _temperature_metrics(tot: dict[str, float]) -> dict[str, float]:
@@ -240,34 +200,43 @@ def _temperature_metrics(tot: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def old_logprob_pass(rt: Runtime, minis: list[list[dict]]):
-    """Old log-probs + entropies at T_base for every micro-batch, the exact global entropy
-    statistics, and the rollout/training mismatch. Returns (EntropyStats, metrics)."""
-    from hapo_megatron.algo import EntropyStats
+def with_old_policy(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor, *,
+                    old_logprob_source: str, ref_logprobs: torch.Tensor | None = None) -> MicroBatch:
+    """``mb`` with the old-log-prob pass's results: ``recomputed_logprobs`` and ``old_entropy``
+    (the actor at T_base), ``old_logprobs`` (what the loss's ratio divides by: the recomputed
+    ones, or the rollout's with ``old_logprob_source: rollout``) and ``ref_logprobs``."""
+    old = logprobs if old_logprob_source == "recompute" else mb.rollout_logprobs * mb.loss_mask
+    return mb.with_(old_logprobs=old, old_entropy=entropy, recomputed_logprobs=logprobs, ref_logprobs=ref_logprobs)
+
+
+def old_logprob_pass(rt: Runtime, minis: Minis) -> tuple[Minis, EntropyStats, dict[str, float]]:
+    """Old log-probs + entropies at T_base for every micro-batch (`with_old_policy`, and the
+    trainer-side temperatures), the exact global entropy statistics, and the rollout/training
+    mismatch. Returns (the micro-batches with those fields, EntropyStats, metrics)."""
     from hapo_megatron.parallel.stats import global_entropy_stats
     cfg, g = rt.cfg, rt.groups
-    all_mbs = [mb for mini in minis for mb in mini]
+    flat = _flat(minis)
     chunk = loss_config(rt).logprob_chunk_size
-    rt.actor.compute_logprobs_entropy(all_mbs, temperature=cfg.rollout.temperature, chunk_size=chunk)
-    if rt.reference is not None:
-        rt.actor.compute_logprobs_entropy(all_mbs, temperature=cfg.rollout.temperature, model=rt.reference,
-                                          keys=("ref_logprobs", "ref_entropy"), chunk_size=chunk)
+    t_base = cfg.rollout.temperature
+    policy = rt.actor.compute_logprobs_entropy(flat, temperature=t_base, chunk_size=chunk)
+    ref = (rt.actor.compute_logprobs_entropy(flat, temperature=t_base, model=rt.reference, chunk_size=chunk)
+           if rt.reference is not None else None)
     sums: dict[str, float] = {}
     stats = None
     if g.is_pipeline_last:
-        ent = torch.cat([mb["old_entropy"].reshape(-1) for mb in all_mbs])
-        mask = torch.cat([mb["loss_mask"].reshape(-1) for mb in all_mbs])
+        flat = [with_old_policy(mb, lp, ent, old_logprob_source=cfg.algo.old_logprob_source,
+                                ref_logprobs=ref[i][0] if ref is not None else None)
+                for i, (mb, (lp, ent)) in enumerate(zip(flat, policy))]
+        ent = torch.cat([mb.old_entropy.reshape(-1) for mb in flat])
+        mask = torch.cat([mb.loss_mask.reshape(-1) for mb in flat])
         # the actor gathered the CP chunks: every CP rank holds whole sequences, so the token set
         # is spread over DP only (reducing over DP x CP would count each token cp_size times)
-        stats = global_entropy_stats(ent, mask, group=g.dp, entropy_pivot=cfg.algo.entropy_pivot)
-        diff = sum(float(((mb["old_logprobs"] - mb["rollout_logprobs"]).abs() * mb["loss_mask"]).sum())
-                   for mb in all_mbs)
-        sums = {"n": float(mask.sum()), "ent": float((ent * mask).sum()), "diff": diff,
-                **recompute_temperatures(rt, all_mbs)}
-        if cfg.algo.old_logprob_source == "rollout":
-            for mb in all_mbs:  # keep the recomputed ones: the diagnostics' first-update ratio
-                mb["recomputed_logprobs"] = mb["old_logprobs"]
-                mb["old_logprobs"] = mb["rollout_logprobs"] * mb["loss_mask"]
+        dev = rt.actor.device
+        stats = global_entropy_stats(ent.to(dev), mask.to(dev), group=g.dp, entropy_pivot=cfg.algo.entropy_pivot)
+        diff = sum(float(((mb.recomputed_logprobs - mb.rollout_logprobs).abs() * mb.loss_mask).sum())
+                   for mb in flat)
+        flat, t_sums = recompute_temperatures(rt, flat)
+        sums = {"n": float(mask.sum()), "ent": float((ent * mask).sum()), "diff": diff, **t_sums}
     if g.pp_size > 1:  # the rollout (rank 0, first stage) needs the statistics
         last = dist.get_global_rank(g.pp, g.pp_size - 1)
         stats = broadcast_object(stats.to_dict() if stats is not None else None, src=last, group=g.pp)
@@ -276,142 +245,36 @@ def old_logprob_pass(rt: Runtime, minis: list[list[dict]]):
     n = max(tot.get("n", 0.0), 1.0)
     metrics = {"entropy/mean": tot.get("ent", 0.0) / n, "rollout/logprob_abs_diff": tot.get("diff", 0.0) / n,
                **{f"entropy/{k}": float(v) for k, v in stats.to_dict().items()}, **_temperature_metrics(tot)}
-    return stats, metrics
+    return _regroup(flat, minis), stats, metrics
 
 
-def micro_batch_token_fields(mb: dict, stats, algo) -> dict[str, torch.Tensor]:
-    """Per-token HAPO quantities of one micro-batch after the old-log-prob pass, all `[b, s]`:
-    `ratio` and `h_hat`, `adv_after`, `clip_low/high/dual` of `diagnostics.hapo_token_fields`.
-
-    `ratio` is the importance ratio the FIRST PPO update sees (before any optimizer step):
-    exp(recomputed - old), i.e. exactly 1 with old_logprob_source "recompute" and
-    exp(recomputed - rollout) with "rollout". Later updates' ratios live inside the loss; their
-    clip fractions are the `loss/clipfrac_*` metrics. h_hat uses the old (T_base) entropy.
-    """
-    from hapo_megatron.diagnostics import hapo_token_fields
-    mask = mb["loss_mask"] != 0
-    old = mb["old_logprobs"]
-    ratio = torch.where(mask, torch.exp(mb.get("recomputed_logprobs", old) - old), torch.ones_like(old))
-    fields = hapo_token_fields(mb["old_entropy"], stats, mb["advantages"], ratio,
-                               clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
-                               clip_ratio_c=algo.clip_ratio_c, adaptive_clip=algo.adaptive_clip,
-                               clip_alpha=algo.clip_alpha, adaptive_advantage=algo.adaptive_advantage,
-                               adv_beta=algo.adv_beta, h_hat_mode=algo.h_hat_mode)
-    return {"ratio": ratio, **fields}
-
-
-def accumulate_token_diagnostics(micro_batches: list[dict], stats, algo, *,
-                                 finish_reasons: list[str] | None = None, with_clips: bool = True):
-    """`TokenDiagnostics` over the valid tokens of `micro_batches` (old-log-prob pass done) and
-    the response lengths of their real sequences (`seq_index >= 0`; truncated = finish reason
-    "length" in `finish_reasons[seq_index]`). Clip flags (first-update ratio, see
-    `micro_batch_token_fields`) only with `with_clips`."""
-    from hapo_megatron.diagnostics import TokenDiagnostics
-    diag = TokenDiagnostics()
-    for mb in micro_batches:
-        f = micro_batch_token_fields(mb, stats, algo)
-        mask = mb["loss_mask"] != 0
-        clips = {k: f[k] for k in ("clip_low", "clip_high", "clip_dual")} if with_clips else {}
-        diag.update_tokens(entropy=mb["old_entropy"], h_hat=f["h_hat"], mask=mask, token_ids=mb["labels"],
-                           adv_before=mb["advantages"], adv_after=f["adv_after"],
-                           temperatures=mb["temperatures"], **clips)
-        idx = mb["seq_index"].tolist()
-        real = [r for r, i in enumerate(idx) if i >= 0]
-        diag.update_responses(mask[real].sum(dim=1), None if finish_reasons is None else
-                              [finish_reasons[idx[r]] == "length" for r in real])
-    return diag
-
-
-def rollout_records(micro_batches: list[dict], batch: RolloutBatch, stats, algo, step: int) -> list[dict]:
-    """Saved-rollout records (`diagnostics.ROLLOUT_FIELDS`, plus `index` in the step's batch) of
-    the real sequences of `micro_batches`."""
-    out = []
-    for mb in micro_batches:
-        f = micro_batch_token_fields(mb, stats, algo)
-        per_tok = {"entropy": mb["old_entropy"], "h_hat": f["h_hat"], "adv_before": mb["advantages"],
-                   "adv_after": f["adv_after"], "ratio": f["ratio"], "clip_low": f["clip_low"],
-                   "clip_high": f["clip_high"], "clip_dual": f["clip_dual"], "temperatures": mb["temperatures"]}
-        for r, i in enumerate(mb["seq_index"].tolist()):
-            if i < 0:
-                continue
-            m = mb["loss_mask"][r] != 0
-            rec = {"step": step, "index": i, "uid": int(batch.group_ids[i]), "data_source": batch.data_sources[i],
-                   "reward": float(batch.rewards[i]), "acc": bool(batch.accs[i]),
-                   "finish_reason": batch.finish_reasons[i], "response_ids": mb["labels"][r][m].tolist()}
-            rec.update({k: v[r][m].tolist() for k, v in per_tok.items()})
-            out.append(rec)
-    return out
-
-
-def token_diagnostics(rt: Runtime, minis: list[list[dict]], batch: RolloutBatch, stats,
-                      step: int) -> dict[str, float]:
-    """``diag/*`` metrics of the step (same on every rank) and, every
-    ``logging.save_rollouts_interval`` steps, ``<run_dir>/rollouts/step_<step>.jsonl`` (rank 0).
-
-    The old-log-prob pass left whole (CP-gathered) sequences on every TP/CP rank of the last
-    stage, so only TP rank 0 / CP rank 0 of the last stage contributes and the sum runs over the
-    world (= over DP among contributors, and it reaches rank 0 on the first stage too).
-    """
-    import math as _math
-    from hapo_megatron.diagnostics import TokenDiagnostics, rollout_path, write_rollouts
-    cfg, g = rt.cfg, rt.groups
-    mbs = [mb for mini in minis for mb in mini]
-    contribute = rt.contributes_metrics and g.cp_rank == 0
-    # first-update ratios are exactly 1 with a recomputed old policy: no clip information there
-    with_clips = cfg.algo.old_logprob_source == "rollout"
-    diag = (accumulate_token_diagnostics(mbs, stats, cfg.algo, finish_reasons=batch.finish_reasons,
-                                         with_clips=with_clips) if contribute else TokenDiagnostics())
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        diag.all_reduce()
-    metrics = {**diag.summary(pivot=_math.exp(stats.pivot)), **entropy_histogram_summary(diag)}
-    every = cfg.logging.save_rollouts_interval
-    if every and step % every == 0:
-        rows = rollout_records(mbs, batch, stats, cfg.algo, step) if contribute else []
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: list = [None] * dist.get_world_size() if rt.is_main else None
-            dist.gather_object(rows, gathered, dst=0)
-            rows = [r for part in (gathered or []) for r in part]
-        if rt.is_main:
-            write_rollouts(rollout_path(rt.run_dir, step), sorted(rows, key=lambda r: r["index"]))
-    return metrics
-
-
-def entropy_histogram_summary(diag, prefix: str = "diag") -> dict[str, float]:
-    """The entropy histogram in three numbers: shares of tokens below 1e-3 and 0.1 nats and at or
-    above 1 nat (all bin edges of `diagnostics.ENTROPY_BIN_EDGES`)."""
-    total = int(diag.entropy_hist.sum())
-    if not total:
-        return {}
-    rows = diag.histogram()
-    share = lambda pred: sum(r["count"] for r in rows if pred(r)) / total  # noqa: E731
-    return {f"{prefix}/entropy_frac_lt_1e-3": share(lambda r: r["hi"] <= 1e-3 * (1 + 1e-9)),
-            f"{prefix}/entropy_frac_lt_0.1": share(lambda r: r["hi"] <= 0.1 * (1 + 1e-9)),
-            f"{prefix}/entropy_frac_ge_1": share(lambda r: r["lo"] >= 1.0 * (1 - 1e-9))}
-
-
-def loss_config(rt: Runtime):
+def loss_config(rt: Runtime) -> LossConfig:
     """`LossConfig` of the run; the seq-mean-token-sum-norm horizon is the maximum response length
     (a constant, so the normalisation does not depend on how sequences are padded)."""
-    from hapo_megatron.parallel.loss import LossConfig
     return LossConfig.from_algo(rt.cfg.algo, loss_scale_factor=float(rt.cfg.rollout.max_response_length))
 
 
-def policy_loss_factory(rt: Runtime, stats):
-    """``make_loss(mb)`` for `MegatronActor.train_step` with the HAPO loss of `parallel.loss`."""
+def policy_loss_factory(rt: Runtime, stats: EntropyStats,
+                        on_token_fields: Optional[TokenSink] = None) -> LossFactory:
+    """``make_loss(mb)`` for `MegatronActor.train_step` with the HAPO loss of `parallel.loss`;
+    ``on_token_fields`` receives each micro-batch's `PolicyTokenFields` (this rank's CP shard)."""
     from hapo_megatron.parallel.loss import make_loss_func
     loss_cfg = loss_config(rt)
     g = rt.groups
     return lambda mb: make_loss_func(mb, cfg=loss_cfg, stats=stats, tp_group=g.tp,
                                      cp_group=g.cp if g.cp_size > 1 else None,
-                                     temperature=rt.cfg.rollout.temperature)
+                                     temperature=rt.cfg.rollout.temperature, on_token_fields=on_token_fields)
 
 
-def ppo_update(rt: Runtime, minis: list[list[dict]], stats) -> dict[str, float]:
+def ppo_update(rt: Runtime, minis: Minis, stats: EntropyStats) -> tuple[Minis, dict[str, float]]:
     """``trainer.ppo_epochs`` passes of one optimizer step per mini-batch; loss metrics are
-    token-weighted over the whole step and every rank."""
+    token-weighted over the whole step and every rank. Returns the micro-batches with the loss's
+    per-token view of each of their updates (`MicroBatch.updates`, last pipeline stage) and the
+    metrics."""
     from hapo_megatron.algo import finalize_loss_metrics
-    make_loss = policy_loss_factory(rt, stats)
-    sums: dict[str, Any] = {}
+    recorded: list[PolicyTokenFields] = []
+    make_loss = policy_loss_factory(rt, stats, on_token_fields=recorded.append)
+    sums: dict[str, float] = {}
     norms, skipped, lr = [], 0, 0.0
     for _ in range(rt.cfg.trainer.ppo_epochs):
         for mbs in minis:
@@ -423,21 +286,50 @@ def ppo_update(rt: Runtime, minis: list[list[dict]], stats) -> dict[str, float]:
             if not res.skipped:
                 norms.append(res.grad_norm)
     tot = sum_metrics_across_ranks(sums, contribute=rt.contributes_metrics)
-    return {**finalize_loss_metrics(tot), "actor/grad_norm": sum(norms) / max(len(norms), 1),
-            "actor/lr": lr, "actor/skipped_updates": float(skipped),
-            "actor/num_updates": float(len(minis) * rt.cfg.trainer.ppo_epochs)}
+    metrics = {**finalize_loss_metrics(tot), "actor/grad_norm": sum(norms) / max(len(norms), 1),
+               "actor/lr": lr, "actor/skipped_updates": float(skipped),
+               "actor/num_updates": float(len(minis) * rt.cfg.trainer.ppo_epochs)}
+    return _with_updates(rt, minis, recorded), metrics
+
+
+def _with_updates(rt: Runtime, minis: Minis, recorded: list[PolicyTokenFields]) -> Minis:
+    """The micro-batches with their recorded token fields, gathered over CP to full sequences
+    (on the host). ``recorded`` holds one entry per micro-batch per update, in training order."""
+    if not rt.groups.is_pipeline_last:
+        return minis  # the loss runs on the last stage only
+    flat = _flat(minis)
+    if len(recorded) != len(flat) * rt.cfg.trainer.ppo_epochs:
+        raise RuntimeError(f"the loss reported {len(recorded)} micro-batch updates, expected "
+                           f"{len(flat)} micro-batches x {rt.cfg.trainer.ppo_epochs} epochs")
+
+    def full(t: torch.Tensor) -> torch.Tensor:  # bool flags travel as float through the all-gather
+        return rt.actor.gather_cp(t.float()).to(t.dtype).cpu() if rt.groups.cp_size > 1 else t.cpu()
+
+    per_mb = [[] for _ in flat]
+    for k, fields in enumerate(recorded):
+        per_mb[k % len(flat)].append(fields.apply(full))
+    return _regroup([mb.with_(updates=mb.updates + tuple(u)) for mb, u in zip(flat, per_mb)], minis)
 
 
 def sync_weights(rt: Runtime) -> None:
-    """Stream the actor's weights (HF names, gathered over TP/PP) into the rollout engine."""
+    """Stream the actor's weights (HF names, gathered over TP/PP) into the rollout engine.
+
+    The export runs collectives over the trainer's ranks, so every rank reads it to the end:
+    rank 0's engine by the `RolloutEngine.update_weights` contract (checked here: an engine that
+    leaves tensors unread is an error, after they are read so that no rank is left waiting), the
+    ranks without an engine here."""
     dtype = getattr(rt.engine, "dtype", None) if rt.engine is not None else None
-    named = rt.actor.export_hf_weights(dtype=dtype)
-    _empty_cache()  # what the trainer's allocator holds unused goes back before the servers resume
-    if rt.engine is not None:
-        resume_engine(rt, tags=["weights"])  # the KV cache comes back in rollout, after the offload
-        rt.engine.update_weights(named)
-    for _ in named:  # every rank consumes the generator fully (it runs collectives)
-        pass
+    named = iter(rt.actor.export_hf_weights(dtype=dtype))
+    empty_cache()  # what the trainer's allocator holds unused goes back before the servers resume
+    if rt.engine is None:
+        drain_weights(named)
+        return
+    resume_engine(rt, tags=["weights"])  # the KV cache comes back in rollout, after the offload
+    rt.engine.update_weights(named)
+    left = drain_weights(named)
+    if left:
+        raise RuntimeError(f"{type(rt.engine).__name__}.update_weights left {left} exported tensors unread; "
+                           "a RolloutEngine must read the weight iterator to the end on every rank")
 
 
 def evaluate(rt: Runtime, step: int) -> dict[str, float]:
@@ -469,7 +361,6 @@ def _tell_others(message) -> None:
 
 
 def _evaluate_rank0(rt: Runtime) -> dict[str, float]:
-    from hapo_megatron.rollout.engine import SamplingParams
     from hapo_megatron.training.evaluation import evaluate as run_eval
     cfg = rt.cfg
     records = list(rt.val_ds)

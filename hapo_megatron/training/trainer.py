@@ -10,7 +10,9 @@ import os
 import time
 from typing import Any
 
+from hapo_megatron.config import HapoConfig
 from hapo_megatron.training import stages
+from hapo_megatron.training.diagnostics import token_diagnostics
 from hapo_megatron.training.metrics import read_jsonl
 from hapo_megatron.training.runtime import Runtime, build_runtime, setup_reference
 from hapo_megatron.training.sft import run_sft
@@ -20,7 +22,7 @@ class TrainingStopped(RuntimeError):
     """The run stopped itself (e.g. too many consecutive skipped steps); the message says why."""
 
 
-def fit(cfg, *, tokenizer=None, datasets=None) -> dict[str, Any]:
+def fit(cfg: HapoConfig, *, tokenizer=None, datasets=None) -> dict[str, Any]:
     """Train with ``cfg`` (a `HapoConfig`); returns the run summary (same on every rank)."""
     from hapo_megatron.parallel.groups import initialize_parallel
     p = cfg.parallel
@@ -28,19 +30,19 @@ def fit(cfg, *, tokenizer=None, datasets=None) -> dict[str, Any]:
                                  cp=p.context_parallel_size, seed=cfg.trainer.seed,
                                  timeout_minutes=cfg.trainer.dist_timeout_minutes)
     rt = build_runtime(cfg, groups, tokenizer=tokenizer, datasets=datasets)
-    t0, timer, start_eval, sft_s = time.time(), rt.timer, {}, 0.0
-    if not rt.sft_done and rt.step == 0 and cfg.trainer.sft_warmup_steps > 0:
+    rl, t0, timer, start_eval, sft_s = rt.rl, time.time(), rt.timer, {}, 0.0
+    if not rl.sft_done and rl.step == 0 and cfg.trainer.sft_warmup_steps > 0:
         sft = run_sft(rt)
         sft_s = time.time() - t0
         rt.logger.write(f"warm start: {sft['step']} steps in {sft_s:.0f} s, final loss {sft['sft/loss']:.3f}")
-    rt.sft_done = True
+    rl.sft_done = True
     setup_reference(rt)  # KL reference (algo.kl_loss_coef > 0 only)
     stages.sync_weights(rt)  # the engine starts from the actor (fresh, after SFT, or resumed)
-    if cfg.trainer.val_before_train and rt.step == 0:
+    if cfg.trainer.val_before_train and rl.step == 0:
         start_eval = stages.evaluate(rt, 0)
         rt.logger.log(0, start_eval, advance=False)
-    for step in range(rt.step + 1, cfg.trainer.total_steps + 1):
-        rt.step, t_step = step, time.time()
+    for step in range(rl.step + 1, cfg.trainer.total_steps + 1):
+        rl.step, t_step = step, time.time()
         with timer("rollout"):
             batch, metrics = stages.rollout(rt, step)
         if len(batch) == 0:
@@ -48,26 +50,26 @@ def fit(cfg, *, tokenizer=None, datasets=None) -> dict[str, Any]:
             continue
         with timer("old_logprob"):
             minis, adv_metrics = stages.layout(rt, batch)
-            stats, ent_metrics = stages.old_logprob_pass(rt, minis)
-        with timer("diagnostics"):  # diag/* metrics; rollouts/ every logging.save_rollouts_interval
-            ent_metrics.update(stages.token_diagnostics(rt, minis, batch, stats, step))
+            minis, stats, ent_metrics = stages.old_logprob_pass(rt, minis)
         with timer("update"):
-            upd_metrics = stages.ppo_update(rt, minis, stats)
-        rt.entropy_stats = stats  # the next rollout's adaptive temperature uses them
+            minis, upd_metrics = stages.ppo_update(rt, minis, stats)
+        with timer("diagnostics"):  # diag/* metrics; rollouts/ every logging.save_rollouts_interval
+            diag_metrics = token_diagnostics(rt, minis, batch, stats, step)
+        rl.entropy_stats = stats  # the next rollout's adaptive temperature uses them
         with timer("sync"):
             stages.sync_weights(rt)
-        metrics.update({**adv_metrics, **ent_metrics, **upd_metrics})
+        metrics.update({**adv_metrics, **ent_metrics, **diag_metrics, **upd_metrics})
         if upd_metrics["actor/skipped_updates"] > 0:
             _skip(rt, step, metrics, "non-finite loss or gradient", logged=False)
         else:
-            rt.consecutive_skips = 0
+            rl.consecutive_skips = 0
         if cfg.trainer.eval_interval and step % cfg.trainer.eval_interval == 0:
             with timer("eval"):
                 metrics.update(stages.evaluate(rt, step))
         tokens = sum(len(a) + len(b) for a, b in zip(batch.prompt_ids, batch.response_ids))
         elapsed = time.time() - t_step
         metrics.update({**timer.pop(), "perf/step_time_s": elapsed, "perf/tokens_per_s": tokens / max(elapsed, 1e-9),
-                        "actor/consecutive_skips": float(rt.consecutive_skips)})
+                        "actor/consecutive_skips": float(rl.consecutive_skips)})
         rt.logger.log(step, metrics)
         _check_skips(rt)
         if cfg.trainer.save_interval and step % cfg.trainer.save_interval == 0:
@@ -76,18 +78,18 @@ def fit(cfg, *, tokenizer=None, datasets=None) -> dict[str, Any]:
 
 
 def _skip(rt: Runtime, step: int, metrics: dict, why: str, logged: bool = True) -> None:
-    rt.consecutive_skips += 1
-    rt.logger.write(f"step {step}: update skipped ({why}); {rt.consecutive_skips} in a row")
+    rt.rl.consecutive_skips += 1
+    rt.logger.write(f"step {step}: update skipped ({why}); {rt.rl.consecutive_skips} in a row")
     if logged:
-        rt.logger.log(step, {**metrics, "actor/consecutive_skips": float(rt.consecutive_skips)})
+        rt.logger.log(step, {**metrics, "actor/consecutive_skips": float(rt.rl.consecutive_skips)})
         _check_skips(rt)
 
 
 def _check_skips(rt: Runtime) -> None:
     limit = rt.cfg.trainer.max_consecutive_skips
-    if limit and rt.consecutive_skips >= limit:
+    if limit and rt.rl.consecutive_skips >= limit:
         raise TrainingStopped(
-            f"{rt.consecutive_skips} consecutive steps were skipped (no usable group after "
+            f"{rt.rl.consecutive_skips} consecutive steps were skipped (no usable group after "
             f"dynamic sampling, or a non-finite loss/gradient); trainer.max_consecutive_skips={limit}. "
             "Lower optim.lr, check the reward/data, or raise algo.max_num_gen_batches.")
 
@@ -95,13 +97,14 @@ def _check_skips(rt: Runtime) -> None:
 def _finish(rt: Runtime, t0: float, start_eval: dict, sft_s: float) -> dict[str, Any]:
     """Final checkpoint and evaluation, then the summary (printed and saved by rank 0)."""
     cfg = rt.cfg
-    last_saved = rt.ckpt.root and os.path.isdir(os.path.join(rt.ckpt.root, f"step_{rt.step:06d}"))
-    if rt.step > rt.start_step and not last_saved:
+    step = rt.rl.step
+    last_saved = rt.ckpt.root and os.path.isdir(os.path.join(rt.ckpt.root, f"step_{step:06d}"))
+    if step > rt.start_step and not last_saved:
         rt.save_checkpoint()
-    end_eval = stages.evaluate(rt, rt.step) if cfg.trainer.val_at_end else {}
+    end_eval = stages.evaluate(rt, step) if cfg.trainer.val_at_end else {}
     if end_eval:
-        rt.logger.log(rt.step, end_eval, advance=False)
-    summary = {**summarize(rt, time.time() - t0, start_eval, end_eval), "sft_time_s": sft_s}
+        rt.logger.log(step, end_eval, advance=False)
+    summary = {**summarize(rt.run_dir, step, time.time() - t0, start_eval, end_eval), "sft_time_s": sft_s}
     rt.logger.close()
     if rt.is_main:
         with open(os.path.join(rt.run_dir, "summary.json"), "w") as f:
@@ -112,16 +115,17 @@ def _finish(rt: Runtime, t0: float, start_eval: dict, sft_s: float) -> dict[str,
     return summary
 
 
-def summarize(rt: Runtime, wall_s: float, start_eval: dict, end_eval: dict, k: int = 5) -> dict[str, Any]:
-    """First-vs-last-k-steps reward/accuracy from metrics.jsonl, wall time, evals."""
-    recs = [r for r in read_jsonl(os.path.join(rt.run_dir, "metrics.jsonl"))
+def summarize(run_dir: str, steps: int, wall_s: float, start_eval: dict, end_eval: dict,
+              k: int = 5) -> dict[str, Any]:
+    """First-vs-last-k-steps reward/accuracy from ``<run_dir>/metrics.jsonl``, wall time, evals."""
+    recs = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
             if r.get("rollout/reward_mean") is not None]
     k = max(1, min(k, len(recs) // 2)) if recs else 0
 
     def mean(rows, key):
         vals = [r[key] for r in rows if r.get(key) is not None]
         return sum(vals) / len(vals) if vals else None
-    return {"run_dir": rt.run_dir, "steps": rt.step, "wall_time_s": wall_s, "k": k,
+    return {"run_dir": run_dir, "steps": steps, "wall_time_s": wall_s, "k": k,
             "first_reward_mean": mean(recs[:k], "rollout/reward_mean") if k else None,
             "last_reward_mean": mean(recs[-k:], "rollout/reward_mean") if k else None,
             "first_acc": mean(recs[:k], "rollout/acc") if k else None,

@@ -326,3 +326,43 @@ def test_clip_side_by_entropy_class_hand_case():
     f = finalize_loss_metrics(m)
     assert (f["loss/cliphigh_high_entropy"], f["loss/cliplow_high_entropy"]) == (0.5, 0.0)
     assert (f["loss/cliphigh_low_entropy"], f["loss/cliplow_low_entropy"]) == (0.0, 0.5)
+
+
+def test_token_fields_match_spec_loop():
+    """The loss's per-token view (`return_token_fields`): h_hat-driven A' and clip flags with the
+    spec formulas, token by token (the diagnostics count exactly these)."""
+    from hapo_megatron.algo import compute_entropy_stats, normalize_entropy
+
+    g = torch.Generator().manual_seed(7)
+    ent = torch.rand(3, 11, generator=g, dtype=torch.float64) * 2 + 1e-3
+    mask = torch.ones(3, 11, dtype=torch.bool)
+    mask[2, 7:] = False
+    adv = torch.randn(3, 11, generator=g, dtype=torch.float64)
+    ratio = 0.5 + torch.rand(3, 11, generator=g, dtype=torch.float64)
+    stats = compute_entropy_stats(ent, mask, entropy_pivot=0.8)
+    h_hat = normalize_entropy(ent, stats)
+    old = torch.zeros(3, 11)
+    *_, out = hapo_policy_loss(torch.log(ratio).float(), old, adv.float(), mask, h_hat.float(),
+                               clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=1.4, adaptive_clip=True,
+                               adaptive_advantage=True, return_token_fields=True)
+    for b in range(3):
+        for t in range(11):
+            if not mask[b, t]:
+                assert float(out.ratio[b, t]) == 1.0 and float(out.adv_after[b, t]) == 0.0
+                assert not (out.clip_low[b, t] or out.clip_high[b, t] or out.clip_dual[b, t])
+                continue
+            z = (math.log(max(float(ent[b, t]), 1e-8)) - stats.pivot) / stats.std
+            h = z / stats.pos_max if z > 0 else z / abs(stats.neg_min)
+            h = max(-1.0, min(1.0, h))
+            lo = 0.2 * (1 - h) if h <= 0 else 0.2
+            hi = 0.28 * (1 + h) if h > 0 else 0.28
+            a, r = float(adv[b, t]), float(ratio[b, t])
+            inside = 1 - lo / 2 < r < 1 + hi / 2
+            a_ent = a * (1 + h)
+            a2 = (a if inside else a_ent) if h > 0 else (a_ent if inside else a)
+            assert float(out.ratio[b, t]) == pytest.approx(r, rel=1e-5)
+            assert float(out.adv_after[b, t]) == pytest.approx(a2, rel=1e-5, abs=1e-6)
+            assert bool(out.clip_low[b, t]) == (a2 < 0 and r < 1 - lo)
+            assert bool(out.clip_high[b, t]) == (a2 > 0 and r > 1 + hi)
+            assert bool(out.clip_dual[b, t]) == (a2 < 0 and r > 1.4)
+    assert int(out.clip_low.sum()) and int(out.clip_high.sum()) and int(out.clip_dual.sum())

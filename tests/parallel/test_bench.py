@@ -1,4 +1,5 @@
-"""Smoke test of tools/bench/logprob_entropy.py at a tiny size (every variant, own subprocess)."""
+"""Smoke tests of tools/bench/ at tiny sizes (every variant in its own subprocess): each runs,
+reports, and computes the same numbers as the others."""
 
 import importlib.util
 import os
@@ -14,13 +15,21 @@ def _load_bench():
     return mod
 
 
-def test_benchmark_runs_and_reports_every_variant():
+def test_benchmark_runs_and_variants_agree():
+    """Ours (chunked), the naive all-gather and Megatron's CE + entropy pass: same log-probs,
+    entropies and logits gradient (fixed random projections of each; float32 logits, so the
+    comparison is tight)."""
     bench = _load_bench()
     lines = []
-    rows = bench.run_benchmark([64], [512], repeats=1, threads=1, out=lines.append)
+    rows = bench.run_benchmark([64], [512], dtype="float32", chunk_size=24, repeats=1, threads=1,
+                               out=lines.append)
     assert [r["variant"] for r in rows] == list(bench.VARIANTS), lines
+    ref = rows[1]["check"]  # naive: float32 log_softmax over the whole vocab
+    assert set(ref) == {"lp", "ent", "grad"}
     for r in rows:
-        assert r["time_ms"] > 0 and r["shard_bytes"] == 64 * 512 * 2
+        assert r["time_ms"] > 0 and r["shard_bytes"] == 64 * 512 * 4
+        for k, v in r["check"].items():
+            assert abs(v - ref[k]) <= 1e-4 * (1 + abs(ref[k])), (r["variant"], k, v, ref[k])
     assert lines[0].split()[:3] == ["T", "V/tp", "variant"] and len(lines) == 4
 
 

@@ -38,29 +38,26 @@ def _hf_model(arch=ARCH, seed=0):
 def _batch(vocab):
     """Global RL batch `[NUM_SEQ, SEQ]` with prompt positions masked out and uneven lengths."""
     from hapo_megatron.algo import compute_entropy_stats
+    from hapo_megatron.parallel.micro_batch import MicroBatch
 
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, vocab, (NUM_SEQ, SEQ + 1), generator=g)
     mask = torch.zeros(NUM_SEQ, SEQ)
     for i, (start, end) in enumerate([(3, 16), (5, 9), (2, 14), (6, 16)]):
         mask[i, start:end] = 1
-    batch = {
-        "tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask,
-        "old_logprobs": -torch.rand(NUM_SEQ, SEQ, generator=g) * 5 - 2.0,
-        "advantages": torch.randn(NUM_SEQ, 1, generator=g).expand(NUM_SEQ, SEQ).contiguous(),
-        "old_entropy": torch.rand(NUM_SEQ, SEQ, generator=g) * 4,
-    }
-    return batch, compute_entropy_stats(batch["old_entropy"], mask)
+    batch = MicroBatch(
+        input_ids=tokens[:, :-1], position_ids=torch.arange(SEQ).expand(NUM_SEQ, SEQ), labels=tokens[:, 1:],
+        loss_mask=mask, old_logprobs=-torch.rand(NUM_SEQ, SEQ, generator=g) * 5 - 2.0,
+        advantages=torch.randn(NUM_SEQ, 1, generator=g).expand(NUM_SEQ, SEQ).contiguous(),
+        old_entropy=torch.rand(NUM_SEQ, SEQ, generator=g) * 4,
+    )
+    return batch, compute_entropy_stats(batch.old_entropy, mask)
 
 
 def _loss_cfg():
     from hapo_megatron.parallel.loss import LossConfig
 
     return LossConfig(clip_ratio_high=0.28, loss_agg_mode="token-mean")
-
-
-def _rows(batch, lo, hi):
-    return {k: v[lo:hi] for k, v in batch.items()}
 
 
 def _megatron_run(arch, tp, pp, fused, sp):
@@ -90,14 +87,14 @@ def _megatron_run(arch, tp, pp, fused, sp):
                                                  use_distributed_optimizer=False))
     batch, stats = _batch(hf_cfg.vocab_size)
     per_rank = NUM_SEQ // g.dp_size
-    local = _rows(batch, g.dp_rank * per_rank, (g.dp_rank + 1) * per_rank)
-    micro = [_rows(local, i, i + 1) for i in range(per_rank)]  # micro-batches of one sequence
+    local = batch.rows(slice(g.dp_rank * per_rank, (g.dp_rank + 1) * per_rank))
+    micro = [local.rows(slice(i, i + 1)) for i in range(per_rank)]  # micro-batches of one sequence
     cfg = _loss_cfg()
 
     def forward_step(data_iterator, module):
         mb = next(data_iterator)
         pos = torch.arange(SEQ).unsqueeze(0)
-        out = (forward_hidden_states if fused else (lambda m, *a: m(*a)))(module, mb["tokens"], pos, None)
+        out = (forward_hidden_states if fused else (lambda m, *a: m(*a)))(module, mb.input_ids, pos, None)
         assert isinstance(out, HiddenStates) == (fused and g.is_pipeline_last)
         return out, make_loss_func(mb, cfg=cfg, stats=stats, tp_group=g.tp)
 
@@ -154,7 +151,7 @@ def _hf_reference(arch):
     losses = []
     for _ in range(STEPS):
         hf.zero_grad()
-        loss_sum, n, _ = hapo_loss_from_logits(hf(batch["tokens"]).logits, batch, cfg=cfg, stats=stats)
+        loss_sum, n, _ = hapo_loss_from_logits(hf(batch.input_ids).logits, batch, cfg=cfg, stats=stats)
         (loss_sum / n).backward()
         losses.append((loss_sum / n).item())
         with torch.no_grad():

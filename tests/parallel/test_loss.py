@@ -18,6 +18,7 @@ from hapo_megatron.algo import (
     token_entropy,
 )
 from hapo_megatron.parallel.context_parallel import gather_from_cp, split_for_cp
+from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.parallel.loss import (
     LossConfig,
     hapo_loss_from_logits,
@@ -50,16 +51,16 @@ def _data(seed=0):
     mask = (torch.arange(S)[None, :] < lengths[:, None]).float()
     mask[3, 0] = 0  # a hole
     logp = torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
-    batch = {
-        "labels": labels, "loss_mask": mask,
-        "old_logprobs": logp + 0.3 * torch.randn(B, S, generator=g),
-        "advantages": torch.randn(B, 1, generator=g).expand(B, S).contiguous(),
-        "old_entropy": token_entropy(logits) * torch.exp(0.2 * torch.randn(B, S, generator=g)),
-        "ref_logprobs": logp + 0.1 * torch.randn(B, S, generator=g),
-        "rollout_logprobs": logp + 0.2 * torch.randn(B, S, generator=g),
-    }
+    batch = MicroBatch(
+        input_ids=labels.roll(1, 1), position_ids=torch.arange(S).expand(B, S), labels=labels, loss_mask=mask,
+        old_logprobs=logp + 0.3 * torch.randn(B, S, generator=g),
+        advantages=torch.randn(B, 1, generator=g).expand(B, S).contiguous(),
+        old_entropy=token_entropy(logits) * torch.exp(0.2 * torch.randn(B, S, generator=g)),
+        ref_logprobs=logp + 0.1 * torch.randn(B, S, generator=g),
+        rollout_logprobs=logp + 0.2 * torch.randn(B, S, generator=g),
+    )
     temp_tok = 0.7 + 0.6 * torch.rand(B, S, generator=g)
-    stats = compute_entropy_stats(batch["old_entropy"], mask)
+    stats = compute_entropy_stats(batch.old_entropy, mask)
     return logits, batch, stats, temp_tok
 
 
@@ -77,10 +78,6 @@ def _run(logits, batch, cfg, stats, temperature, **groups):
     return loss_sum.item(), int(num_tokens), x.grad, {k: float(v) for k, v in metrics.items()}
 
 
-def _select(batch, fn):
-    return {k: fn(v) for k, v in batch.items()}
-
-
 def _loss_worker(rank, world_size):
     import torch.distributed as dist
 
@@ -94,9 +91,9 @@ def _loss_worker(rank, world_size):
                          tp_group=dist.group.WORLD)
         rows = slice(DP_ROWS[rank], DP_ROWS[rank + 1])
         t_rows = temp[rows] if torch.is_tensor(temp) else temp
-        res["dp"] = _run(logits[rows], _select(batch, lambda v: v[rows]), cfg, stats, t_rows)
+        res["dp"] = _run(logits[rows], batch.rows(rows), cfg, stats, t_rows)
         t_cp = split_for_cp(temp, 2, rank) if torch.is_tensor(temp) else temp
-        res["cp"] = _run(split_for_cp(logits, 2, rank), _select(batch, lambda v: split_for_cp(v, 2, rank)),
+        res["cp"] = _run(split_for_cp(logits, 2, rank), batch.split_for_cp(2, rank),
                          cfg, stats, t_cp, cp_group=dist.group.WORLD)
         # plain arrays: tensors sent through the result queue would be shared via file descriptors
         out.append({k: (v[0], v[1], v[2].numpy(), v[3]) for k, v in res.items()})
@@ -108,17 +105,17 @@ def _reference(logits, batch, cfg, stats, temperature):
     x = logits.clone().requires_grad_(True)
     t = temperature.unsqueeze(-1) if torch.is_tensor(temperature) else temperature
     logp_all = torch.log_softmax(x / t, -1)
-    logp = logp_all.gather(-1, batch["labels"][..., None]).squeeze(-1)
+    logp = logp_all.gather(-1, batch.labels[..., None]).squeeze(-1)
     ent = token_entropy(x, temperature)
-    h_hat = normalize_entropy(batch["old_entropy"], stats, cfg.h_hat_mode)
+    h_hat = normalize_entropy(batch.old_entropy, stats, cfg.h_hat_mode)
     loss_sum, norm, _ = hapo_policy_loss(
-        logp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"], h_hat,
+        logp, batch.old_logprobs, batch.advantages, batch.loss_mask, h_hat,
         clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
         clip_ratio_c=cfg.clip_ratio_c, adaptive_clip=cfg.adaptive_clip, clip_alpha=cfg.clip_alpha,
         adaptive_advantage=cfg.adaptive_advantage, adv_beta=cfg.adv_beta,
         loss_agg_mode=cfg.loss_agg_mode, entropy=ent, entropy_coeff=cfg.entropy_coeff,
-        ref_logprobs=batch["ref_logprobs"], kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
-        rollout_logprobs=batch["rollout_logprobs"], tis_cap=cfg.tis_cap)
+        ref_logprobs=batch.ref_logprobs, kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
+        rollout_logprobs=batch.rollout_logprobs, tis_cap=cfg.tis_cap)
     loss = loss_sum / norm
     loss.backward()
     return loss.item(), x.grad
@@ -141,7 +138,7 @@ def _single_and_micro(logits, batch, cfg, stats, temp):
     parts, grads = [], []
     for lo, hi in ((0, 1), (1, 4), (4, 6)):  # micro-batches of 1, 3, 2 sequences
         t = temp[lo:hi] if torch.is_tensor(temp) else temp
-        parts.append(_run(logits[lo:hi], _select(batch, lambda v: v[lo:hi]), cfg, stats, t))
+        parts.append(_run(logits[lo:hi], batch.rows(slice(lo, hi)), cfg, stats, t))
         grads.append(parts[-1][2])
     return single, parts, torch.cat(grads)
 
@@ -187,7 +184,7 @@ def test_microbatch_scope_uses_current_entropy_stats():
     cfg = LossConfig(entropy_stats_scope="microbatch", h_hat_entropy="current")
     loss_sum, n, metrics = hapo_loss_from_logits(logits, batch, cfg=cfg, stats=None)
     ent = token_entropy(logits)
-    stats = compute_entropy_stats(ent, batch["loss_mask"])
+    stats = compute_entropy_stats(ent, batch.loss_mask)
     ref = LossConfig(entropy_stats_scope="global", h_hat_entropy="current")
     loss_sum2, n2, _ = hapo_loss_from_logits(logits, batch, cfg=ref, stats=stats)
     assert int(n) == int(n2) and torch.allclose(loss_sum, loss_sum2, rtol=1e-5)
@@ -195,7 +192,7 @@ def test_microbatch_scope_uses_current_entropy_stats():
     cfg_old = LossConfig(entropy_stats_scope="microbatch", h_hat_entropy="old")
     l3, _, _ = hapo_loss_from_logits(logits, batch, cfg=cfg_old, stats=None)
     l4, _, _ = hapo_loss_from_logits(logits, batch, cfg=LossConfig(),
-                                     stats=compute_entropy_stats(batch["old_entropy"], batch["loss_mask"]))
+                                     stats=compute_entropy_stats(batch.old_entropy, batch.loss_mask))
     assert torch.allclose(l3, l4)
 
 
@@ -205,27 +202,48 @@ def test_make_loss_func_and_logprob_func():
     a = f(logits)
     b = hapo_loss_from_logits(logits, batch, cfg=LossConfig(), stats=stats)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    zero, n, out = make_logprob_func(batch["labels"], temperature=0.8)(logits)
-    lp, ent = logprobs_entropy_from_logits(logits, batch["labels"], temperature=0.8)
+    zero, n, out = make_logprob_func(batch.labels, temperature=0.8)(logits)
+    lp, ent = logprobs_entropy_from_logits(logits, batch.labels, temperature=0.8)
     assert zero.item() == 0.0 and int(n) == 0
     assert torch.equal(out["logprobs"], lp) and torch.equal(out["entropy"], ent)
     assert torch.allclose(ent, token_entropy(logits, 0.8), atol=1e-5)
 
 
+def test_token_fields_are_what_the_metrics_count():
+    """The loss reports its per-token ratio, A' and clip flags; the clip metrics are their sums
+    (one computation, which the diagnostics reuse)."""
+    logits, batch, stats, _ = _data(3)  # a seed where all three bounds are hit
+    got = []
+    cfg = LossConfig(clip_ratio_low=0.05, clip_ratio_high=0.05, clip_ratio_c=1.01)
+    _, _, m = hapo_loss_from_logits(logits, batch, cfg=cfg, stats=stats, on_token_fields=got.append)
+    (f,) = got
+    valid = batch.loss_mask != 0
+    for side in ("low", "high", "dual"):
+        flags = getattr(f, "clip_" + side)
+        assert flags.dtype == torch.bool and not (flags & ~valid).any()
+        assert int(flags.sum()) == int(m[f"loss/clipfrac_{side}_sum"]) > 0, side
+    lp, _ = logprobs_entropy_from_logits(logits, batch.labels)
+    assert torch.allclose(f.ratio[valid], torch.exp(lp - batch.old_logprobs)[valid], rtol=1e-5)
+    assert bool((f.ratio[~valid] == 1).all()) and bool((f.adv_after[~valid] == 0).all())
+    # A' is the redistributed advantage (adaptive_advantage on), not A
+    scale = (f.adv_after.abs() / batch.advantages.abs())[valid]
+    assert not torch.allclose(scale, torch.ones_like(scale))
+
+
 def test_empty_microbatch_and_bad_input():
     logits, batch, stats, _ = _data(3)
-    empty = dict(batch, loss_mask=torch.zeros(B, S))
+    empty = batch.with_(loss_mask=torch.zeros(B, S))
     x = logits.clone().requires_grad_(True)
     loss_sum, n, _ = hapo_loss_from_logits(x, empty, cfg=LossConfig(), stats=stats)
     loss_sum.backward()
     assert int(n) == 0 and loss_sum.item() == 0.0 and torch.all(x.grad == 0)
     with pytest.raises(ValueError, match="advantages"):
-        hapo_loss_from_logits(logits, {k: v for k, v in batch.items() if k != "advantages"},
-                              cfg=LossConfig(), stats=stats)
+        hapo_loss_from_logits(logits, batch.with_(advantages=None), cfg=LossConfig(), stats=stats)
+    with pytest.raises(TypeError, match="MicroBatch"):
+        hapo_loss_from_logits(logits, {"labels": batch.labels}, cfg=LossConfig(), stats=stats)
     with pytest.raises(ValueError, match="stats"):
         hapo_loss_from_logits(logits, batch, cfg=LossConfig(), stats=None)
     with pytest.raises(ValueError, match="loss_agg_mode"):
         LossConfig(loss_agg_mode="mean")
     with pytest.raises(ValueError, match="old_logprobs"):
-        hapo_loss_from_logits(logits, dict(batch, old_logprobs=batch["old_logprobs"][:, :3]),
-                              cfg=LossConfig(), stats=stats)
+        batch.with_(old_logprobs=batch.old_logprobs[:, :3])

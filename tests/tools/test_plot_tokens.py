@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from hapo_megatron.diagnostics import rollout_path, write_rollouts
+from hapo_megatron.analysis import rollout_path, write_rollouts
 from tests.tools._load import load_tool
 
 plot_tokens = load_tool("plot_tokens")

@@ -33,22 +33,22 @@ def _actor_checks(rank, world, data, ckpt_dir):
     seqs = [SequenceData(torch.randint(4, 80, (5 + i,), generator=gen).tolist(),
                          torch.randint(4, 80, (3 + 2 * i,), generator=gen).tolist(), index=i) for i in range(3)]
     mbs = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batch_size=2)
-    actor.compute_logprobs_entropy(mbs, temperature=1.0)
+    old = actor.compute_logprobs_entropy(mbs, temperature=1.0)
     actor.fused_output_layer = True  # the same pass from hidden states (no logits)
-    actor.compute_logprobs_entropy(mbs, temperature=0.8, keys=("fused_lp", "fused_ent"))
+    fused = actor.compute_logprobs_entropy(mbs, temperature=0.8)
     reference = actor.make_reference()  # the KL reference's pass (a copy of the current weights)
-    actor.compute_logprobs_entropy(mbs, temperature=0.8, model=reference, keys=("ref_lp", "ref_ent"))
+    ref_out = actor.compute_logprobs_entropy(mbs, temperature=0.8, model=reference)
     actor.fused_output_layer = False
-    actor.compute_logprobs_entropy(mbs, temperature=0.8, keys=("t_lp", "t_ent"))
-    fused_err = max(float((mb[a] - mb[b]).abs().max()) for mb in mbs
-                    for a, b in (("fused_lp", "t_lp"), ("fused_ent", "t_ent"), ("ref_lp", "t_lp")))
+    plain = actor.compute_logprobs_entropy(mbs, temperature=0.8)
+    fused_err = max(float((a[k] - b[k]).abs().max()) for x, y in ((fused, plain), (ref_out, plain))
+                    for a, b in zip(x, y) for k in (0, 1))
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     max_err = 0.0
-    for mb in mbs:
+    for mb, (lp, _) in zip(mbs, old):
         with torch.no_grad():
-            logits = hf(input_ids=mb["input_ids"]).logits.float()
-        ref = torch.log_softmax(logits, -1).gather(-1, mb["labels"].unsqueeze(-1)).squeeze(-1) * mb["loss_mask"]
-        max_err = max(max_err, float((ref - mb["old_logprobs"]).abs().max()))
+            logits = hf(input_ids=mb.input_ids).logits.float()
+        ref = torch.log_softmax(logits, -1).gather(-1, mb.labels.unsqueeze(-1)).squeeze(-1) * mb.loss_mask
+        max_err = max(max_err, float((ref - lp).abs().max()))
     before = [p.detach().clone() for p in actor.model[0].parameters()]
     res = actor.train_step(mbs, cross_entropy_loss_factory(g.tp))
     moved = any(not torch.equal(a, b) for a, b in zip(before, actor.model[0].parameters()))
@@ -56,7 +56,7 @@ def _actor_checks(rank, world, data, ckpt_dir):
     def nan_loss(mb):
         def loss_func(output):
             loss = output.sum() * float("nan")
-            return loss, mb["loss_mask"].sum().to(torch.int), {"x": loss.detach()}
+            return loss, mb.loss_mask.sum().to(torch.int), {"x": loss.detach()}
         return loss_func
     after_ok = [p.detach().clone() for p in actor.model[0].parameters()]
     bad = actor.train_step(mbs, nan_loss)
@@ -75,12 +75,12 @@ def _actor_checks(rank, world, data, ckpt_dir):
     for i, s in enumerate(seqs):
         s.advantage = 1.0 if i % 2 == 0 else -1.0
     mbs = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batch_size=4)
-    actor.compute_logprobs_entropy(mbs, temperature=1.0)
-    before = mbs[0]["old_logprobs"].sum(1).clone()
+    (lp, ent), = actor.compute_logprobs_entropy(mbs, temperature=1.0)
+    mbs = [mbs[0].with_(old_logprobs=lp, old_entropy=ent)]
     lc = LossConfig.from_algo(AlgoConfig())
     actor.train_step(mbs, lambda mb: make_loss_func(mb, cfg=lc, stats=EntropyStats.neutral(), tp_group=g.tp))
-    actor.compute_logprobs_entropy(mbs, temperature=1.0)
-    delta = (mbs[0]["old_logprobs"].sum(1) - before).tolist()
+    (after, _), = actor.compute_logprobs_entropy(mbs, temperature=1.0)
+    delta = (after.sum(1) - lp.sum(1)).tolist()
     names = [n for n, _ in actor.export_hf_weights()]
     return dict(max_err=max_err, fused_err=fused_err, skipped=res.skipped, moved=moved, bad_skipped=bad.skipped,
                 unchanged=unchanged, num_skipped=actor.num_skipped, replay_equal=replay_equal, delta=delta,

@@ -69,21 +69,26 @@ def test_collate_label_shift_matches_loop():
         mb = collate(seqs)
         for i, (lab, mask, adv, lp) in enumerate(_loop_collate(seqs)):
             s = len(lab)
-            assert mb["labels"][i, :s].tolist() == lab
-            assert mb["loss_mask"][i, :s].tolist() == mask
-            assert torch.allclose(mb["advantages"][i, :s], torch.tensor(adv))
-            assert torch.allclose(mb["rollout_logprobs"][i, :s], torch.tensor(lp))
-        assert int(mb["loss_mask"].sum()) == sum(len(x.response_ids) for x in seqs)
+            assert mb.labels[i, :s].tolist() == lab
+            assert mb.loss_mask[i, :s].tolist() == mask
+            assert torch.allclose(mb.advantages[i, :s], torch.tensor(adv))
+            assert torch.allclose(mb.rollout_logprobs[i, :s], torch.tensor(lp))
+        assert int(mb.loss_mask.sum()) == sum(len(x.response_ids) for x in seqs)
 
 
 def test_collate_hand_case_and_padding():
     mb = collate([SequenceData([7, 8], [3, 4, 2], advantage=0.5, index=0)], pad_multiple=4)
-    assert mb["input_ids"].tolist() == [[7, 8, 3, 4, 2, 0, 0, 0]]
-    assert mb["labels"].tolist() == [[8, 3, 4, 2, 0, 0, 0, 0]]
-    assert mb["loss_mask"].tolist() == [[0, 1, 1, 1, 0, 0, 0, 0]]
-    assert mb["position_ids"].tolist() == [list(range(8))]
+    assert mb.input_ids.tolist() == [[7, 8, 3, 4, 2, 0, 0, 0]]
+    assert mb.labels.tolist() == [[8, 3, 4, 2, 0, 0, 0, 0]]
+    assert mb.loss_mask.tolist() == [[0, 1, 1, 1, 0, 0, 0, 0]]
+    assert mb.position_ids.tolist() == [list(range(8))]
     dummy = collate([SequenceData([7], [3], index=-1)])
-    assert dummy["loss_mask"].sum() == 0
+    assert dummy.loss_mask.sum() == 0
+    # engine_temperatures marks the rows whose engine reported temperatures (HF, not SGLang)
+    mb = collate([SequenceData([7], [3, 4], temperatures=[0.9, 1.1], index=0), SequenceData([7], [3], index=1),
+                  SequenceData([7], [3], temperatures=[1.0], index=-1)])
+    assert mb.engine_temperatures.tolist() == [True, False, False]
+    assert torch.allclose(mb.temperatures, torch.tensor([[0.9, 1.1, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]))
 
 
 def test_micro_batches_by_count_and_tokens():
@@ -101,11 +106,11 @@ def test_rank_micro_batches_cover_every_sequence_once():
     seen = []
     for r in range(3):
         for mb in build_rank_micro_batches(seqs, dp_rank=r, dp_size=3, micro_batch_size=2):
-            seen += [i for i in mb["seq_index"].tolist() if i >= 0]
+            seen += [i for i in mb.seq_index.tolist() if i >= 0]
     assert sorted(seen) == list(range(11))
     # more ranks than sequences: the extra rank gets an all-masked dummy
     mbs = build_rank_micro_batches(seqs[:1], dp_rank=1, dp_size=2)
-    assert mbs[0]["seq_index"].tolist() == [-1] and mbs[0]["loss_mask"].sum() == 0
+    assert mbs[0].seq_index.tolist() == [-1] and mbs[0].loss_mask.sum() == 0
 
 
 def test_split_mini_batches_keeps_groups_together():

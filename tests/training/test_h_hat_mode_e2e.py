@@ -15,7 +15,7 @@ T_BASE = 1.0
 
 
 def test_reference_mode_reaches_rollout_temperatures_and_loss(tiny, tmp_path):
-    from hapo_megatron.diagnostics import read_rollouts, rollout_path
+    from hapo_megatron.analysis import read_rollouts, rollout_path
     from hapo_megatron.training.metrics import read_jsonl
 
     run_dir = str(tmp_path / "run")

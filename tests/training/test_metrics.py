@@ -53,3 +53,24 @@ def test_timer():
     out = t.pop()
     assert set(out) == {"timing/rollout_s"} and out["timing/rollout_s"] >= 0.01
     assert t.pop() == {}
+
+
+def test_logging_config_reaches_wandb_init(tmp_path, monkeypatch):
+    """logging.wandb_* through build_logger into wandb.init, every field (entity included)."""
+    import sys
+    from types import SimpleNamespace
+
+    from hapo_megatron.config import HapoConfig
+    from hapo_megatron.training.runtime import build_logger
+
+    calls = []
+    fake = SimpleNamespace(init=lambda **kw: calls.append(kw) or SimpleNamespace(finish=lambda: None))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = HapoConfig.from_dict({"trainer": {"run_dir": str(tmp_path), "project_name": "proj",
+                                            "experiment_name": "exp"},
+                                "logging": {"wandb": True, "wandb_mode": "online", "wandb_entity": "team",
+                                            "console": False, "jsonl": False}})
+    build_logger(cfg, enabled=True).close()
+    (kw,) = calls
+    assert (kw["entity"], kw["project"], kw["name"], kw["mode"]) == ("team", "proj", "exp", "online")
+    assert kw["config"]["logging"]["wandb_entity"] == "team"

@@ -34,7 +34,7 @@ def _rollout_protocol(rank, world, fail):
         return batch.pack(), {"m": 1.0}, {"epoch": 7}
     stages._rollout_rank0 = fake_rank0
     sampler = SimpleNamespace(state=None, load_state_dict=lambda s: setattr(sampler, "state", s))
-    rt = SimpleNamespace(is_main=rank == 0, offloader=None, sampler=sampler)
+    rt = SimpleNamespace(is_main=rank == 0, offloader=None, rl=SimpleNamespace(sampler=sampler))
     try:
         batch, metrics = stages.rollout(rt, 5)
         out = dict(ok=True, n=len(batch), metrics=metrics, sampler=sampler.state)

@@ -1,7 +1,6 @@
 """The end-of-run summary: first vs last steps from metrics.jsonl, headline eval numbers."""
 
 import json
-from types import SimpleNamespace
 
 from hapo_megatron.training.trainer import _headline_eval, format_summary, summarize
 
@@ -11,8 +10,7 @@ def test_summary_first_vs_last(tmp_path):
         f.write(json.dumps({"step": 0, "eval/x/avg@4": 0.5}) + "\n")
         for s in range(1, 21):
             f.write(json.dumps({"step": s, "rollout/reward_mean": s / 10, "rollout/acc": s / 20}) + "\n")
-    rt = SimpleNamespace(run_dir=str(tmp_path), step=20)
-    s = summarize(rt, 61.0, {"eval/x/avg@4": 0.5}, {"eval/x/avg@4": 0.75})
+    s = summarize(str(tmp_path), 20, 61.0, {"eval/x/avg@4": 0.5}, {"eval/x/avg@4": 0.75})
     assert s["k"] == 5 and abs(s["first_reward_mean"] - 0.3) < 1e-12 and abs(s["last_reward_mean"] - 1.8) < 1e-12
     text = format_summary({**s, "sft_time_s": 30.0})
     assert "1.0 min" in text and "+0.300" in text and "+1.800" in text and "75.0%" in text

@@ -1,5 +1,6 @@
-"""`stages.accumulate_token_diagnostics` / `rollout_records` on a small synthetic batch against a
-direct per-sequence, per-token loop."""
+"""`training.diagnostics.accumulate_token_diagnostics` / `rollout_records` on a small synthetic
+batch against a direct per-sequence, per-token loop; the clip flags they count are the loss's own,
+of every update (two PPO epochs here)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,21 @@ from collections import Counter
 import pytest
 import torch
 
-from hapo_megatron.algo import EntropyStats, normalize_entropy
+from hapo_megatron.algo import EntropyStats, PolicyTokenFields, finalize_loss_metrics, normalize_entropy
 from hapo_megatron.config import AlgoConfig
-from hapo_megatron.diagnostics import hapo_token_fields
+from hapo_megatron.parallel.loss import LossConfig, hapo_loss_from_logits
 from hapo_megatron.training.batching import SequenceData, collate, dummy_sequence
+from hapo_megatron.training.diagnostics import (accumulate_token_diagnostics, entropy_histogram_summary,
+                                                rollout_records)
 from hapo_megatron.training.rl_step import RolloutBatch
-from hapo_megatron.training.stages import (accumulate_token_diagnostics, entropy_histogram_summary,
-                                           rollout_records)
+
+EPOCHS = 2
+STATS = EntropyStats(pivot=math.log(0.8), std=0.7, pos_max=1.2, neg_min=-3.0)
 
 
-def _setup(seed=0, rollout_source=False):
+def _setup(seed=0):
+    """Micro-batches after the old-log-prob pass and EPOCHS updates with random (masked) token
+    fields; per sequence its per-token entropy, temperatures and per-update fields."""
     g = torch.Generator().manual_seed(seed)
     lens = [(3, 5), (2, 1), (4, 7), (1, 3), (2, 0)]  # (prompt, response); one empty response
     seqs, batch = [], RolloutBatch()
@@ -32,58 +38,52 @@ def _setup(seed=0, rollout_source=False):
         batch.group_ids.append(i // 2); batch.rewards.append(adv); batch.accs.append(adv > 0)
         batch.finish_reasons.append("length" if i == 2 else "stop"); batch.data_sources.append("src")
         batch.scores.append(adv); batch.rollout_logprobs.append([0.0] * r)
-    mbs = [collate(seqs[:2]), collate(seqs[2:4] + [dummy_sequence(seqs[0])]), collate(seqs[4:])]
-    per_seq = {}  # index -> per-token (entropy, old_lp, recomputed_lp)
-    for mb in mbs:
-        mask = mb["loss_mask"]
-        ent = torch.rand(mask.shape, generator=g) * 2.0 * mask
-        lp = -torch.rand(mask.shape, generator=g) * mask
-        mb["old_entropy"] = ent
-        mb["old_logprobs"] = lp
-        if rollout_source:
-            mb["recomputed_logprobs"] = lp + 0.5 * torch.randn(mask.shape, generator=g) * mask
-        for r, i in enumerate(mb["seq_index"].tolist()):
+    mbs, per_seq = [], {}
+    for mb in (collate(seqs[:2]), collate(seqs[2:4] + [dummy_sequence(seqs[0])]), collate(seqs[4:])):
+        mask = mb.loss_mask != 0
+        rand = lambda: torch.rand(mask.shape, generator=g)  # noqa: E731
+        ent = rand() * 2.0 * mask
+        updates = tuple(PolicyTokenFields(ratio=torch.where(mask, 0.6 + 0.8 * rand(), 1.0),
+                                          adv_after=mb.advantages * (0.5 + rand()) * mask,
+                                          clip_low=(rand() < 0.3) & mask, clip_high=(rand() < 0.3) & mask,
+                                          clip_dual=(rand() < 0.2) & mask) for _ in range(EPOCHS))
+        mb = mb.with_(old_entropy=ent, old_logprobs=-rand() * mask, updates=updates)
+        mbs.append(mb)
+        for r, i in enumerate(mb.seq_index.tolist()):
             if i >= 0:
-                m = mask[r] != 0
-                rec = mb.get("recomputed_logprobs", lp)
-                per_seq[i] = (ent[r][m], lp[r][m], rec[r][m], mb["temperatures"][r][m])
-    stats = EntropyStats(pivot=math.log(0.8), std=0.7, pos_max=1.2, neg_min=-3.0)
-    return seqs, batch, mbs, per_seq, stats
+                m = mask[r]
+                per_seq[i] = (ent[r][m], mb.temperatures[r][m],
+                              [{k: getattr(u, k)[r][m] for k in ("ratio", "adv_after", "clip_low", "clip_high",
+                                                                  "clip_dual")} for u in updates])
+    return seqs, batch, mbs, per_seq
 
 
-@pytest.mark.parametrize("rollout_source", [False, True])
-def test_accumulation_matches_direct_loop(rollout_source):
-    seqs, batch, mbs, per_seq, stats = _setup(rollout_source=rollout_source)
-    algo = AlgoConfig()
-    diag = accumulate_token_diagnostics(mbs, stats, algo, finish_reasons=batch.finish_reasons,
-                                        with_clips=True)
-    # direct loop over sequences and response tokens
+def test_accumulation_matches_direct_loop_over_every_update():
+    seqs, batch, mbs, per_seq = _setup()
+    diag = accumulate_token_diagnostics(mbs, STATS, AlgoConfig(), finish_reasons=batch.finish_reasons)
     n = ent_sum = high = 0
-    clip = Counter()
-    low_ids, adv_b, adv_a, temps = Counter(), [0.0, 0.0], [0.0, 0.0], []
+    clip, low_ids, adv_b, adv_a, temps = Counter(), Counter(), [0.0, 0.0], [0.0, 0.0], []
     for i, s in enumerate(seqs):
-        ent, old, rec, tmp = per_seq[i]
+        ent, tmp, ups = per_seq[i]
         assert len(ent) == len(s.response_ids)
         for t, tok in enumerate(s.response_ids):
-            e = ent[t:t + 1].unsqueeze(0)
-            ratio = torch.exp(rec[t] - old[t]).reshape(1, 1)
-            f = hapo_token_fields(e, stats, torch.tensor([[s.advantage]]), ratio)
-            hh = float(normalize_entropy(e, stats))
+            hh = float(normalize_entropy(ent[t:t + 1], STATS))
             cls = 0 if hh > 0 else 1
-            n += 1; ent_sum += float(e); high += hh > 0
-            for side in ("low", "high", "dual"):
-                clip[side] += bool(f["clip_" + side])
-            if bool(f["clip_low"]):
-                low_ids[tok] += 1
-            adv_b[cls] += abs(s.advantage); adv_a[cls] += abs(float(f["adv_after"]))
+            n += 1; ent_sum += float(ent[t]); high += hh > 0
             temps.append(float(tmp[t]))
             assert float(tmp[t]) == pytest.approx(s.temperatures[t])
+            for u in ups:  # each update of the token counts
+                for side in ("low", "high", "dual"):
+                    clip[side] += bool(u["clip_" + side][t])
+                low_ids[tok] += bool(u["clip_low"][t])
+                adv_b[cls] += abs(s.advantage); adv_a[cls] += abs(float(u["adv_after"][t]))
     out = diag.summary()
     assert diag.num_tokens == n and out["diag/entropy_mean"] == pytest.approx(ent_sum / n)
     assert out["diag/high_entropy_share"] == pytest.approx(high / n)
+    assert diag.clip_tokens == EPOCHS * n and min(clip.values()) > 0
     for side in ("low", "high", "dual"):
-        assert out[f"diag/clipfrac_{side}"] == pytest.approx(clip[side] / n)
-    assert diag.clipped_low_tokens == low_ids
+        assert out[f"diag/clipfrac_{side}"] == pytest.approx(clip[side] / (EPOCHS * n))
+    assert diag.clipped_low_tokens == +low_ids
     assert diag.adv_abs_before.tolist() == pytest.approx(adv_b)
     assert diag.adv_abs_after.tolist() == pytest.approx(adv_a)
     mean_t = sum(temps) / len(temps)
@@ -93,26 +93,80 @@ def test_accumulation_matches_direct_loop(rollout_source):
     lens = [len(s.response_ids) for s in seqs]
     assert diag.num_responses == len(seqs) and diag.length_sum == sum(lens)
     assert out["diag/response_truncated_ratio"] == pytest.approx(1 / len(seqs))
-    if not rollout_source:  # recomputed old policy: first-update ratio 1, nothing clipped
-        assert clip["low"] == clip["high"] == clip["dual"] == 0
     hist = entropy_histogram_summary(diag)
     all_ent = torch.cat([per_seq[i][0] for i in range(len(seqs))])
     assert hist["diag/entropy_frac_lt_0.1"] == pytest.approx(float((all_ent < 0.1).double().mean()))
     assert hist["diag/entropy_frac_ge_1"] == pytest.approx(float((all_ent >= 1.0).double().mean()))
 
 
-def test_without_clips_and_rollout_records():
-    seqs, batch, mbs, per_seq, stats = _setup(seed=1, rollout_source=True)
-    diag = accumulate_token_diagnostics(mbs, stats, AlgoConfig(), with_clips=False)
-    assert not any(k.startswith("diag/clipfrac") for k in diag.summary())
-    rows = rollout_records(mbs, batch, stats, AlgoConfig(), step=7)
+def test_rollout_records_hold_the_last_update():
+    seqs, batch, mbs, per_seq = _setup(seed=1)
+    rows = rollout_records(mbs, batch, STATS, AlgoConfig(), step=7)
     assert sorted(r["index"] for r in rows) == list(range(len(seqs)))
     for r in rows:
         i = r["index"]
-        ent, old, rec, _ = per_seq[i]
+        ent, _, ups = per_seq[i]
         assert r["response_ids"] == seqs[i].response_ids and r["step"] == 7
         assert r["uid"] == batch.group_ids[i] and r["finish_reason"] == batch.finish_reasons[i]
         assert r["entropy"] == pytest.approx(ent.tolist())
-        assert r["ratio"] == pytest.approx(torch.exp(rec - old).tolist(), rel=1e-5)
         assert r["adv_before"] == pytest.approx([seqs[i].advantage] * len(seqs[i].response_ids))
-        assert len(r["clip_low"]) == len(r["temperatures"]) == len(r["response_ids"])
+        for key in ("ratio", "adv_after", "clip_low", "clip_high", "clip_dual"):
+            assert r[key] == pytest.approx(ups[-1][key].tolist()), key
+        assert len(r["temperatures"]) == len(r["response_ids"])
+
+
+def test_diagnostics_clip_fractions_are_the_loss_metrics():
+    """Token fields recorded from the loss over two updates: diag/clipfrac_* equal the loss's
+    loss/clipfrac_* over the same updates (one computation)."""
+    _, batch, mbs, _ = _setup(seed=2)
+    g = torch.Generator().manual_seed(5)
+    cfg = LossConfig(clip_ratio_low=0.05, clip_ratio_high=0.05, clip_ratio_c=1.05)
+    sums: dict[str, float] = {}
+    recorded = []
+    for mb in mbs:
+        mb = mb.with_(old_logprobs=torch.log_softmax(torch.randn(*mb.labels.shape, 30, generator=g), -1)
+                      .gather(-1, mb.labels.unsqueeze(-1) % 30).squeeze(-1) * mb.loss_mask)
+        got = []
+        for _ in range(EPOCHS):  # the policy moves between updates: other logits each time
+            logits = torch.randn(*mb.labels.shape, 30, generator=g)
+            _, _, m = hapo_loss_from_logits(logits, mb.with_(labels=mb.labels % 30), cfg=cfg, stats=STATS,
+                                            on_token_fields=got.append)
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        recorded.append(mb.with_(updates=tuple(got)))
+    diag = accumulate_token_diagnostics(recorded, STATS, AlgoConfig()).summary()
+    loss = finalize_loss_metrics(sums)
+    for side in ("low", "high", "dual"):
+        assert loss[f"loss/clipfrac_{side}"] > 0
+        assert diag[f"diag/clipfrac_{side}"] == pytest.approx(loss[f"loss/clipfrac_{side}"], rel=1e-12), side
+
+
+def test_ppo_update_hands_each_micro_batch_its_own_updates_gathered_over_cp():
+    """`stages._with_updates`: the loss's fields arrive in training order (epoch, mini-batch,
+    micro-batch); each micro-batch gets its own, one per epoch, CP shards made whole (flags stay
+    bool)."""
+    from types import SimpleNamespace
+
+    from hapo_megatron.training import stages
+
+    seqs = _setup()[0]
+    mbs = [collate(seqs[:2], pad_multiple=4), collate(seqs[2:4], pad_multiple=4), collate(seqs[4:], pad_multiple=4)]
+    minis = [mbs[:2], mbs[2:]]
+    half = lambda mb, k: PolicyTokenFields(  # noqa: E731 - this rank's CP shard: the first half
+        ratio=torch.full((mb.batch_size, mb.seq_len // 2), float(k)),
+        adv_after=torch.zeros(mb.batch_size, mb.seq_len // 2),
+        clip_low=torch.ones(mb.batch_size, mb.seq_len // 2, dtype=torch.bool),
+        clip_high=torch.zeros(mb.batch_size, mb.seq_len // 2, dtype=torch.bool),
+        clip_dual=torch.zeros(mb.batch_size, mb.seq_len // 2, dtype=torch.bool))
+    recorded = [half(mbs[k % 3], k) for k in range(2 * len(mbs))]  # 2 epochs x 3 micro-batches
+    rt = SimpleNamespace(groups=SimpleNamespace(is_pipeline_last=True, cp_size=2),
+                         cfg=SimpleNamespace(trainer=SimpleNamespace(ppo_epochs=2)),
+                         actor=SimpleNamespace(gather_cp=lambda t: torch.cat([t, t], dim=1)))
+    out = stages._with_updates(rt, minis, recorded)
+    assert [len(m) for m in out] == [2, 1]
+    for i, mb in enumerate(mb for mini in out for mb in mini):
+        assert [float(u.ratio[0, 0]) for u in mb.updates] == [i, i + 3]
+        assert mb.updates[0].ratio.shape == mb.loss_mask.shape and mb.updates[0].clip_low.dtype == torch.bool
+    assert all(not mb.updates for mb in mbs)  # the inputs are left as they were
+    with pytest.raises(RuntimeError, match="expected 3 micro-batches x 2 epochs"):
+        stages._with_updates(rt, minis, recorded[:-1])

@@ -124,6 +124,13 @@ def _ours(chunk_size):
 
 # ----------------------------------------------------------------------------- one measurement
 
+def _probe(t) -> float:
+    """A fixed random projection of a tensor: variants agree iff these agree (to rounding)."""
+    import torch
+    g = torch.Generator().manual_seed(99)
+    return float((t.detach().double().cpu() * torch.randn(t.shape, generator=g, dtype=torch.float64)).sum())
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -180,13 +187,15 @@ def _measure(rank: int, tp: int, opts: dict) -> dict:
         x = logits.detach().requires_grad_(True)
         lp, ent = fn(x, targets, tp_group)
         (lp * grad_out).sum().backward()
-        return x.grad
+        return lp, ent, x.grad
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    # Warm-up outside the measurement: first calls page in kernels' code and set up buffers.
-    grad = step()
+    # Warm-up outside the measurement: first calls page in kernels' code and set up buffers
+    # (and gives the numbers the variants must agree on).
+    lp, ent, grad = step()
     sync()
-    del grad
+    check = {"lp": _probe(lp), "ent": _probe(ent), "grad": _probe(grad)}
+    del lp, ent, grad
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -199,14 +208,14 @@ def _measure(rank: int, tp: int, opts: dict) -> dict:
             dist.barrier()
         sync()
         t0 = time.perf_counter()
-        grad = step()
+        out = step()
         sync()
         times.append(time.perf_counter() - t0)
-        del grad
+        del out
     peak = (torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes()) - base
     shard = T * Vp * logits.element_size()
     return {"time_ms": 1e3 * statistics.median(times), "peak_bytes": max(peak, 0), "shard_bytes": shard,
-            "extra_bytes": max(peak - shard, 0), "device": str(dev)}
+            "extra_bytes": max(peak - shard, 0), "device": str(dev), "check": check}
 
 
 def _rank_entry(rank, tp, port, opts, queue):
@@ -240,14 +249,16 @@ def worker_main(opts: dict) -> None:
         procs = [ctx.Process(target=_rank_entry, args=(r, tp, port, opts, q)) for r in range(tp)]
         for p in procs:
             p.start()
-        outs = [q.get(timeout=3600)[1] for _ in procs]
+        by_rank = dict(q.get(timeout=3600) for _ in procs)
         for p in procs:
             p.join()
+        outs = [by_rank[r] for r in range(tp)]
         errs = [o["error"] for o in outs if "error" in o]
         if errs:
             raise RuntimeError(errs[0])
-        res = max(outs, key=lambda o: o["peak_bytes"])
+        res = dict(max(outs, key=lambda o: o["peak_bytes"]))
         res["time_ms"] = max(o["time_ms"] for o in outs)
+        res["check"] = outs[0]["check"]  # rank 0's log-probs, entropies and gradient shard
     print("RESULT " + json.dumps(res), flush=True)
 
 

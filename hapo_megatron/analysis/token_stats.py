@@ -1,4 +1,4 @@
-"""Token diagnostics of HAPO, in training and offline from saved rollouts.
+"""Summable token diagnostics of HAPO (`TokenDiagnostics`), shared by training and offline analysis.
 
 What the paper looks at to explain HAPO: the entropy histogram and the pivot, the share of
 high-entropy tokens, clip fractions by side (left/right) and by entropy class (high/low), the
@@ -6,30 +6,20 @@ tokens most often clipped on each side (formatting vs reasoning tokens), the adv
 before/after redistribution by branch, the sampling temperatures and the response lengths.
 
 `TokenDiagnostics` accumulates all of it in summable form (sums, counts, fixed-bin histograms,
-token-id counters), so micro-batches and ranks merge exactly with `merge()` / `all_reduce()`;
-`summary()` turns it into a flat `{"diag/<name>": float}` dict for the metric sinks.
-
-Saved-rollout format (`write_rollouts` / `read_rollouts`): one file per step,
-`<run_dir>/rollouts/step_<step:06d>.jsonl` (optionally `.jsonl.gz` or `.parquet`), one record per
-response with the fields of `ROLLOUT_FIELDS`. Per-token lists all have the response's length;
-a missing optional field is `null`/absent and the diagnostics that need it are skipped.
-`hapo_token_fields` recomputes `h_hat`, `adv_after` and the clip flags from the loss inputs.
-Offline: `python -m hapo_megatron.diagnostics <file> [--tokenizer DIR] [--top-k 20]`.
+token-id counters), so micro-batches, updates and ranks merge exactly with `merge()` /
+`all_reduce()`; `summary()` turns it into a flat `{"diag/<name>": float}` dict for the metric
+sinks. The clip flags and the redistributed advantages it counts are the loss's own
+(`algo.PolicyTokenFields`); nothing here recomputes them.
 
 Pure python/torch; `torch.distributed` only inside `all_reduce`.
 """
 
 from __future__ import annotations
 
-import argparse
-import gzip
-import json
 import math
-import os
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -38,26 +28,6 @@ import torch
 # every rank add up bin by bin.
 ENTROPY_BIN_EDGES: tuple[float, ...] = tuple(10.0 ** (e / 4.0) for e in range(-24, 5))
 NUM_ENTROPY_BINS = len(ENTROPY_BIN_EDGES) + 1
-
-# Per-response record of a saved rollout: name -> (per_token, required).
-ROLLOUT_FIELDS: dict[str, tuple[bool, bool]] = {
-    "step": (False, True),             # training step
-    "uid": (False, True),              # prompt group id
-    "data_source": (False, False),
-    "reward": (False, False),          # scalar reward after shaping
-    "acc": (False, False),             # verified-correct answer
-    "finish_reason": (False, False),   # "stop" | "length"
-    "response_ids": (True, True),      # sampled token ids
-    "entropy": (True, False),          # old-policy entropy at T_base
-    "h_hat": (True, False),            # normalised entropy in [-1, 1]
-    "adv_before": (True, False),       # TLGA/GRPO advantage A
-    "adv_after": (True, False),        # redistributed advantage A'
-    "ratio": (True, False),            # importance ratio rho (first PPO update)
-    "clip_low": (True, False),         # left clip active (A' < 0 and rho < 1 - eps_L_t)
-    "clip_high": (True, False),        # right clip active (A' > 0 and rho > 1 + eps_R_t)
-    "clip_dual": (True, False),        # dual clip active (A' < 0 and rho > c)
-    "temperatures": (True, False),     # sampling temperature of each token
-}
 
 _CLASSES = ("high", "low")  # entropy class: h_hat > 0 is "high", h_hat <= 0 is "low"
 
@@ -86,52 +56,6 @@ def entropy_pivot(entropy: torch.Tensor, mask: torch.Tensor | None = None,
         return float("nan")
     rank = round(q * (values.numel() - 1))
     return float(torch.sort(values).values[rank])
-
-
-def clip_flags(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: torch.Tensor | float,
-               clip_high: torch.Tensor | float, clip_ratio_c: float = 3.0):
-    """Which side of the PPO clip is active per token: `(low, high, dual)` bool tensors.
-
-    `low`: A < 0 and rho < 1 - eps_L (the clipped term wins, no gradient); `high`: A > 0 and
-    rho > 1 + eps_R; `dual`: A < 0 and rho > c. `clip_low/high` are per-token eps tensors or
-    floats (adaptive clipping makes them per token).
-    """
-    if ratio.shape != advantages.shape:
-        raise ValueError(f"advantages shape {tuple(advantages.shape)} != ratio shape "
-                         f"{tuple(ratio.shape)}")
-    low = (advantages < 0) & (ratio < 1.0 - clip_low)
-    high = (advantages > 0) & (ratio > 1.0 + clip_high)
-    dual = (advantages < 0) & (ratio > clip_ratio_c)
-    return low, high, dual
-
-
-def hapo_token_fields(entropy: torch.Tensor, stats, advantages: torch.Tensor,
-                      ratio: torch.Tensor, *, clip_ratio_low: float = 0.2,
-                      clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
-                      adaptive_clip: bool = True, clip_alpha: float = 1.0,
-                      adaptive_advantage: bool = True, adv_beta: float = 1.0,
-                      h_hat_mode: str = "signed") -> dict[str, torch.Tensor]:
-    """The per-token HAPO quantities of a saved-rollout record, recomputed from the inputs of
-    the loss with `hapo_megatron.algo` (so they match the loss exactly).
-
-    `entropy`, `advantages` (A, before redistribution), `ratio`: `[B, T]`; `stats`: the step's
-    `EntropyStats`. Returns `h_hat`, `adv_after` (A'), `clip_low`, `clip_high`, `clip_dual`,
-    all `[B, T]`.
-    """
-    from hapo_megatron.algo import (adaptive_clip_ranges, normalize_entropy,
-                                    redistribute_advantages)
-
-    h_hat = normalize_entropy(entropy, stats, h_hat_mode=h_hat_mode)
-    if adaptive_clip:
-        eps_low, eps_high = adaptive_clip_ranges(h_hat, clip_ratio_low, clip_ratio_high, clip_alpha)
-    else:
-        eps_low = torch.full_like(h_hat, clip_ratio_low)
-        eps_high = torch.full_like(h_hat, clip_ratio_high)
-    adv = (redistribute_advantages(advantages, h_hat, ratio, eps_low, eps_high, adv_beta)
-           if adaptive_advantage else advantages)
-    low, high, dual = clip_flags(ratio, adv, eps_low, eps_high, clip_ratio_c)
-    return {"h_hat": h_hat, "adv_after": adv, "clip_low": low, "clip_high": high,
-            "clip_dual": dual}
 
 
 def _select(t: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -190,21 +114,17 @@ class TokenDiagnostics:
                       temperatures: torch.Tensor | None = None) -> "TokenDiagnostics":
         """Add a batch of tokens. Every given tensor has the shape of `mask` (`[B, T]` or
         `[N]`); without `mask` every element is valid. The split by entropy class needs
-        `h_hat`: `summary()` reports per-class numbers only when some batch brought it."""
+        `h_hat`: `summary()` reports per-class numbers only when some batch brought it. The
+        clip flags and advantages go to `update_policy` (call that alone for further updates of
+        tokens already added)."""
         ref = next((t for t in (entropy, h_hat, token_ids, clip_low, adv_before, temperatures)
                     if t is not None), None)
         if ref is None:
             return self
-        sel = (lambda t: _select(t, mask)) if mask is not None else (lambda t: t.reshape(-1))
-        for name, t in (("entropy", entropy), ("h_hat", h_hat), ("token_ids", token_ids),
-                        ("clip_low", clip_low), ("clip_high", clip_high),
-                        ("clip_dual", clip_dual), ("adv_before", adv_before),
-                        ("adv_after", adv_after), ("temperatures", temperatures)):
-            if t is not None and t.shape != ref.shape:
-                raise ValueError(f"{name} shape {tuple(t.shape)} != {tuple(ref.shape)}")
+        sel = self._checked_selector(ref, mask, entropy=entropy, h_hat=h_hat, token_ids=token_ids,
+                                     temperatures=temperatures)
+        classes = self._classes(sel, ref, h_hat)
         n = int(sel(ref).numel())
-        high = sel(h_hat) > 0 if h_hat is not None else torch.zeros(n, dtype=torch.bool)
-        classes = (high, ~high)
         if entropy is not None:
             e = sel(entropy).double()
             self.entropy_hist += entropy_histogram(e)
@@ -213,10 +133,6 @@ class TokenDiagnostics:
         if h_hat is not None:
             self.tokens_by_class += torch.tensor([float(c.sum()) for c in classes],
                                                  dtype=torch.float64)
-        if clip_low is not None or clip_high is not None or clip_dual is not None:
-            self._update_clips(sel, classes, n, token_ids, clip_low, clip_high, clip_dual)
-        if adv_before is not None and adv_after is not None:
-            self._update_adv(sel(adv_before).double(), sel(adv_after).double(), classes)
         if temperatures is not None:
             t = sel(temperatures).double()
             self.temp_sum += torch.stack([t[c].sum() for c in classes])
@@ -226,7 +142,45 @@ class TokenDiagnostics:
             if t.numel():
                 self.temp_min = min(self.temp_min, float(t.min()))
                 self.temp_max = max(self.temp_max, float(t.max()))
+        return self.update_policy(h_hat=h_hat, mask=mask, token_ids=token_ids, clip_low=clip_low,
+                                  clip_high=clip_high, clip_dual=clip_dual, adv_before=adv_before,
+                                  adv_after=adv_after)
+
+    def update_policy(self, *, h_hat: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                      token_ids: torch.Tensor | None = None,
+                      clip_low: torch.Tensor | None = None, clip_high: torch.Tensor | None = None,
+                      clip_dual: torch.Tensor | None = None,
+                      adv_before: torch.Tensor | None = None,
+                      adv_after: torch.Tensor | None = None) -> "TokenDiagnostics":
+        """Add what one policy update did to a batch of tokens: which clip bound was active and
+        the advantage before/after redistribution (by entropy class of `h_hat`). Called once per
+        update, so a token trained on in two PPO epochs counts twice here (and once in the
+        token counts of `update_tokens`)."""
+        ref = next((t for t in (clip_low, clip_high, clip_dual, adv_before) if t is not None), None)
+        if ref is None:
+            return self
+        sel = self._checked_selector(ref, mask, h_hat=h_hat, token_ids=token_ids, clip_low=clip_low,
+                                     clip_high=clip_high, clip_dual=clip_dual, adv_before=adv_before,
+                                     adv_after=adv_after)
+        classes = self._classes(sel, ref, h_hat)
+        if clip_low is not None or clip_high is not None or clip_dual is not None:
+            self._update_clips(sel, classes, int(sel(ref).numel()), token_ids, clip_low, clip_high, clip_dual)
+        if adv_before is not None and adv_after is not None:
+            self._update_adv(sel(adv_before).double(), sel(adv_after).double(), classes)
         return self
+
+    @staticmethod
+    def _checked_selector(ref: torch.Tensor, mask: torch.Tensor | None, **tensors):
+        for name, t in tensors.items():
+            if t is not None and t.shape != ref.shape:
+                raise ValueError(f"{name} shape {tuple(t.shape)} != {tuple(ref.shape)}")
+        return (lambda t: _select(t, mask)) if mask is not None else (lambda t: t.reshape(-1))
+
+    @staticmethod
+    def _classes(sel, ref: torch.Tensor, h_hat: torch.Tensor | None):
+        n = int(sel(ref).numel())
+        high = sel(h_hat) > 0 if h_hat is not None else torch.zeros(n, dtype=torch.bool)
+        return high, ~high
 
     def _update_clips(self, sel, classes, n, token_ids, clip_low, clip_high, clip_dual):
         empty = torch.zeros(n, dtype=torch.bool)
@@ -290,16 +244,18 @@ class TokenDiagnostics:
         self.clipped_high_tokens = self.clipped_high_tokens + other.clipped_high_tokens
         return self
 
-    def all_reduce(self, group=None) -> "TokenDiagnostics":
+    def all_reduce(self, group=None, device: torch.device | str = "cpu") -> "TokenDiagnostics":
         """Merge the accumulators of every rank of `group` in place (every rank gets the sum).
 
-        Counts and sums travel in one float64 SUM all-reduce, extremes in one MAX all-reduce,
-        the clipped-token counters through `all_gather_object` (they are small)."""
+        Counts and sums travel in one float64 SUM all-reduce, extremes in one MAX all-reduce
+        (both on `device`: NCCL groups need a CUDA one), the clipped-token counters through
+        `all_gather_object` (they are small)."""
         import torch.distributed as dist
 
         flat = torch.cat([torch.as_tensor(getattr(self, n), dtype=torch.float64).reshape(-1)
-                          for n in self._SUM_FIELDS])
+                          for n in self._SUM_FIELDS]).to(device)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat = flat.cpu()
         offset = 0
         for name in self._SUM_FIELDS:
             cur = getattr(self, name)
@@ -313,8 +269,9 @@ class TokenDiagnostics:
                 setattr(self, name, int(round(float(chunk))) if isinstance(cur, int)
                         else float(chunk))
         ext = torch.tensor([-self.temp_min, self.temp_max, -self.length_min, self.length_max],
-                           dtype=torch.float64)
+                           dtype=torch.float64, device=device)
         dist.all_reduce(ext, op=dist.ReduceOp.MAX, group=group)
+        ext = ext.cpu()
         self.temp_min, self.temp_max = -float(ext[0]), float(ext[1])
         self.length_min, self.length_max = -float(ext[2]), float(ext[3])
         gathered: list[Any] = [None] * dist.get_world_size(group)
@@ -394,156 +351,3 @@ class TokenDiagnostics:
                 row["text"] = tokenizer.decode([int(tok)])
             rows.append(row)
         return rows
-
-
-# ---------------------------------------------------------------------- saved rollouts
-def rollout_path(run_dir: str, step: int, fmt: str = "jsonl") -> str:
-    """`<run_dir>/rollouts/step_<step:06d>.<fmt>` (fmt: jsonl, jsonl.gz, parquet)."""
-    if fmt not in ("jsonl", "jsonl.gz", "parquet"):
-        raise ValueError(f"fmt must be jsonl, jsonl.gz or parquet, got {fmt!r}")
-    return os.path.join(run_dir, "rollouts", f"step_{int(step):06d}.{fmt}")
-
-
-def _check_record(rec: dict, i: int, path: str) -> dict:
-    for name, (per_token, required) in ROLLOUT_FIELDS.items():
-        value = rec.get(name)
-        if value is None:
-            if required:
-                raise ValueError(f"{path}: record {i} is missing field {name!r}")
-            continue
-        if per_token and len(value) != len(rec["response_ids"]):
-            raise ValueError(f"{path}: record {i} field {name!r} has {len(value)} entries, "
-                             f"response_ids has {len(rec['response_ids'])}")
-    return rec
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.tolist()
-    return value
-
-
-def write_rollouts(path: str, records: Iterable[dict]) -> str:
-    """Write per-response records (fields of `ROLLOUT_FIELDS`; tensors become lists).
-
-    The format follows the suffix: `.jsonl`, `.jsonl.gz` or `.parquet`. Written to a temporary
-    file then renamed, so a reader never sees half a file.
-    """
-    rows = [_check_record({k: _plain(v) for k, v in r.items()}, i, path)
-            for i, r in enumerate(records)]
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    if path.endswith(".parquet"):
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
-    else:
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(tmp, "wt", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
-def read_rollouts(path: str) -> list[dict]:
-    """Read a file written by `write_rollouts` (checked: required fields, per-token lengths)."""
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        rows = pq.read_table(path).to_pylist()
-    else:
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            rows = []
-            for lineno, line in enumerate(f):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}: line {lineno + 1} is not JSON: {e}") from e
-    return [_check_record(r, i, path) for i, r in enumerate(rows)]
-
-
-def diagnostics_from_records(records: Sequence[dict]) -> TokenDiagnostics:
-    """Accumulate `TokenDiagnostics` over saved-rollout records."""
-    diag = TokenDiagnostics()
-    for rec in records:
-        n = len(rec["response_ids"])
-
-        def get(name, dtype=torch.float64):
-            v = rec.get(name)
-            return None if v is None else torch.tensor(v, dtype=dtype).reshape(n)
-
-        diag.update_tokens(entropy=get("entropy"), h_hat=get("h_hat"),
-                           token_ids=get("response_ids", torch.int64),
-                           clip_low=get("clip_low", torch.bool),
-                           clip_high=get("clip_high", torch.bool),
-                           clip_dual=get("clip_dual", torch.bool),
-                           adv_before=get("adv_before"), adv_after=get("adv_after"),
-                           temperatures=get("temperatures"))
-        diag.update_responses([n], [rec.get("finish_reason") == "length"])
-    return diag
-
-
-def analyze_rollouts(records: Sequence[dict], *, tokenizer=None, top_k: int = 20,
-                     entropy_pivot_q: float = 0.8) -> dict:
-    """Full offline report: `{"metrics", "histogram", "top_clipped_low", "top_clipped_high"}`.
-
-    The pivot is exact here (all entropies are at hand), with the spec's nearest-rank rule.
-    """
-    diag = diagnostics_from_records(records)
-    ents = [torch.tensor(r["entropy"], dtype=torch.float64) for r in records
-            if r.get("entropy") is not None]
-    pivot = entropy_pivot(torch.cat(ents), q=entropy_pivot_q) if ents else None
-    if pivot is not None and math.isnan(pivot):
-        pivot = None
-    return {"metrics": diag.summary(pivot=pivot), "histogram": diag.histogram(),
-            "top_clipped_low": diag.top_clipped_tokens("low", top_k, tokenizer),
-            "top_clipped_high": diag.top_clipped_tokens("high", top_k, tokenizer)}
-
-
-def format_report(report: dict) -> str:
-    """Human-readable text of `analyze_rollouts` output."""
-    lines = ["metrics:"]
-    lines += [f"  {k:<40} {v:.6g}" for k, v in sorted(report["metrics"].items())]
-    lines.append("entropy histogram (nats):")
-    for row in report["histogram"]:
-        if row["count"]:
-            bar = "#" * max(1, int(round(40 * row["fraction"])))
-            lines.append(f"  [{row['lo']:9.3g}, {row['hi']:9.3g})  {row['count']:>8}  {bar}")
-    for side in ("low", "high"):
-        lines.append(f"most clipped tokens, {side} side:")
-        for row in report[f"top_clipped_{side}"]:
-            text = f"  {row['text']!r}" if "text" in row else ""
-            lines.append(f"  {row['token_id']:>8} x{row['count']}{text}")
-    return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hapo_megatron.diagnostics",
-                                 description="Token diagnostics of saved HAPO rollouts.")
-    ap.add_argument("files", nargs="+", help="rollout files (.jsonl, .jsonl.gz, .parquet)")
-    ap.add_argument("--tokenizer", default=None, help="HF tokenizer dir to decode token ids")
-    ap.add_argument("--top-k", type=int, default=20)
-    ap.add_argument("--pivot", type=float, default=0.8, help="entropy pivot quantile")
-    ap.add_argument("--json", default=None, help="also write the report as JSON here")
-    args = ap.parse_args(argv)
-    records = [r for path in args.files for r in read_rollouts(path)]
-    tok = None
-    if args.tokenizer:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    report = analyze_rollouts(records, tokenizer=tok, top_k=args.top_k,
-                              entropy_pivot_q=args.pivot)
-    print(format_report(report))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2, default=float)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from hapo_megatron.analysis.cli import main
+
+sys.exit(main())
