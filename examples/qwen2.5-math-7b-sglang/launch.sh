@@ -61,6 +61,7 @@ else
   python -m hapo_megatron.rollout.serve --model-path "$MODEL_PATH" --num-servers "$SERVERS_PER_NODE" \
       --tp-size "$SERVER_TP" --port-base "$SGLANG_PORT_BASE" --mem-fraction-static "$SGLANG_MEM_FRACTION" \
       --advertise-host "${HOSTS[$NODE_RANK]}" --colocate --log-dir "$SHARED_DIR/sglang_logs/node$NODE_RANK" \
+      --api-key-file "$SHARED_DIR/rollout_api_key" \
       -- "${CONTEXT_ARGS[@]}" &
   SERVE_PID=$!
   URLS=""
