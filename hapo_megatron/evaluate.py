@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rollout engine (default: rollout.engine of the config)")
     ap.add_argument("--sglang-url", action="append", default=[],
                     help="attach to a running SGLang server (repeat for several)")
+    ap.add_argument("--api-key-file", default=None,
+                    help="file with the attached servers' API key, e.g. a run's rollout_api_key "
+                         "(default: $HAPO_ROLLOUT_API_KEY; servers eval launches get a fresh key)")
     ap.add_argument("--n", type=int, default=None, help="samples per prompt (default val_n = 8)")
     ap.add_argument("--temperature", type=float, default=None, help="default val_temperature 0.5")
     ap.add_argument("--top-p", type=float, default=None, help="default val_top_p 0.7")
@@ -207,8 +210,9 @@ def run(args) -> dict:
         seed=args.seed, adaptive=False)
     reward_fn = get_reward_fn(args.reward or cfg.reward.reward_fn)
     reward_kwargs = {"score_format": cfg.reward.score_format, **cfg.reward.reward_kwargs}
+    keys = {"key_file": args.api_key_file} if rollout_cfg.engine == "sglang" and args.api_key_file else {}
     engine = make_engine(rollout_cfg, hf_config_or_path=model_dir, tokenizer=tokenizer,
-                         device=device, dtype=dtype)
+                         device=device, dtype=dtype, **keys)
     t0 = time.perf_counter()
     try:
         results = generate_and_score(engine, data, reward_fn, sampling, tokenizer=tokenizer,

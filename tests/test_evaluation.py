@@ -355,17 +355,18 @@ def test_hapo_eval_sglang_settings_reach_make_engine(tiny_model_and_data, monkey
     root, model_dir, data = tiny_model_and_data
     seen = {}
 
-    def fake_make_engine(cfg, *, hf_config_or_path, tokenizer, device, dtype):
-        seen.update(cfg=cfg, path=hf_config_or_path, device=device, dtype=dtype)
+    def fake_make_engine(cfg, *, hf_config_or_path, tokenizer, device, dtype, **kw):
+        seen.update(cfg=cfg, path=hf_config_or_path, device=device, dtype=dtype, kw=kw)
         return OracleEngine(tokenizer)
 
     monkeypatch.setattr(engine_mod, "make_engine", fake_make_engine)
     assert main(["--model", model_dir, "--data", data[0], "--n", "1", "--out",
                  str(root / "sg.json"), "--sglang-url", "http://10.0.0.1:30000",
                  "--set", "rollout.sglang.request_timeout_s=7", "--device", "cpu",
-                 "--dtype", "bf16"]) == 0
+                 "--dtype", "bf16", "--api-key-file", "/run/rollout_api_key"]) == 0
     cfg = seen["cfg"]
     assert cfg.engine == "sglang" and cfg.sglang.server_urls == ["http://10.0.0.1:30000"]
+    assert seen["kw"] == {"key_file": "/run/rollout_api_key"}  # the engine reads the servers' key there
     assert cfg.sglang.request_timeout_s == 7
     assert seen["path"] == model_dir and str(seen["dtype"]) == "torch.bfloat16"
 

@@ -38,9 +38,12 @@ def write_tiny_model(out_dir: str, dtype: torch.dtype = torch.bfloat16) -> str:
 def _engine(model_dir: str, mode: str, log_dir: str, dtype: torch.dtype):
     from hapo_megatron.config import HapoConfig
     from hapo_megatron.rollout.factory import make_engine
+    from hapo_megatron.rollout.sglang_launch import free_port
+    # a free port: on a shared machine another job's server may hold the default one (it would
+    # answer /health, then refuse our key)
     cfg = HapoConfig.from_dict({"rollout": {"engine": "sglang", "n": 2, "max_response_length": 16, "sglang": {
         "num_servers": 1, "weight_sync": mode, "colocate": mode == "tensor", "mem_fraction_static": 0.2,
-        "request_timeout_s": 120}}})
+        "request_timeout_s": 120, "port_base": free_port()}}})
     return cfg, make_engine(cfg.rollout, hf_config_or_path=model_dir, dtype=dtype, log_dir=log_dir)
 
 

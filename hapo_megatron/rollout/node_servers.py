@@ -33,6 +33,7 @@ import torch
 
 from hapo_megatron.rollout import placement
 from hapo_megatron.rollout import sglang_launch as launcher
+from hapo_megatron.rollout.api_key import resolve_api_key
 from hapo_megatron.rollout.engine import Sample, SamplingParams
 from hapo_megatron.rollout.sglang_client import SGLangError, SGLangHTTP, ServerHandle
 from hapo_megatron.rollout.sglang_engine import SGLangEngine, resolve_weight_sync
@@ -128,7 +129,7 @@ class NodeServersEngine:
 
 
 def _launch_own(slots, *, ctx, host: str, model_path: str, cfg, dtype, device: str, log_dir: str,
-                timeout_s: float, http: SGLangHTTP) -> tuple[list[ServerHandle], Optional[str]]:
+                timeout_s: float, http: SGLangHTTP, api_key: Optional[str]) -> tuple[list[ServerHandle], Optional[str]]:
     """Start this node's servers and wait for them; ``(handles, error or None)`` (all stopped on error)."""
     handles: list[ServerHandle] = []
     try:
@@ -136,11 +137,12 @@ def _launch_own(slots, *, ctx, host: str, model_path: str, cfg, dtype, device: s
             cmd = launcher.server_command(
                 model_path, port=slot.port, host=host, tp_size=cfg.server_tp_size, base_gpu_id=slot.gpu_ids[0],
                 mem_fraction_static=cfg.mem_fraction_static, dtype=launcher.sglang_dtype(dtype),
-                enable_memory_saver=cfg.colocate, extra_args=list(cfg.extra_server_args), device=device)
+                enable_memory_saver=cfg.colocate, extra_args=list(cfg.extra_server_args), device=device,
+                api_key=bool(api_key))
             handles.append(launcher.start_process(
                 cmd, f"http://{host}:{slot.port}", tp_size=cfg.server_tp_size,
                 log_path=os.path.join(log_dir, f"sglang_server_{slot.index}.log"),
-                env=launcher.server_env(cpu=device == "cpu")))
+                env=launcher.server_env(cpu=device == "cpu"), api_key=api_key))
         for h in handles:
             http.wait_healthy(h, timeout_s)
     except Exception as e:  # noqa: BLE001 - reported to every rank, which all stop
@@ -148,6 +150,22 @@ def _launch_own(slots, *, ctx, host: str, model_path: str, cfg, dtype, device: s
             launcher.stop_process(h)
         return [], f"node {ctx.node}: {type(e).__name__}: {e}"
     return handles, None
+
+
+def _agree_on_key(api_key: Optional[str], key_file: Optional[str], world: int) -> Optional[str]:
+    """Rank 0 resolves the servers' API key (``api_key``, ``$HAPO_ROLLOUT_API_KEY``, ``key_file``
+    or a new one written there) and broadcasts it over the job's process group, so other nodes
+    need not see rank 0's key file; a failure is raised on every rank."""
+    found: Any = None
+    if _dist()[0] == 0:
+        try:
+            found = (api_key or resolve_api_key(key_file, create=True), None)
+        except (OSError, ValueError) as e:
+            found = (None, f"rollout API key: {type(e).__name__}: {e}")
+    key, error = _broadcast(found, world)
+    if error:
+        raise ValueError(error)
+    return key
 
 
 def _unreachable(handles: Sequence[ServerHandle], http: SGLangHTTP, timeout_s: float) -> list[str]:
@@ -163,12 +181,15 @@ def _unreachable(handles: Sequence[ServerHandle], http: SGLangHTTP, timeout_s: f
 
 def start_node_servers(cfg: Any, *, model_path: str, tokenizer: Any = None, dtype: Any = torch.bfloat16,
                        device: str = "auto", log_dir: Optional[str] = None, disk_sync_dir: Optional[str] = None,
-                       launch_timeout_s: float = 900.0, **engine_kwargs: Any) -> Optional[NodeServersEngine]:
+                       launch_timeout_s: float = 900.0, api_key: Optional[str] = None,
+                       key_file: Optional[str] = None, **engine_kwargs: Any) -> Optional[NodeServersEngine]:
     """Place ``cfg``'s servers (an ``SGLangConfig``) on every node and connect them; collective.
 
     Returns the engine on node leaders (rank 0's generates), ``None`` on the other ranks. Raises
     ValueError when the plan does not fit, SGLangError (on every rank) when a node's servers do
-    not start or rank 0 cannot reach them. ``engine_kwargs`` go to the ``SGLangEngine`` objects.
+    not start or rank 0 cannot reach them. The servers require one API key (``rollout/api_key.py``:
+    ``api_key``, else ``$HAPO_ROLLOUT_API_KEY``, else ``key_file``'s, else a new one written to
+    ``key_file``), which every request carries. ``engine_kwargs`` go to the ``SGLangEngine`` objects.
     """
     rank, world = _dist()
     ctx = placement.NodeContext.from_env(rank, world)
@@ -182,7 +203,8 @@ def start_node_servers(cfg: Any, *, model_path: str, tokenizer: Any = None, dtyp
         raise ValueError("weight_sync='disk' on several nodes needs a directory every node sees: "
                          "set HAPO_SGLANG_SYNC_DIR (the trainer uses <trainer.run_dir>/sglang_weights)")
     leaders_group = torch.distributed.new_group(ctx.leader_ranks()) if ctx.num_nodes > 1 else None
-    http = SGLangHTTP(timeout_s=30, max_retries=0)
+    key = _agree_on_key(api_key, key_file, world)
+    http = SGLangHTTP(timeout_s=30, max_retries=0, api_key=key)
     mine = [s for s in slots if s.node == ctx.node]
     own: list[ServerHandle] = []
     error = None
@@ -191,7 +213,7 @@ def start_node_servers(cfg: Any, *, model_path: str, tokenizer: Any = None, dtyp
         os.makedirs(log_dir, exist_ok=True)
         own, error = _launch_own(mine, ctx=ctx, host=placement.server_host(ctx.num_nodes), model_path=model_path,
                                  cfg=cfg, dtype=dtype, device=device, log_dir=log_dir, timeout_s=launch_timeout_s,
-                                 http=http)
+                                 http=http, api_key=key)
     reports = [r for r in _all_gather({"urls": [h.url for h in own], "error": error}, world) if r]
     errors = [r["error"] for r in reports if r["error"]]
     urls = [u for r in reports for u in r["urls"]]  # node by node: the plan's order
@@ -213,7 +235,7 @@ def start_node_servers(cfg: Any, *, model_path: str, tokenizer: Any = None, dtyp
     if not ctx.is_node_leader:
         return None
     common = dict(model_path=model_path, tokenizer=tokenizer, dtype=dtype, launch=False, wait_for_servers=False,
-                  launch_timeout_s=launch_timeout_s, device=device, **engine_kwargs)
+                  launch_timeout_s=launch_timeout_s, device=device, api_key=key, **engine_kwargs)
     cluster = node_sync = None
     if rank == 0:
         cluster = SGLangEngine.from_config(cfg, server_urls=handles, log_dir=log_dir, disk_sync_dir=disk_sync_dir,

@@ -10,6 +10,11 @@ Server ``i`` uses GPUs ``base_gpu_id + i * tp .. + tp - 1`` and port ``port_base
 ``--enable-custom-logit-processor`` (``--enable-memory-saver`` with ``--colocate``). The command
 prints one URL per line once every server answers ``/health``, then waits; SIGTERM / SIGINT stop
 the servers. The trainer attaches with ``rollout.sglang.server_urls=[...]``.
+
+Every server requires the run's API key (``rollout/api_key.py``): ``$HAPO_ROLLOUT_API_KEY``, else
+the one in ``--api-key-file``, which is created (owner-only) when missing. Point every node's
+``--api-key-file`` at ``<run_dir>/rollout_api_key`` on the shared file system: the first node
+creates it, the others and the trainer read it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 from typing import Optional, Sequence
 
 from hapo_megatron.rollout import sglang_launch as launch
+from hapo_megatron.rollout.api_key import API_KEY_ENV, KEY_FILE_NAME, resolve_api_key
 from hapo_megatron.rollout.sglang_client import SGLangHTTP
 
 
@@ -43,6 +49,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--colocate", action="store_true", help="enable release/resume of GPU memory")
     p.add_argument("--log-dir", default="sglang_logs")
     p.add_argument("--url-file", default=None, help="also write the URLs to this file")
+    p.add_argument("--api-key-file", default=None,
+                   help="the servers' API key, created owner-only if missing (default: LOG_DIR/rollout_api_key; "
+                        "$HAPO_ROLLOUT_API_KEY wins); the trainer reads <run_dir>/rollout_api_key")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="start-up time limit")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra sglang.launch_server arguments")
     a = p.parse_args(argv)
@@ -59,7 +68,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.makedirs(a.log_dir, exist_ok=True)
     bind = a.host or launch.node_ip()
     host = a.advertise_host or bind
-    http = SGLangHTTP(timeout_s=30)
+    key_file = a.api_key_file or os.path.join(a.log_dir, KEY_FILE_NAME)
+    key = resolve_api_key(key_file, create=True)
+    if not os.environ.get(API_KEY_ENV):
+        print(f"API key of these servers: in {key_file}", file=sys.stderr, flush=True)
+    http = SGLangHTTP(timeout_s=30, api_key=key)
     servers = []
     device = launch.resolve_device(a.device)
     for i in range(a.num_servers):
@@ -67,10 +80,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cmd = launch.server_command(a.model_path, port=port, host=bind, tp_size=a.tp_size,
                                     base_gpu_id=a.base_gpu_id + i * a.tp_size,
                                     mem_fraction_static=a.mem_fraction_static, dtype=launch.sglang_dtype(a.dtype),
-                                    enable_memory_saver=a.colocate, extra_args=a.extra, device=device)
+                                    enable_memory_saver=a.colocate, extra_args=a.extra, device=device, api_key=True)
         servers.append(launch.start_process(cmd, f"http://{host}:{port}", tp_size=a.tp_size,
                                             log_path=os.path.join(a.log_dir, f"sglang_server_{i}.log"),
-                                            env=launch.server_env(cpu=device == "cpu")))
+                                            env=launch.server_env(cpu=device == "cpu"), api_key=key))
 
     def stop_all() -> None:
         for s in servers:

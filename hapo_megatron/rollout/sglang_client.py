@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from hapo_megatron.rollout.api_key import auth_headers
+
 
 class SGLangError(RuntimeError):
     """A request to an SGLang server failed (after retries, or with a non-retryable answer)."""
@@ -43,6 +45,7 @@ class ServerHandle:
     process: Any = None  # subprocess.Popen when launched by us
     log_path: Optional[str] = None
     tp_size: int = 1
+    log_copier: Any = None  # the thread writing the process's output to log_path, if any
 
     def exit_code(self) -> Optional[int]:
         """The process's exit code when it has exited, else ``None`` (also for attached servers)."""
@@ -50,11 +53,16 @@ class ServerHandle:
 
     def died_error(self, what: str) -> ServerDiedError:
         code = self.exit_code()
+        if code is not None and self.log_copier is not None:
+            self.log_copier.join(timeout=5.0)  # its last lines are the ones that explain the exit
+            self.log_copier = None  # waited once
         status = f"exited with code {code}" if code is not None else "is not answering"
         return ServerDiedError(f"SGLang server {self.url} {status} during {what}{_log_tail(self.log_path)}")
 
 
 RETRYABLE_STATUS = (408, 429, 500, 502, 503, 504)
+AUTH_HINT = ("the server wants an API key this client does not have: set $HAPO_ROLLOUT_API_KEY to the key its "
+             "--api-key/--admin-api-key got, or keep the run's rollout_api_key file (README, Security)")
 
 
 class SGLangHTTP:
@@ -68,11 +76,12 @@ class SGLangHTTP:
         session: transport with ``post(url, json=, timeout=)`` and ``get(url, timeout=)``
             returning objects with ``status_code``, ``json()``, ``text`` (default: ``requests``).
         sleep: injectable ``time.sleep`` (tests).
+        api_key: sent with every request as ``Authorization: Bearer ...`` (``rollout/api_key.py``).
     """
 
     def __init__(self, *, timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 1.0,
                  max_backoff_s: float = 30.0, session: Any = None,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, api_key: Optional[str] = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if max_retries < 0:
@@ -87,6 +96,8 @@ class SGLangHTTP:
         self.backoff_s = float(backoff_s)
         self.max_backoff_s = float(max_backoff_s)
         self.sleep = sleep
+        # passed only when there is a key, so a transport without ``headers=`` still works keyless
+        self._auth = {"headers": auth_headers(api_key)} if api_key else {}
 
     @staticmethod
     def _is_transport_error(e: BaseException) -> bool:
@@ -116,9 +127,9 @@ class SGLangHTTP:
                 raise server.died_error(f"{method} {path}")
             try:
                 if method == "GET":
-                    resp = self.session.get(url, timeout=timeout_s or self.timeout_s)
+                    resp = self.session.get(url, timeout=timeout_s or self.timeout_s, **self._auth)
                 else:
-                    resp = self.session.post(url, json=payload, timeout=timeout_s or self.timeout_s)
+                    resp = self.session.post(url, json=payload, timeout=timeout_s or self.timeout_s, **self._auth)
             except Exception as e:  # noqa: BLE001 - classified below
                 if not self._is_transport_error(e):
                     raise
@@ -129,6 +140,8 @@ class SGLangHTTP:
                 last = f"HTTP {resp.status_code}: {getattr(resp, 'text', '')[:2000]}"
                 if resp.status_code == 404:
                     raise EndpointNotFoundError(f"SGLang server {server.url} has no endpoint {method} {path}: {last}")
+                if resp.status_code in (401, 403):
+                    raise SGLangError(f"SGLang server {server.url} refused {method} {path}: {last} ({AUTH_HINT})")
                 if resp.status_code not in RETRYABLE_STATUS:
                     raise SGLangError(f"SGLang server {server.url} refused {method} {path}: {last}")
             if server.exit_code() is not None:
@@ -147,7 +160,7 @@ class SGLangHTTP:
     def healthy(self, server: ServerHandle, timeout_s: float = 5.0) -> bool:
         """One ``GET /health`` (True on HTTP 200); never raises for transport errors."""
         try:
-            resp = self.session.get(server.url.rstrip("/") + "/health", timeout=timeout_s)
+            resp = self.session.get(server.url.rstrip("/") + "/health", timeout=timeout_s, **self._auth)
         except Exception as e:  # noqa: BLE001
             if self._is_transport_error(e):
                 return False

@@ -64,6 +64,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from hapo_megatron.rollout import sglang_launch as launcher
+from hapo_megatron.rollout.api_key import resolve_api_key
 from hapo_megatron.rollout.engine import Sample, SamplingParams, check_prompt_ids, drain_weights
 from hapo_megatron.rollout.sglang_client import EndpointNotFoundError, SGLangError, SGLangHTTP, ServerHandle
 from hapo_megatron.rollout import weight_sync as ws
@@ -182,6 +183,11 @@ class SGLangEngine:
         wait_for_servers: attached servers: wait (up to ``launch_timeout_s``) until they are healthy.
         session: injectable HTTP transport (tests); ``launch=False`` never starts processes.
         device: where launched servers run: ``"cuda"``, ``"cpu"`` or ``"auto"`` (CUDA when visible).
+        api_key, key_file: the servers' API key (``rollout/api_key.py``): ``api_key``, else
+            ``$HAPO_ROLLOUT_API_KEY``, else the one in ``key_file`` (the trainer's:
+            ``<run_dir>/rollout_api_key``); launching without one makes a new key (written to
+            ``key_file`` when given). Every request carries it; launched servers and the router
+            require it.
     """
 
     def __init__(self, *, model_path: Optional[str] = None, server_urls: Sequence[str] = (),
@@ -193,7 +199,7 @@ class SGLangEngine:
                  send_sampling_seed: bool = False, disk_sync_dir: Optional[str] = None,
                  log_dir: Optional[str] = None, collective: bool = False, wait_for_servers: bool = True,
                  session: Any = None, launch: bool = True, group_name: str = "hapo_weight_sync",
-                 device: str = "auto") -> None:
+                 device: str = "auto", api_key: Optional[str] = None, key_file: Optional[str] = None) -> None:
         if int(bucket_size_mb) < 1 or int(requests_per_call) < 1 or int(server_tp_size) < 1:
             raise ValueError("bucket_size_mb, requests_per_call and server_tp_size must be >= 1")
         self.model_path, self.tokenizer, self.colocate = model_path, tokenizer, bool(colocate)
@@ -207,9 +213,11 @@ class SGLangEngine:
         self.device = launcher.resolve_device(device)
         self._has_update_session: dict[str, bool] = {}  # server url -> has /begin_weight_update
         self.dtype = dtype if isinstance(dtype, torch.dtype) else None  # export dtype for the trainer
-        self.http = SGLangHTTP(timeout_s=request_timeout_s, max_retries=max_retries, session=session)
         self.collective = bool(collective)
         self.rank, self.world_size = _dist_info() if self.collective else (0, 1)
+        self._api_key = self._agree_on_key(api_key, key_file, create=launch and not server_urls)
+        self.http = SGLangHTTP(timeout_s=request_timeout_s, max_retries=max_retries, session=session,
+                               api_key=self._api_key)
         self._nccl_group = None
         self._sync_device = "cuda"  # where broadcast buckets live (NCCL); tests use "cpu"
         self._server_groups: Optional[dict] = None
@@ -247,6 +255,24 @@ class SGLangEngine:
         return cls(model_path=model_path, tokenizer=tokenizer, dtype=dtype, **args)
 
     # ------------------------------------------------------------------ servers
+    def _agree_on_key(self, api_key: Optional[str], key_file: Optional[str], *, create: bool) -> Optional[str]:
+        """Rank 0 resolves the key; a collective engine broadcasts it over the job's own process
+        group (other nodes need not see rank 0's key file). A failure is raised on every rank."""
+        found: Any = None
+        if self.rank == 0:
+            try:
+                found = (api_key or resolve_api_key(key_file, create=create), None)
+            except (OSError, ValueError) as e:
+                found = (None, f"rollout API key: {type(e).__name__}: {e}")
+        if self.world_size > 1:
+            box = [found]
+            torch.distributed.broadcast_object_list(box, src=0)
+            found = box[0]
+        key, error = found
+        if error:
+            raise ValueError(error)
+        return key
+
     def _launch_servers(self, num_servers, mem_fraction, dtype, extra, port_base, timeout_s, log_dir):
         """Leader ranks launch their server; URLs are all-gathered so every rank knows all."""
         log_dir = log_dir or tempfile.mkdtemp(prefix="hapo_sglang_logs_")
@@ -276,10 +302,12 @@ class SGLangEngine:
             port = port_base + s
             cmd = launcher.server_command(self.model_path, port=port, host=host, tp_size=self.tp, base_gpu_id=gpu,
                                         mem_fraction_static=mem_fraction, dtype=launcher.sglang_dtype(dtype),
-                                        enable_memory_saver=self.colocate, extra_args=extra, device=self.device)
+                                        enable_memory_saver=self.colocate, extra_args=extra, device=self.device,
+                                        api_key=bool(self._api_key))
             mine.append((s, launcher.start_process(cmd, f"http://{host}:{port}", tp_size=self.tp,
                                                  log_path=os.path.join(log_dir, f"sglang_server_{s}.log"),
-                                                 env=launcher.server_env(cpu=self.device == "cpu"))))
+                                                 env=launcher.server_env(cpu=self.device == "cpu"),
+                                                 api_key=self._api_key)))
         try:
             for _, h in mine:
                 self.http.wait_healthy(h, timeout_s)
@@ -302,8 +330,8 @@ class SGLangEngine:
         url = f"http://127.0.0.1:{port}"
         if self.rank == 0:
             log = os.path.join(log_dir, "sglang_router.log") if log_dir else None
-            self.router = launcher.start_process(launcher.router_command([s.url for s in self.servers], port=port),
-                                               url, log_path=log)
+            cmd = launcher.router_command([s.url for s in self.servers], port=port, api_key=bool(self._api_key))
+            self.router = launcher.start_process(cmd, url, log_path=log, api_key=self._api_key)
             self.http.wait_healthy(self.router, timeout_s)
         else:
             self.router = ServerHandle(url=url)

@@ -7,10 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from typing import Optional, Sequence
 
 import torch
 
+from hapo_megatron.rollout.api_key import API_KEY_ENV, redact
 from hapo_megatron.rollout.sglang_client import ServerHandle
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -40,6 +42,28 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+#: the key flags of a keyed process: one key for SGLang's plain and admin endpoints; the router
+#: checks its clients with --api-key and sends it on to the workers
+SERVER_KEY_FLAGS = ("--api-key", "--admin-api-key")
+ROUTER_KEY_FLAGS = ("--api-key",)
+_KEYED_MAIN = """import os, runpy, sys
+key = os.environ.pop({env!r}, "")
+if not key:
+    sys.exit("{env} is not set: no API key for {module}")
+sys.argv = [{module!r}] + sys.argv[1:] + [a for flag in {flags!r} for a in (flag, key)]
+runpy.run_module({module!r}, run_name="__main__", alter_sys=True)
+"""
+
+
+def module_argv(module: str, key_flags: Sequence[str] = ()) -> list[str]:
+    """``["-m", module]``, or with ``key_flags`` a ``-c`` program that runs ``module`` the same way
+    with ``FLAG $HAPO_ROLLOUT_API_KEY`` appended to its own argv: the key never shows on the
+    command line (``ps`` lists those to every user of the node). It refuses to start without it."""
+    if not key_flags:
+        return ["-m", module]
+    return ["-c", _KEYED_MAIN.format(env=API_KEY_ENV, module=module, flags=tuple(key_flags))]
+
+
 def resolve_device(device: str = "auto") -> str:
     """``"auto"`` -> ``"cuda"`` when a CUDA device is visible, else ``"cpu"``."""
     if device not in ("auto", "cuda", "cpu"):
@@ -53,7 +77,7 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp_si
                    base_gpu_id: int = 0, mem_fraction_static: float = 0.7, dtype: str = "bfloat16",
                    enable_memory_saver: bool = False, skip_tokenizer_init: bool = True,
                    extra_args: Sequence[str] = (), python: str = sys.executable, device: str = "cuda",
-                   max_total_tokens: int = CPU_MAX_TOTAL_TOKENS) -> list[str]:
+                   max_total_tokens: int = CPU_MAX_TOTAL_TOKENS, api_key: bool = True) -> list[str]:
     """The ``python -m sglang.launch_server`` command line of one rollout server.
 
     Always passes ``--enable-custom-logit-processor`` (the adaptive-temperature processor), which
@@ -64,9 +88,12 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp_si
     ``device="cpu"`` (see :func:`resolve_device`): SGLang's CPU engine flags (``--device cpu
     --attention-backend torch_native --max-total-tokens``, float32; no memory saver, which needs
     CUDA); run it with :func:`server_env` ``(cpu=True)``.
+    ``api_key`` (default): the server requires the key :func:`start_process` hands it
+    (``--api-key`` and ``--admin-api-key``, see :func:`module_argv`).
     """
     device = resolve_device(device)
-    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path),
+    cmd = [python, *module_argv("sglang.launch_server", SERVER_KEY_FLAGS if api_key else ()),
+           "--model-path", str(model_path),
            "--host", host, "--port", str(int(port)), "--tp-size", str(int(tp_size))]
     if device == "cpu":
         cmd += ["--device", "cpu", "--attention-backend", "torch_native",
@@ -113,12 +140,15 @@ def server_env(*, cpu: bool, base: Optional[dict] = None) -> dict:
 
 
 def router_command(worker_urls: Sequence[str], *, port: int, host: str = "127.0.0.1",
-                   policy: str = "cache_aware", python: str = sys.executable) -> list[str]:
-    """The ``python -m sglang_router.launch_router`` command line over ``worker_urls``."""
+                   policy: str = "cache_aware", python: str = sys.executable, api_key: bool = True) -> list[str]:
+    """The ``python -m sglang_router.launch_router`` command line over ``worker_urls``; with
+    ``api_key`` the router requires the key :func:`start_process` hands it and sends it to the workers.
+    Its metrics server binds ``host`` too (sglang-router's default is all interfaces)."""
     if not worker_urls:
         raise ValueError("worker_urls must not be empty")
-    return [python, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
-            "--host", host, "--port", str(int(port)), "--policy", policy]
+    return [python, *module_argv("sglang_router.launch_router", ROUTER_KEY_FLAGS if api_key else ()),
+            "--worker-urls", *worker_urls,
+            "--host", host, "--port", str(int(port)), "--policy", policy, "--prometheus-host", host]
 
 
 def router_available() -> bool:
@@ -151,17 +181,37 @@ def free_port() -> int:
 
 
 def start_process(cmd: list[str], url: str, *, log_path: Optional[str], tp_size: int = 1,
-                  env: Optional[dict] = None) -> ServerHandle:
+                  env: Optional[dict] = None, api_key: Optional[str] = None) -> ServerHandle:
     """Start ``cmd`` in its own session (so :func:`stop_process` can end its whole tree),
-    logging to ``log_path``."""
+    logging to ``log_path``. ``api_key`` reaches the process as ``$HAPO_ROLLOUT_API_KEY`` (see
+    :func:`module_argv`); SGLang prints its arguments, key included, so its output then passes
+    through a thread of ours that writes it to ``log_path`` with the key replaced."""
+    env = dict(env if env is not None else os.environ)
+    env.pop(API_KEY_ENV, None)  # only the key we mean to hand over
+    if api_key:
+        env[API_KEY_ENV] = api_key
+    if api_key and log_path:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=env)
+        copier = threading.Thread(target=_copy_redacted, args=(proc.stdout, log_path, api_key), daemon=True,
+                                  name=f"log {os.path.basename(log_path)}")
+        copier.start()
+        return ServerHandle(url=url, process=proc, log_path=log_path, tp_size=tp_size, log_copier=copier)
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     try:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=env if env is not None else os.environ.copy())
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     finally:
         if log_path:
             log.close()
     return ServerHandle(url=url, process=proc, log_path=log_path, tp_size=tp_size)
+
+
+def _copy_redacted(stream, log_path: str, key: str) -> None:
+    """Copy ``stream`` line by line to ``log_path`` with ``key`` replaced, until the process ends."""
+    with stream, open(log_path, "ab") as log:
+        for line in iter(stream.readline, b""):
+            log.write(redact(line, key))
+            log.flush()  # the log tail in error messages must be current
 
 
 def stop_process(handle: ServerHandle, timeout_s: float = 30.0) -> None:
@@ -181,3 +231,4 @@ def stop_process(handle: ServerHandle, timeout_s: float = 30.0) -> None:
 
 __all__ = ["sglang_dtype", "server_command", "resolve_device", "server_env", "cpu_stubs_dir", "CPU_STUBS_ENV", "router_command", "router_available", "node_ip",
            "free_port", "start_process", "stop_process"]
+__all__ += ["module_argv", "SERVER_KEY_FLAGS", "ROUTER_KEY_FLAGS"]  # the API key (issue 15)

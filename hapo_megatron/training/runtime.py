@@ -194,13 +194,15 @@ def build_engine(cfg, hf_config, tokenizer):
     on_gpu = torch.cuda.is_available()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.model.dtype, torch.float32) \
         if on_gpu else torch.float32
-    rollout = cfg.rollout
+    rollout, keys = cfg.rollout, {}
     if rollout.engine == "sglang":  # launched servers get model.max_position_embeddings too
         from dataclasses import replace
 
+        from hapo_megatron.rollout.api_key import KEY_FILE_NAME
         from hapo_megatron.training.context import sglang_context_args
         extra = sglang_context_args(cfg, rollout.sglang.extra_server_args)
         rollout = replace(rollout, sglang=replace(rollout.sglang, extra_server_args=extra))
+        keys["key_file"] = os.path.join(cfg.trainer.run_dir, KEY_FILE_NAME)  # the servers' API key
     if launches_node_servers(cfg):
         from hapo_megatron.rollout.node_servers import start_node_servers
         sync_dir = os.environ.get("HAPO_SGLANG_SYNC_DIR")  # disk sync across nodes: run_dir is shared
@@ -208,10 +210,10 @@ def build_engine(cfg, hf_config, tokenizer):
             sync_dir = os.path.join(cfg.trainer.run_dir, "sglang_weights")
         return start_node_servers(rollout.sglang, model_path=cfg.model.hf_model_path, tokenizer=tokenizer,
                                   dtype=dtype, device="cuda" if on_gpu else "cpu", disk_sync_dir=sync_dir,
-                                  log_dir=os.path.join(cfg.trainer.run_dir, "sglang_logs"))
+                                  log_dir=os.path.join(cfg.trainer.run_dir, "sglang_logs"), **keys)
     src = cfg.model.hf_model_path if rollout.engine == "sglang" else hf_config
     return make_engine(rollout, hf_config_or_path=src, tokenizer=tokenizer,
-                       device="cuda" if on_gpu else "cpu", dtype=dtype)
+                       device="cuda" if on_gpu else "cpu", dtype=dtype, **keys)
 
 
 def _start_engine(rt: Runtime) -> None:

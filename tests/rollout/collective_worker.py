@@ -1,8 +1,11 @@
 """Module-level worker for the 2-rank SGLangEngine test (kept light: no SGLang import)."""
 
+import os
+
 import torch
 
 from hapo_megatron.rollout import sglang_engine as se
+from hapo_megatron.rollout.api_key import API_KEY_ENV
 from hapo_megatron.rollout.engine import SamplingParams
 
 from .fake_sglang import FakeSession
@@ -23,10 +26,15 @@ def collective_worker(rank, world_size, tmp_dir):
 
     ws.serialize_bucket_for_sglang = lambda bucket: (f"rank{rank}:" + ",".join(n for n, _ in bucket), None)
     out = {}
-    # one colocated server with tp=2 spanning both ranks: tensor sync gathers both ranks' handles
+    # one colocated server with tp=2 spanning both ranks: tensor sync gathers both ranks' handles;
+    # only rank 0 knows the servers' key: the engine hands it to rank 1 over the process group
     sess = FakeSession()
+    if rank == 0:
+        os.environ[API_KEY_ENV] = "key-known-to-rank-0"
     eng = se.SGLangEngine(server_urls=URLS[:1], server_tp_size=2, colocate=True, weight_sync="tensor",
                           session=sess, launch=False, bucket_size_mb=1, collective=True, device="cuda")
+    os.environ.pop(API_KEY_ENV, None)
+    out["auth"] = eng.http._auth
     eng.bucket_bytes = 64 * 32 * 2
     samples = eng.generate([[10], [20]], SamplingParams(n=2, max_new_tokens=3))
     out["samples"] = [[s.response_ids for s in g] for g in samples]
@@ -34,6 +42,7 @@ def collective_worker(rank, world_size, tmp_dir):
     eng.release_memory()
     out["tensor_posts"] = [b["serialized_named_tensors"] for _, b in sess.posts("/update_weights_from_tensor")]
     out["generate_posts"] = len(sess.posts("/generate"))
+    out["sent_headers"] = [h for h in sess.headers if h is not None]
     out["release_posts"] = len(sess.posts("/release_memory_occupation"))
     # disk sync: rank 0 writes and posts, rank 1 only drains its iterator
     sess2 = FakeSession()

@@ -24,6 +24,7 @@ class FakeSession:
 
     def __init__(self, failures=None, dead=()):
         self.calls = []  # (method, url, json)
+        self.headers = []  # the headers of each call (None when the client sent none)
         self.failures = {k: list(v) for k, v in (failures or {}).items()}
         self.dead = set(dead)
 
@@ -36,8 +37,9 @@ class FakeSession:
             return FakeResponse(f, {"error": "injected"})
         return None
 
-    def get(self, url, timeout=None):
+    def get(self, url, timeout=None, headers=None):
         self.calls.append(("GET", url, None))
+        self.headers.append(headers)
         base, path = url.rsplit("/", 1)
         if path == "health":
             if base in self.dead:
@@ -45,8 +47,9 @@ class FakeSession:
             return FakeResponse(200, None)
         return FakeResponse(404, {"error": "not found"})
 
-    def post(self, url, json=None, timeout=None):
+    def post(self, url, json=None, timeout=None, headers=None):
         self.calls.append(("POST", url, json))
+        self.headers.append(headers)
         path = "/" + url.split("/", 3)[-1]
         failed = self._fail(path)
         if failed is not None:

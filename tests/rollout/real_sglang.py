@@ -1,7 +1,8 @@
 """A REAL SGLang server for the tests (CPU or GPU, whatever this machine has): the tiny random
 Llama of the CPU example, launched through the engine's own launcher (``server_command`` +
 ``server_env``: on CPU, SGLang's CPU engine flags and the import-only stand-ins of
-``tools/sglang_cpu_stubs``). The tests skip only when SGLang itself cannot be imported."""
+``tools/sglang_cpu_stubs``), with an API key like every server the project starts. The tests skip
+only when SGLang itself cannot be imported."""
 
 from __future__ import annotations
 
@@ -31,14 +32,15 @@ def require_sglang() -> None:
         pytest.skip(f"SGLang cannot be imported ({why}); install it as in the README's test command")
 
 
-def start_server(model_dir: str, log_path: str, timeout_s: float = 900.0) -> ServerHandle:
-    """Launch one server on a free port and wait until it is healthy (fails with its log tail)."""
+def start_server(model_dir: str, log_path: str, api_key: str, timeout_s: float = 900.0) -> ServerHandle:
+    """Launch one server requiring ``api_key`` on a free port, bound where the launcher binds a
+    colocated server by default, and wait until it is healthy (fails with its log tail)."""
     port = launcher.free_port()
     device = launcher.resolve_device("auto")
-    cmd = launcher.server_command(model_dir, port=port, host="127.0.0.1", device=device, dtype="float32",
+    cmd = launcher.server_command(model_dir, port=port, device=device, dtype="float32",
                                   mem_fraction_static=0.3, max_total_tokens=4096)
     handle = launcher.start_process(cmd, f"http://127.0.0.1:{port}", log_path=log_path,
-                                    env=launcher.server_env(cpu=device == "cpu"))
+                                    env=launcher.server_env(cpu=device == "cpu"), api_key=api_key)
     try:
         SGLangHTTP(timeout_s=30, max_retries=0).wait_healthy(handle, timeout_s, poll_s=1.0)
     except BaseException:

@@ -262,14 +262,19 @@ def test_launch_commands():
     cmd = server_command("/models/q", port=30001, tp_size=2, base_gpu_id=4, mem_fraction_static=0.6,
                          dtype=sglang_dtype(torch.bfloat16), enable_memory_saver=True, extra_args=["--x", 1])
     s = " ".join(cmd)
-    for part in ("-m sglang.launch_server", "--model-path /models/q", "--port 30001", "--tp-size 2",
+    for part in ("--model-path /models/q", "--port 30001", "--tp-size 2",
                  "--base-gpu-id 4", "--mem-fraction-static 0.6", "--dtype bfloat16",
                  "--enable-custom-logit-processor", "--enable-memory-saver", "--skip-tokenizer-init"):
         assert part in s
     assert cmd[-2:] == ["--x", "1"]
+    # keyed (default): sglang.launch_server run with the key flags added from the environment
+    assert cmd[1] == "-c" and "'sglang.launch_server'" in cmd[2] and "'--admin-api-key'" in cmd[2]
+    assert "-m sglang.launch_server --model-path /m" in " ".join(server_command("/m", port=1, api_key=False))
     assert "--enable-memory-saver" not in server_command("/m", port=1)
-    r = " ".join(router_command(URLS, port=31000))
-    assert "-m sglang_router.launch_router --worker-urls http://a:1 http://b:2" in r and "--port 31000" in r
+    r = router_command(URLS, port=31000)
+    assert r[1] == "-c" and "'sglang_router.launch_router'" in r[2] and "'--api-key'," in r[2]
+    assert r[3:6] == ["--worker-urls", "http://a:1", "http://b:2"] and "--port 31000" in " ".join(r)
+    assert "-m sglang_router.launch_router --worker-urls" in " ".join(router_command(URLS, port=1, api_key=False))
     assert sglang_dtype("bf16") == "bfloat16" and sglang_dtype(torch.float32) == "float32"
     with pytest.raises(ValueError):
         sglang_dtype(torch.int8)
@@ -284,6 +289,9 @@ def test_collective_generate_and_weight_sync_on_two_ranks(tmp_path):
     r0, r1 = run_distributed(collective_worker, 2, str(tmp_path / "w"), timeout=120)
     assert r0["samples"] == r1["samples"] == [[[11, 12, 13]] * 2, [[21, 22, 23]] * 2]
     assert (r0["generate_posts"], r1["generate_posts"]) == (1, 0)  # only rank 0 talks to the servers
+    bearer = {"Authorization": "Bearer key-known-to-rank-0"}
+    assert r0["auth"] == r1["auth"] == {"headers": bearer}  # rank 0's key, broadcast to rank 1
+    assert r0["sent_headers"] and set(map(str, r0["sent_headers"])) == {str(bearer)}
     names = [n for n, _ in named_weights()]
     assert r0["tensor_posts"] == [[f"rank0:{n}", f"rank1:{n}"] for n in names]  # server TP rank order
     assert r1["tensor_posts"] == []
@@ -373,4 +381,4 @@ def test_launched_servers_bind_loopback_on_one_node(monkeypatch, tmp_path):
         assert "RANK" not in env and "MASTER_PORT" not in env
     assert server_command("/m", port=1)[server_command("/m", port=1).index("--host") + 1] == "127.0.0.1"
     r = router_command(URLS, port=2)
-    assert r[r.index("--host") + 1] == "127.0.0.1"
+    assert r[r.index("--host") + 1] == r[r.index("--prometheus-host") + 1] == "127.0.0.1"  # metrics too

@@ -20,10 +20,10 @@ from .real_sglang import hf_greedy, hf_model
 PROMPTS = [[1, 10, 11, 12, 13], [1, 20, 5, 7], [1, 33, 34]]
 
 
-def make_engine(url, **kw):
+def make_engine(url, api_key, **kw):
     kw.setdefault("weight_sync", "tensor")
     return se.SGLangEngine(server_urls=[url], launch=False, colocate=True, max_retries=0,
-                           request_timeout_s=300, **kw)
+                           request_timeout_s=300, api_key=api_key, **kw)
 
 
 def peaked_model(model_dir):
@@ -58,9 +58,10 @@ def reference_logprobs(model, sample, stats, t_base, tau, mode):
 
 
 @pytest.mark.parametrize("t_base,tau,mode", [(1.0, 0.9, "signed"), (0.7, 0.6, "reference")])
-def test_adaptive_temperature_logprobs_match_transformers(real_server, real_model_dir, t_base, tau, mode):
+def test_adaptive_temperature_logprobs_match_transformers(real_server, real_api_key, real_model_dir, t_base, tau,
+                                                          mode):
     model = peaked_model(real_model_dir)
-    eng = make_engine(real_server.url)
+    eng = make_engine(real_server.url, real_api_key)
     eng.update_weights(iter(model.state_dict().items()))  # known weights, whatever ran before
     stats = model_stats(model, t_base)
     params = SamplingParams(n=4, temperature=t_base, max_new_tokens=12, ignore_eos=True, adaptive=True,
@@ -81,9 +82,9 @@ def test_adaptive_temperature_logprobs_match_transformers(real_server, real_mode
     assert float((got - plain).abs().max()) > 1e-2
 
 
-def test_tau_zero_changes_nothing(real_server, real_model_dir):
+def test_tau_zero_changes_nothing(real_server, real_api_key, real_model_dir):
     model = peaked_model(real_model_dir)
-    eng = make_engine(real_server.url)
+    eng = make_engine(real_server.url, real_api_key)
     eng.update_weights(iter(model.state_dict().items()))
     stats = model_stats(model, 1.0)
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, ignore_eos=True, adaptive=True,
@@ -95,7 +96,7 @@ def test_tau_zero_changes_nothing(real_server, real_model_dir):
     assert torch.allclose(got, want, atol=1e-4, rtol=0), float((got - want).abs().max())
 
 
-def _train_and_sync_worker(rank, world, url, model_dir, sync_dir):
+def _train_and_sync_worker(rank, world, url, api_key, model_dir, sync_dir):
     """2 gloo ranks, TP=2: per mode, train the actor a few steps, stream its HF weights into the
     server the way the trainer does (rank 0's engine consumes the collective export, rank 1
     drains it), then greedy-decode on the server. Rank 0 returns weights and continuations."""
@@ -118,7 +119,7 @@ def _train_and_sync_worker(rank, world, url, model_dir, sync_dir):
         mbs = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batch_size=4)
         for _ in range(4):
             actor.train_step(mbs, cross_entropy_loss_factory(g.tp))
-        eng = make_engine(url, weight_sync=mode, model_path=model_dir, disk_sync_dir=sync_dir) \
+        eng = make_engine(url, api_key, weight_sync=mode, model_path=model_dir, disk_sync_dir=sync_dir) \
             if rank == 0 else None
         named, kept = actor.export_hf_weights(), []
 
@@ -137,10 +138,10 @@ def _train_and_sync_worker(rank, world, url, model_dir, sync_dir):
 
 
 @pytest.mark.slow
-def test_megatron_actor_weights_reach_the_server(real_server, real_model_dir, tmp_path):
+def test_megatron_actor_weights_reach_the_server(real_server, real_api_key, real_model_dir, tmp_path):
     from tests.distributed import run_distributed
 
-    r0, _ = run_distributed(_train_and_sync_worker, 2, real_server.url, real_model_dir,
+    r0, _ = run_distributed(_train_and_sync_worker, 2, real_server.url, real_api_key, real_model_dir,
                             str(tmp_path / "sync"), timeout=900)
     initial = hf_model(None, real_model_dir)
     before = hf_greedy(initial, PROMPTS, 8)
@@ -156,12 +157,18 @@ def test_megatron_actor_weights_reach_the_server(real_server, real_model_dir, tm
 def test_killed_server_stops_the_trainer_and_keeps_its_checkpoint(real_model_dir, tmp_path):
     """The trainer (one process) attached to its own real server; the server is SIGKILLed after
     checkpoint 2: the run ends with a message naming the server, the checkpoint stays loadable,
-    and a fresh engine call fails with a clear error instead of hanging."""
+    and a fresh engine call fails with a clear error instead of hanging.
+
+    The server requires the run's API key, which (as `serve --api-key-file RUN/rollout_api_key`
+    leaves it) sits only in the run's owner-only key file: the trainer finds it there by itself,
+    and afterwards the key is in no other file of the run or the server log, nor in the output."""
     import os
     import signal
+    import stat
     import subprocess
     import sys
 
+    from hapo_megatron.rollout.api_key import API_KEY_ENV, KEY_FILE_NAME, REDACTED, new_api_key, write_key_file
     from hapo_megatron.rollout.sglang_client import ServerDiedError, SGLangError
     from hapo_megatron.rollout.sglang_launch import stop_process
     from hapo_megatron.training.checkpoint import find_latest, read_rl_state
@@ -170,8 +177,10 @@ def test_killed_server_stops_the_trainer_and_keeps_its_checkpoint(real_model_dir
     from .real_sglang import start_server
 
     data = os.path.dirname(real_model_dir)
-    server = start_server(real_model_dir, str(tmp_path / "server.log"))
     run_dir = str(tmp_path / "run")
+    key, key_file = new_api_key(), os.path.join(run_dir, KEY_FILE_NAME)
+    write_key_file(key_file, key)
+    server = start_server(real_model_dir, str(tmp_path / "server.log"), key)
     cmd = [sys.executable, "-m", "hapo_megatron.train", "--config", os.path.join(ROOT, "examples/cpu_tiny/config.yaml"),
            *tiny_overrides(data, run_dir, **{
                "trainer.total_steps": 200, "trainer.save_interval": 1, "trainer.keep_last_k": 5,
@@ -180,6 +189,7 @@ def test_killed_server_stops_the_trainer_and_keeps_its_checkpoint(real_model_dir
                "trainer.val_at_end": "false"})]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    env.pop(API_KEY_ENV, None)  # the key file is the trainer's only source
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         marker = os.path.join(run_dir, "checkpoints", "step_000002", "COMPLETE")
@@ -203,3 +213,15 @@ def test_killed_server_stops_the_trainer_and_keeps_its_checkpoint(real_model_dir
         dead.generate([[1, 2]], SamplingParams(n=1, max_new_tokens=2))
     with pytest.raises(SGLangError, match=f"{server.url}.*begin_weight_update"):
         dead.update_weights(iter([("x", torch.zeros(1))]))
+    # the key: only in the owner-only key file (SGLang did print it: the log has it redacted)
+    holders = []
+    for root, _, names in os.walk(tmp_path):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                if key.encode() in f.read():
+                    holders.append(os.path.join(root, name))
+    assert holders == [key_file]
+    assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+    assert key not in out
+    with open(tmp_path / "server.log") as f:
+        assert REDACTED in f.read()
