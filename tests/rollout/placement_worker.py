@@ -43,7 +43,15 @@ def main(out_dir: str, port_base: int) -> None:
 
     rank, node = dist.get_rank(), int(os.environ["GROUP_RANK"])
     real_command = launcher.server_command
-    launcher.server_command = lambda *a, **k: [sys.executable, STANDIN] + real_command(*a, **k)[3:]
+
+    def standin_command(*a, **k):  # the real command line, the stand-in's module in SGLang's place
+        cmd = real_command(*a, **k)
+        if cmd[1] == "-m":
+            return [sys.executable, STANDIN] + cmd[3:]
+        return [sys.executable, "-c", cmd[2].replace("sglang.launch_server", "standin_sglang_server")] + cmd[3:]
+
+    launcher.server_command = standin_command
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(STANDIN), os.environ.get("PYTHONPATH")]))
     launcher.resolve_device = lambda device="auto": "cuda"  # the stand-ins play GPU servers
     ws.serialize_bucket_for_sglang = lambda bucket: (f"node{node}:" + ",".join(n for n, _ in bucket), None)
     node_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]

@@ -5,6 +5,8 @@ Takes SGLang's command line, binds ``--host``/``--port`` and answers like a serv
 ``{"success": true}``. It appends what it saw to ``$HAPO_TEST_STANDIN_DIR/server_<port>.jsonl``:
 a ``start`` line (argv, bound address, pid, parent pid) and one line per request.
 ``$HAPO_TEST_STANDIN_UPDATE_DELAY_S`` delays weight updates (to expose missing barriers).
+Started with ``--api-key`` (as the trainer's servers are), it answers 401 to every request but
+``/health`` that does not carry ``Authorization: Bearer <key>``, like SGLang.
 """
 
 import argparse
@@ -18,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 p = argparse.ArgumentParser()
 p.add_argument("--host", required=True)
 p.add_argument("--port", type=int, required=True)
+p.add_argument("--api-key", default=None)
 args, _ = p.parse_known_args()
 RECORD = os.path.join(os.environ["HAPO_TEST_STANDIN_DIR"], f"server_{args.port}.jsonl")
 DELAY_S = float(os.environ.get("HAPO_TEST_STANDIN_UPDATE_DELAY_S", "0"))
@@ -48,6 +51,10 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200 if self.path == "/health" else 404, None)
 
     def do_POST(self):
+        if args.api_key and self.headers.get("Authorization") != f"Bearer {args.api_key}":
+            record(path=self.path, refused=True)
+            self._send(401, {"error": "Unauthorized"})
+            return
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
         if self.path == "/generate":
             record(path=self.path, rows=len(body["input_ids"]))
@@ -63,5 +70,5 @@ class Handler(BaseHTTPRequestHandler):
 
 
 server = ThreadingHTTPServer((args.host, args.port), Handler)
-record(path="start", argv=sys.argv[1:], bound=server.server_address[0], pid=os.getpid(), ppid=os.getppid())
+record(path="start", argv=[a if a != args.api_key else "<key>" for a in sys.argv[1:]], bound=server.server_address[0], pid=os.getpid(), ppid=os.getppid())
 server.serve_forever()

@@ -209,6 +209,7 @@ def test_two_nodes_place_route_and_sync(tmp_path):
         assert (_arg(argv, "--host"), _arg(argv, "--port"), _arg(argv, "--base-gpu-id"), _arg(argv, "--tp-size")) == \
             (host, str(port), str(local), "1")
         assert "--enable-memory-saver" in argv and "--enable-custom-logit-processor" in argv
+        assert _arg(argv, "--api-key") == _arg(argv, "--admin-api-key") == "<key>"  # per-run key, every node
         paths = [x["path"] for x in lines[1:]]
         assert paths == ["/release_memory_occupation", "/resume_memory_occupation", "/generate",
                          "/release_memory_occupation", "/resume_memory_occupation", "/begin_weight_update",
