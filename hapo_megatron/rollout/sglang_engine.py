@@ -250,7 +250,10 @@ class SGLangEngine:
         names = ("server_urls", "num_servers", "server_tp_size", "mem_fraction_static", "weight_sync",
                  "bucket_size_mb", "request_timeout_s", "max_retries", "colocate", "use_router",
                  "extra_server_args", "port_base")
-        args = {n: getattr(cfg, n) for n in names if hasattr(cfg, n)}
+        missing = [n for n in names if not hasattr(cfg, n)]
+        if missing:  # strict wiring: a dropped field must not fall back to a default silently
+            raise TypeError(f"SGLangEngine.from_config: {type(cfg).__name__} lacks {missing}")
+        args = {n: getattr(cfg, n) for n in names}
         args.update(kwargs)
         return cls(model_path=model_path, tokenizer=tokenizer, dtype=dtype, **args)
 

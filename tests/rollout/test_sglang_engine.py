@@ -1,6 +1,8 @@
 """SGLangEngine up to the HTTP call, with a fake transport: payloads, parsing, spreading, retries,
 dead servers, weight-sync requests and bucket contents."""
 
+import types
+
 import pytest
 import requests
 import torch
@@ -249,6 +251,9 @@ def test_from_config_and_weight_sync_resolution():
     cfg = SGLangConfig(server_urls=URLS, colocate=False, weight_sync="auto", bucket_size_mb=8, max_retries=5)
     eng = se.SGLangEngine.from_config(cfg, model_path="/m", session=FakeSession(), launch=False)
     assert (eng.weight_sync, eng.bucket_bytes, eng.http.max_retries, len(eng.servers)) == ("distributed", 8 << 20, 5, 2)
+    dropped = types.SimpleNamespace(**{k: v for k, v in vars(cfg).items() if k != "request_timeout_s"})
+    with pytest.raises(TypeError, match="request_timeout_s"):  # strict wiring: no silent default
+        se.SGLangEngine.from_config(dropped, model_path="/m", session=FakeSession(), launch=False)
     assert se.resolve_weight_sync("auto", colocate=True) == "tensor"
     with pytest.raises(ValueError, match="colocate"):
         se.resolve_weight_sync("tensor", colocate=False)
