@@ -50,12 +50,9 @@ def main(argv=None) -> str:
             print(f"{args.out}: already prepared ({marker})")
             return args.out
         print(f"{args.out}: prepared with other settings, rebuilding")
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from hapo_megatron.data import build_char_tokenizer, write_rows
+    from hapo_megatron.data import write_rows
     from hapo_megatron.data.steps import generate_step_rows
-    from hapo_megatron.models import tiny_hf_config
+    from hapo_megatron.models import write_tiny_char_model
 
     os.makedirs(args.out, exist_ok=True)
     task = dict(min_operands=args.min_operands, max_operands=args.max_operands, max_operand=args.max_operand,
@@ -65,14 +62,10 @@ def main(argv=None) -> str:
     write_rows(train, os.path.join(args.out, "train.jsonl"))
     write_rows(val, os.path.join(args.out, "val.jsonl"))
     model_dir = os.path.join(args.out, "model")
-    tok = build_char_tokenizer(model_dir)
-    hf_config = tiny_hf_config(
-        "llama", vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-        max_position_embeddings=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
-    torch.manual_seed(args.seed)
-    AutoModelForCausalLM.from_config(hf_config).save_pretrained(model_dir)
+    write_tiny_char_model(model_dir, "llama", seed=args.seed, hidden_size=args.hidden,
+                          intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+                          num_attention_heads=args.heads, num_key_value_heads=args.heads,
+                          max_position_embeddings=256, tie_word_embeddings=False)
     with open(marker, "w") as f:
         json.dump(vars(args), f, indent=1)
     print(f"prepared {args.out}: {args.n_train} train / {args.n_val} val prompts, model {model_dir}")

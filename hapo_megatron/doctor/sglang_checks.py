@@ -24,14 +24,8 @@ SERVER_FIX = ("read the server log named in the error; the image pins the SGLang
 
 def write_tiny_model(out_dir: str, dtype: torch.dtype = torch.bfloat16) -> str:
     """A tiny random Qwen2 with the character tokenizer (no download)."""
-    from transformers import AutoModelForCausalLM
-
-    from hapo_megatron.data.char_tokenizer import build_char_tokenizer
-    from hapo_megatron.models.hf_config import tiny_hf_config
-    tok = build_char_tokenizer(out_dir)
-    cfg = tiny_hf_config("qwen2", vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
-    AutoModelForCausalLM.from_config(cfg).to(dtype).save_pretrained(out_dir)
+    from hapo_megatron.models.hf_config import write_tiny_char_model
+    write_tiny_char_model(out_dir, "qwen2", dtype=dtype)
     return out_dir
 
 

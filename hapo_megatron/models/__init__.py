@@ -1,6 +1,7 @@
 """Megatron-Core GPTModel providers from Hugging Face configs (Llama, Qwen2, Qwen3).
 
 - `tiny_hf_config(arch, **overrides)`: tiny transformers config for tests / the CPU example.
+- `write_tiny_char_model(dir, arch, ...)`: that model, random, with the character tokenizer, on disk.
 - `transformer_config_from_hf(hf_config, *, tp, pp, cp, sequence_parallel, dtype, use_te, **kw)`.
 - `build_gpt_model(hf_config, *, pre_process, post_process, dtype, use_te, parallel_output, vp_stage, ...)`.
 - `model_provider_for(hf_config, **kw)`: provider callable for model builders.
@@ -28,12 +29,13 @@ from hapo_megatron.models.hf_config import (
     num_kv_heads_of,
     rope_parameters,
     tiny_hf_config,
+    write_tiny_char_model,
     validate_hf_config,
 )
 
 __all__ = [
     "DEFAULT_VOCAB_DIVISIBLE_BY", "PADDED_VOCAB_LOGIT", "SUPPORTED_ARCHS", "arch_of", "build_gpt_model",
     "forward_hidden_states",     "head_dim_of", "layer_spec_for", "model_provider_for", "num_kv_heads_of", "output_weight", "padded_vocab_size",
-    "rope_parameters", "te_available", "tiny_hf_config", "transformer_config_from_hf",
+    "rope_parameters", "te_available", "tiny_hf_config", "write_tiny_char_model", "transformer_config_from_hf",
     "validate_hf_config",
 ]

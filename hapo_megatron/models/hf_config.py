@@ -64,6 +64,25 @@ def tiny_hf_config(arch: str = "llama", **overrides):
     return cls(**kwargs)
 
 
+def write_tiny_char_model(model_dir: str, arch: str = "llama", *, seed=None, dtype=None, **overrides):
+    """Write a tiny random `arch` model with the offline character tokenizer to `model_dir` (no
+    download): the CPU examples' and `hapo doctor`'s model. The tokenizer sets the vocab and the
+    bos/eos/pad ids; `overrides` go to `tiny_hf_config`; `seed` seeds torch before the weights are
+    drawn (None: the current RNG state); `dtype` casts the weights. Returns the tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hapo_megatron.data.char_tokenizer import build_char_tokenizer
+    tok = build_char_tokenizer(model_dir)
+    cfg = tiny_hf_config(arch, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, **overrides)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    (model if dtype is None else model.to(dtype)).save_pretrained(model_dir)
+    return tok
+
+
 def head_dim_of(hf_config) -> int:
     """Per-head channels: `head_dim` when set (Qwen3), else hidden_size / num_attention_heads."""
     head_dim = getattr(hf_config, "head_dim", None)
