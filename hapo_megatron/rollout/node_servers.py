@@ -33,10 +33,9 @@ import torch
 
 from hapo_megatron.rollout import placement
 from hapo_megatron.rollout import sglang_launch as launcher
-from hapo_megatron.rollout.api_key import resolve_api_key
 from hapo_megatron.rollout.engine import Sample, SamplingParams
 from hapo_megatron.rollout.sglang_client import SGLangError, SGLangHTTP, ServerHandle
-from hapo_megatron.rollout.sglang_engine import SGLangEngine, resolve_weight_sync
+from hapo_megatron.rollout.sglang_engine import SGLangEngine, agree_on_api_key, resolve_weight_sync
 
 REACH_TIMEOUT_S = 60.0  # how long rank 0 tries to reach another node's healthy server
 
@@ -152,22 +151,6 @@ def _launch_own(slots, *, ctx, host: str, model_path: str, cfg, dtype, device: s
     return handles, None
 
 
-def _agree_on_key(api_key: Optional[str], key_file: Optional[str], world: int) -> Optional[str]:
-    """Rank 0 resolves the servers' API key (``api_key``, ``$HAPO_ROLLOUT_API_KEY``, ``key_file``
-    or a new one written there) and broadcasts it over the job's process group, so other nodes
-    need not see rank 0's key file; a failure is raised on every rank."""
-    found: Any = None
-    if _dist()[0] == 0:
-        try:
-            found = (api_key or resolve_api_key(key_file, create=True), None)
-        except (OSError, ValueError) as e:
-            found = (None, f"rollout API key: {type(e).__name__}: {e}")
-    key, error = _broadcast(found, world)
-    if error:
-        raise ValueError(error)
-    return key
-
-
 def _unreachable(handles: Sequence[ServerHandle], http: SGLangHTTP, timeout_s: float) -> list[str]:
     """URLs among ``handles`` that do not answer ``/health`` within ``timeout_s``."""
     deadline, left = time.monotonic() + timeout_s, list(handles)
@@ -203,7 +186,7 @@ def start_node_servers(cfg: Any, *, model_path: str, tokenizer: Any = None, dtyp
         raise ValueError("weight_sync='disk' on several nodes needs a directory every node sees: "
                          "set HAPO_SGLANG_SYNC_DIR (the trainer uses <trainer.run_dir>/sglang_weights)")
     leaders_group = torch.distributed.new_group(ctx.leader_ranks()) if ctx.num_nodes > 1 else None
-    key = _agree_on_key(api_key, key_file, world)
+    key = agree_on_api_key(api_key, key_file, create=True, rank=rank, world_size=world)
     http = SGLangHTTP(timeout_s=30, max_retries=0, api_key=key)
     mine = [s for s in slots if s.node == ctx.node]
     own: list[ServerHandle] = []

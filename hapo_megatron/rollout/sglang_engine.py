@@ -166,6 +166,28 @@ def _dist_info() -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------- the engine
+def agree_on_api_key(api_key: Optional[str], key_file: Optional[str], *, create: bool, rank: int,
+                     world_size: int) -> Optional[str]:
+    """The servers' API key on every rank: rank 0 resolves it (``api_key``, else
+    ``resolve_api_key(key_file, create)``) and, with ``world_size > 1``, broadcasts it over the
+    job's own process group (other nodes need not see rank 0's key file). A failure is raised on
+    every rank."""
+    found: Any = None
+    if rank == 0:
+        try:
+            found = (api_key or resolve_api_key(key_file, create=create), None)
+        except (OSError, ValueError) as e:
+            found = (None, f"rollout API key: {type(e).__name__}: {e}")
+    if world_size > 1:
+        box = [found]
+        torch.distributed.broadcast_object_list(box, src=0)
+        found = box[0]
+    key, error = found
+    if error:
+        raise ValueError(error)
+    return key
+
+
 class SGLangEngine:
     """Rollouts on SGLang servers; see the module docstring.
 
@@ -215,7 +237,8 @@ class SGLangEngine:
         self.dtype = dtype if isinstance(dtype, torch.dtype) else None  # export dtype for the trainer
         self.collective = bool(collective)
         self.rank, self.world_size = _dist_info() if self.collective else (0, 1)
-        self._api_key = self._agree_on_key(api_key, key_file, create=launch and not server_urls)
+        self._api_key = agree_on_api_key(api_key, key_file, create=launch and not server_urls,
+                                         rank=self.rank, world_size=self.world_size)
         self.http = SGLangHTTP(timeout_s=request_timeout_s, max_retries=max_retries, session=session,
                                api_key=self._api_key)
         self._nccl_group = None
@@ -258,24 +281,6 @@ class SGLangEngine:
         return cls(model_path=model_path, tokenizer=tokenizer, dtype=dtype, **args)
 
     # ------------------------------------------------------------------ servers
-    def _agree_on_key(self, api_key: Optional[str], key_file: Optional[str], *, create: bool) -> Optional[str]:
-        """Rank 0 resolves the key; a collective engine broadcasts it over the job's own process
-        group (other nodes need not see rank 0's key file). A failure is raised on every rank."""
-        found: Any = None
-        if self.rank == 0:
-            try:
-                found = (api_key or resolve_api_key(key_file, create=create), None)
-            except (OSError, ValueError) as e:
-                found = (None, f"rollout API key: {type(e).__name__}: {e}")
-        if self.world_size > 1:
-            box = [found]
-            torch.distributed.broadcast_object_list(box, src=0)
-            found = box[0]
-        key, error = found
-        if error:
-            raise ValueError(error)
-        return key
-
     def _launch_servers(self, num_servers, mem_fraction, dtype, extra, port_base, timeout_s, log_dir):
         """Leader ranks launch their server; URLs are all-gathered so every rank knows all."""
         log_dir = log_dir or tempfile.mkdtemp(prefix="hapo_sglang_logs_")
