@@ -12,10 +12,7 @@ The task is described in ``hapo_megatron/data/steps.py``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-
-DONE = "prepared.json"
 
 
 def parse_args(argv=None):
@@ -41,15 +38,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> str:
     args = parse_args(argv)
-    marker = os.path.join(args.out, DONE)
-    wanted = {k: v for k, v in vars(args).items() if k != "force"}
-    if os.path.exists(marker) and not args.force:
-        with open(marker) as f:
-            done = {k: v for k, v in json.load(f).items() if k != "force"}
-        if done == wanted:
-            print(f"{args.out}: already prepared ({marker})")
-            return args.out
-        print(f"{args.out}: prepared with other settings, rebuilding")
+    from hapo_megatron.data.prepared import already_prepared, mark_prepared
+
+    if already_prepared(args.out, vars(args), force=args.force):
+        return args.out
     from hapo_megatron.data import write_rows
     from hapo_megatron.data.steps import generate_step_rows
     from hapo_megatron.models import write_tiny_char_model
@@ -66,8 +58,7 @@ def main(argv=None) -> str:
                           intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
                           num_attention_heads=args.heads, num_key_value_heads=args.heads,
                           max_position_embeddings=256, tie_word_embeddings=False)
-    with open(marker, "w") as f:
-        json.dump(vars(args), f, indent=1)
+    mark_prepared(args.out, vars(args))
     print(f"prepared {args.out}: {args.n_train} train / {args.n_val} val prompts, model {model_dir}")
     return args.out
 

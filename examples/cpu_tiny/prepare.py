@@ -3,17 +3,15 @@
     python examples/cpu_tiny/prepare.py --out runs/cpu_tiny_data
 
 Writes ``train.jsonl``, ``val.jsonl`` and ``model/`` (HF config + random weights + tokenizer) under
-``--out``. Deterministic in ``--seed``; does nothing when ``--out`` is already complete.
+``--out``. Deterministic in ``--seed``; does nothing when ``--out`` is already complete with the same
+settings (rebuilds it otherwise).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-
-DONE = "prepared.json"
 
 
 def parse_args(argv=None):
@@ -39,9 +37,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> str:
     args = parse_args(argv)
-    marker = os.path.join(args.out, DONE)
-    if os.path.exists(marker) and not args.force:
-        print(f"{args.out}: already prepared ({marker})")
+    from hapo_megatron.data.prepared import already_prepared, mark_prepared
+
+    if already_prepared(args.out, vars(args), force=args.force):
         return args.out
     from hapo_megatron.data import generate_arithmetic_rows, write_rows
     from hapo_megatron.models import write_tiny_char_model
@@ -66,8 +64,7 @@ def main(argv=None) -> str:
                           intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
                           num_attention_heads=args.heads, num_key_value_heads=args.heads,
                           max_position_embeddings=256, tie_word_embeddings=False)
-    with open(marker, "w") as f:
-        json.dump(vars(args), f, indent=1)
+    mark_prepared(args.out, vars(args))
     print(f"prepared {args.out}: {args.n_train} train / {args.n_val} val prompts, model {model_dir}")
     return args.out
 

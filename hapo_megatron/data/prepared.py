@@ -1,0 +1,41 @@
+"""The "already prepared" marker of the examples' offline data directories.
+
+An example's ``prepare.py`` writes its settings to ``<out>/prepared.json`` when it finishes and
+skips the work next time only if the settings are the same: a directory prepared with other
+settings (or half-written, with no marker) is rebuilt, so a changed flag can never silently
+train on stale data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+MARKER = "prepared.json"
+_IGNORED = ("force",)  # how the directory was requested, not what it holds
+
+
+def _settings(settings: dict) -> dict:
+    return {k: v for k, v in settings.items() if k not in _IGNORED}
+
+
+def already_prepared(out_dir: str, settings: dict, force: bool = False) -> bool:
+    """True when ``out_dir`` was completely prepared with exactly ``settings``; prints why not."""
+    marker = os.path.join(out_dir, MARKER)
+    if force or not os.path.exists(marker):
+        return False
+    with open(marker) as f:
+        done = json.load(f)
+    if _settings(done) == _settings(settings):
+        print(f"{out_dir}: already prepared ({marker})")
+        return True
+    changed = sorted(k for k in set(_settings(done)) | set(_settings(settings))
+                     if done.get(k) != settings.get(k))
+    print(f"{out_dir}: prepared with other settings ({', '.join(changed)}), rebuilding")
+    return False
+
+
+def mark_prepared(out_dir: str, settings: dict) -> None:
+    """Record that ``out_dir`` is complete for ``settings`` (call last, after every file is written)."""
+    with open(os.path.join(out_dir, MARKER), "w") as f:
+        json.dump(_settings(settings), f, indent=1)
