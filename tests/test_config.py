@@ -71,6 +71,7 @@ def test_contract_field_names_present():
     ("rollout.engine=vllm", "rollout.engine must be one of 'hf', 'sglang'"),
     ("rollout.sglang.weight_sync=nccl", "rollout.sglang.weight_sync must be one of"),
     ("rollout.sglang.mem_fraction_static=0", "rollout.sglang.mem_fraction_static must be in (0, 1]"),
+    ("rollout.sglang.use_router=true", "rollout.sglang.use_router=true is not supported: sglang-router 0.3.2"),
     ("model.dtype=fp8", "model.dtype must be one of 'bf16', 'fp16', 'fp32'"),
     ("parallel.tensor_model_parallel_size=0", "parallel.tensor_model_parallel_size must be >= 1"),
     ("optim.min_lr=1.0", "optim.min_lr must be in [0, optim.lr=1e-06], got 1.0"),

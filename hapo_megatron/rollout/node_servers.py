@@ -11,8 +11,8 @@ launches its servers, on one node or many).
    trainer's process group; rank 0 checks that it reaches every server and tells the others;
 4. node leaders get a :class:`NodeServersEngine`, every other rank ``None``.
 
-Rank 0's engine generates over every server (round-robin, or an ``sglang_router`` in front of
-them) and releases / resumes their memory over HTTP. Weight sync:
+Rank 0's engine generates over every server (round-robin) and releases / resumes their memory
+over HTTP. Weight sync:
 
 - ``tensor`` (colocated): CUDA-IPC handles only open on their own node, so every node's leader
   sends its own copy of the weights (the export yields every tensor on every rank) to its node's
@@ -119,7 +119,7 @@ class NodeServersEngine:
             torch.distributed.barrier(group=self.leaders_group)
 
     def shutdown(self) -> None:
-        """Stop this node's servers (and rank 0's router); idempotent."""
+        """Stop this node's servers; idempotent."""
         for eng in (self.cluster, self.node_sync):
             if eng is not None:
                 eng.shutdown()
@@ -224,7 +224,7 @@ def start_node_servers(cfg: Any, *, model_path: str, tokenizer: Any = None, dtyp
         cluster = SGLangEngine.from_config(cfg, server_urls=handles, log_dir=log_dir, disk_sync_dir=disk_sync_dir,
                                            **common)
     if mode == "tensor" and own:
-        node_sync = SGLangEngine.from_config(cfg, server_urls=own, weight_sync="tensor", use_router=False, **common)
+        node_sync = SGLangEngine.from_config(cfg, server_urls=own, weight_sync="tensor", **common)
     return NodeServersEngine(ctx=ctx, slots=slots, own=own, cluster=cluster, node_sync=node_sync, weight_sync=mode,
                              leaders_group=leaders_group, dtype=dtype)
 

@@ -2,7 +2,7 @@
 
 Servers: launched (``python -m sglang.launch_server ... --enable-custom-logit-processor``, one
 per rollout GPU group of ``server_tp_size`` GPUs) or attached by URL. Requests are spread
-round-robin over the servers (or sent through ``sglang_router`` when installed and asked for).
+round-robin over the servers.
 
 Two ways to use it from a torchrun job:
 
@@ -63,6 +63,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from hapo_megatron.config.sections import ROUTER_REFUSED
 from hapo_megatron.rollout import sglang_launch as launcher
 from hapo_megatron.rollout.api_key import resolve_api_key
 from hapo_megatron.rollout.engine import Sample, SamplingParams, check_prompt_ids, drain_weights
@@ -208,14 +209,13 @@ class SGLangEngine:
         api_key, key_file: the servers' API key (``rollout/api_key.py``): ``api_key``, else
             ``$HAPO_ROLLOUT_API_KEY``, else the one in ``key_file`` (the trainer's:
             ``<run_dir>/rollout_api_key``); launching without one makes a new key (written to
-            ``key_file`` when given). Every request carries it; launched servers and the router
-            require it.
+            ``key_file`` when given). Every request carries it; launched servers require it.
     """
 
     def __init__(self, *, model_path: Optional[str] = None, server_urls: Sequence[str] = (),
                  num_servers: int = 1, server_tp_size: int = 1, mem_fraction_static: float = 0.7,
                  weight_sync: str = "auto", bucket_size_mb: int = 512, request_timeout_s: float = 600.0,
-                 max_retries: int = 3, colocate: bool = True, use_router: bool = False,
+                 max_retries: int = 3, colocate: bool = True,
                  extra_server_args: Sequence[str] = (), port_base: int = 30000, tokenizer: Any = None,
                  dtype: Any = torch.bfloat16, launch_timeout_s: float = 900.0, requests_per_call: int = 64,
                  send_sampling_seed: bool = False, disk_sync_dir: Optional[str] = None,
@@ -244,7 +244,6 @@ class SGLangEngine:
         self._nccl_group = None
         self._sync_device = "cuda"  # where broadcast buckets live (NCCL); tests use "cpu"
         self._server_groups: Optional[dict] = None
-        self.router: Optional[ServerHandle] = None
         if server_urls:
             self.servers = [u if isinstance(u, ServerHandle) else ServerHandle(url=u.rstrip("/"), tp_size=self.tp)
                             for u in server_urls]  # handles: servers started elsewhere (node_servers)
@@ -260,8 +259,6 @@ class SGLangEngine:
                                                 list(extra_server_args), int(port_base),
                                                 float(launch_timeout_s), log_dir)
         atexit.register(self.shutdown)  # launched servers run in their own sessions: never leave them behind
-        if use_router:
-            self._maybe_launch_router(int(port_base) + len(self.servers) + 97, log_dir, float(launch_timeout_s))
         if self.weight_sync == "tensor" and self.world_size > 1 and self.world_size != len(self.servers) * self.tp:
             raise ValueError(f"weight_sync='tensor' needs one trainer rank per server GPU: world size "
                              f"{self.world_size} != {len(self.servers)} servers x tp {self.tp}")
@@ -277,6 +274,8 @@ class SGLangEngine:
         if missing:  # strict wiring: a dropped field must not fall back to a default silently
             raise TypeError(f"SGLangEngine.from_config: {type(cfg).__name__} lacks {missing}")
         args = {n: getattr(cfg, n) for n in names}
+        if args.pop("use_router"):  # a config built in Python without validation
+            raise ValueError(ROUTER_REFUSED.format(field="use_router"))
         args.update(kwargs)
         return cls(model_path=model_path, tokenizer=tokenizer, dtype=dtype, **args)
 
@@ -331,19 +330,6 @@ class SGLangEngine:
         local = dict(mine)
         return [local.get(s, ServerHandle(url=urls[s], tp_size=self.tp)) for s in range(num_servers)]
 
-    def _maybe_launch_router(self, port: int, log_dir: Optional[str], timeout_s: float) -> None:
-        if not launcher.router_available():
-            warnings.warn("use_router=True but sglang_router is not installed: round-robin over the servers")
-            return
-        url = f"http://127.0.0.1:{port}"
-        if self.rank == 0:
-            log = os.path.join(log_dir, "sglang_router.log") if log_dir else None
-            cmd = launcher.router_command([s.url for s in self.servers], port=port, api_key=bool(self._api_key))
-            self.router = launcher.start_process(cmd, url, log_path=log, api_key=self._api_key)
-            self.http.wait_healthy(self.router, timeout_s)
-        else:
-            self.router = ServerHandle(url=url)
-
     def check_health(self) -> None:
         """Raise :class:`~hapo_megatron.rollout.sglang_client.ServerDiedError` naming a dead server."""
         for s in self.servers:
@@ -365,7 +351,7 @@ class SGLangEngine:
         rows = [(p, k) for p in range(len(prompts)) for k in range(params.n)]
         chunks = [list(range(i, min(i + self.requests_per_call, len(rows))))
                   for i in range(0, len(rows), self.requests_per_call)]
-        targets = [self.router] if self.router is not None else self.servers
+        targets = self.servers
         seeds = row_seeds(params, range(len(rows))) if self.send_sampling_seed else [None] * len(rows)
 
         def run(ci: int) -> list:
@@ -548,8 +534,8 @@ class SGLangEngine:
             self._post_to_own_servers("/resume_memory_occupation", {"tags": list(tags) if tags else None})
 
     def shutdown(self) -> None:
-        """Stop the servers (and router) this process launched; attached servers keep running."""
-        for h in ([self.router] if self.router is not None else []) + list(self.servers):
+        """Stop the servers this process launched; attached servers keep running."""
+        for h in self.servers:
             launcher.stop_process(h)
         if self._nccl_group is not None:
             try:

@@ -1,4 +1,4 @@
-"""Starting and stopping SGLang server / router processes (command lines are pure functions)."""
+"""Starting and stopping SGLang server processes (command lines are pure functions)."""
 
 from __future__ import annotations
 
@@ -42,10 +42,8 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-#: the key flags of a keyed process: one key for SGLang's plain and admin endpoints; the router
-#: checks its clients with --api-key and sends it on to the workers
+#: the key flags of a keyed server: one key for SGLang's plain and admin endpoints
 SERVER_KEY_FLAGS = ("--api-key", "--admin-api-key")
-ROUTER_KEY_FLAGS = ("--api-key",)
 _KEYED_MAIN = """import os, runpy, sys
 key = os.environ.pop({env!r}, "")
 if not key:
@@ -139,25 +137,6 @@ def server_env(*, cpu: bool, base: Optional[dict] = None) -> dict:
     return env
 
 
-def router_command(worker_urls: Sequence[str], *, port: int, host: str = "127.0.0.1",
-                   policy: str = "cache_aware", python: str = sys.executable, api_key: bool = True) -> list[str]:
-    """The ``python -m sglang_router.launch_router`` command line over ``worker_urls``; with
-    ``api_key`` the router requires the key :func:`start_process` hands it and sends it to the workers.
-    Its metrics server binds ``host`` too (sglang-router's default is all interfaces)."""
-    if not worker_urls:
-        raise ValueError("worker_urls must not be empty")
-    return [python, *module_argv("sglang_router.launch_router", ROUTER_KEY_FLAGS if api_key else ()),
-            "--worker-urls", *worker_urls,
-            "--host", host, "--port", str(int(port)), "--policy", policy, "--prometheus-host", host]
-
-
-def router_available() -> bool:
-    """Whether the ``sglang_router`` package is importable."""
-    import importlib.util
-
-    return importlib.util.find_spec("sglang_router") is not None
-
-
 def node_ip(toward: Optional[str] = None) -> str:
     """This node's address as seen by other nodes: the one of the interface that routes to
     ``toward`` (a host, e.g. MASTER_ADDR; default: the default route). No packet is sent."""
@@ -229,6 +208,6 @@ def stop_process(handle: ServerHandle, timeout_s: float = 30.0) -> None:
         pass
 
 
-__all__ = ["sglang_dtype", "server_command", "resolve_device", "server_env", "cpu_stubs_dir", "CPU_STUBS_ENV", "router_command", "router_available", "node_ip",
+__all__ = ["sglang_dtype", "server_command", "resolve_device", "server_env", "cpu_stubs_dir", "CPU_STUBS_ENV", "node_ip",
            "free_port", "start_process", "stop_process"]
-__all__ += ["module_argv", "SERVER_KEY_FLAGS", "ROUTER_KEY_FLAGS"]  # the API key (issue 15)
+__all__ += ["module_argv", "SERVER_KEY_FLAGS"]  # the API key (issue 15)

@@ -88,7 +88,7 @@ def test_attached_engine_reads_the_key_file_and_a_refusal_says_why(tmp_path):
     assert len(sess.posts("/generate")) == 1  # 401 is final, not retried
 
 
-def test_launched_servers_and_router_get_the_key_and_the_file(monkeypatch, tmp_path):
+def test_launched_servers_get_the_key_and_the_file(monkeypatch, tmp_path):
     started = []
 
     def fake_start(cmd, url, **kw):
@@ -96,17 +96,15 @@ def test_launched_servers_and_router_get_the_key_and_the_file(monkeypatch, tmp_p
         return ServerHandle(url=url)
 
     monkeypatch.setattr(sglang_launch, "start_process", fake_start)
-    monkeypatch.setattr(sglang_launch, "router_available", lambda: True)
     path = str(tmp_path / "run" / ak.KEY_FILE_NAME)
     sess = FakeSession()
     eng = se.SGLangEngine(model_path=str(tmp_path), num_servers=2, session=sess, log_dir=str(tmp_path),
-                          device="cpu", weight_sync="disk", use_router=True, key_file=path)
+                          device="cpu", weight_sync="disk", key_file=path)
     key = ak.read_key_file(path)
-    assert [kw["api_key"] for _, kw in started] == [key] * 3  # two servers and the router
+    assert [kw["api_key"] for _, kw in started] == [key] * 2  # both servers
     for cmd, _ in started:
         assert key not in " ".join(cmd) and "-c" in cmd  # the key reaches them through the environment
     assert "--admin-api-key" in started[0][0][started[0][0].index("-c") + 1]
-    assert "sglang_router.launch_router" in started[2][0][started[2][0].index("-c") + 1]
     eng.generate([[1]], SamplingParams(n=1, max_new_tokens=1))
     assert sess.headers[-1] == {"Authorization": f"Bearer {key}"}
 

@@ -11,7 +11,7 @@ from hapo_megatron.algo import EntropyStats
 from hapo_megatron.rollout import sglang_engine as se
 from hapo_megatron.rollout.engine import SamplingParams
 from hapo_megatron.rollout.sglang_client import SGLangError, SGLangHTTP, ServerDiedError, ServerHandle
-from hapo_megatron.rollout.sglang_launch import router_command, server_command, sglang_dtype
+from hapo_megatron.rollout.sglang_launch import server_command, sglang_dtype
 from hapo_megatron.rollout.sglang_processor import PARAM_KEY, SGLANG_AVAILABLE, AdaptiveTemperatureProcessor
 
 from .collective_worker import named_weights
@@ -254,6 +254,9 @@ def test_from_config_and_weight_sync_resolution():
     dropped = types.SimpleNamespace(**{k: v for k, v in vars(cfg).items() if k != "request_timeout_s"})
     with pytest.raises(TypeError, match="request_timeout_s"):  # strict wiring: no silent default
         se.SGLangEngine.from_config(dropped, model_path="/m", session=FakeSession(), launch=False)
+    routed = types.SimpleNamespace(**dict(vars(cfg), use_router=True))  # built without validation
+    with pytest.raises(ValueError, match="422.*custom_params"):
+        se.SGLangEngine.from_config(routed, model_path="/m", session=FakeSession(), launch=False)
     assert se.resolve_weight_sync("auto", colocate=True) == "tensor"
     with pytest.raises(ValueError, match="colocate"):
         se.resolve_weight_sync("tensor", colocate=False)
@@ -276,10 +279,6 @@ def test_launch_commands():
     assert cmd[1] == "-c" and "'sglang.launch_server'" in cmd[2] and "'--admin-api-key'" in cmd[2]
     assert "-m sglang.launch_server --model-path /m" in " ".join(server_command("/m", port=1, api_key=False))
     assert "--enable-memory-saver" not in server_command("/m", port=1)
-    r = router_command(URLS, port=31000)
-    assert r[1] == "-c" and "'sglang_router.launch_router'" in r[2] and "'--api-key'," in r[2]
-    assert r[3:6] == ["--worker-urls", "http://a:1", "http://b:2"] and "--port 31000" in " ".join(r)
-    assert "-m sglang_router.launch_router --worker-urls" in " ".join(router_command(URLS, port=1, api_key=False))
     assert sglang_dtype("bf16") == "bfloat16" and sglang_dtype(torch.float32) == "float32"
     with pytest.raises(ValueError):
         sglang_dtype(torch.int8)
@@ -385,5 +384,3 @@ def test_launched_servers_bind_loopback_on_one_node(monkeypatch, tmp_path):
         assert env["SGLANG_USE_CPU_ENGINE"] == "1" and "--device" in cmd and "torch_native" in cmd
         assert "RANK" not in env and "MASTER_PORT" not in env
     assert server_command("/m", port=1)[server_command("/m", port=1).index("--host") + 1] == "127.0.0.1"
-    r = router_command(URLS, port=2)
-    assert r[r.index("--host") + 1] == r[r.index("--prometheus-host") + 1] == "127.0.0.1"  # metrics too
