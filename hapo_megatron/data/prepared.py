@@ -3,7 +3,8 @@
 An example's ``prepare.py`` writes its settings to ``<out>/prepared.json`` when it finishes and
 skips the work next time only if the settings are the same: a directory prepared with other
 settings (or half-written, with no marker) is rebuilt, so a changed flag can never silently
-train on stale data.
+train on stale data. A marker that does not match is deleted before the rebuild starts, so a
+rebuild that stops half-way leaves no marker behind for the old settings to match.
 """
 
 from __future__ import annotations
@@ -22,16 +23,18 @@ def _settings(settings: dict) -> dict:
 def already_prepared(out_dir: str, settings: dict, force: bool = False) -> bool:
     """True when ``out_dir`` was completely prepared with exactly ``settings``; prints why not."""
     marker = os.path.join(out_dir, MARKER)
-    if force or not os.path.exists(marker):
+    if not os.path.exists(marker):
         return False
     with open(marker) as f:
         done = json.load(f)
-    if _settings(done) == _settings(settings):
+    if not force and _settings(done) == _settings(settings):
         print(f"{out_dir}: already prepared ({marker})")
         return True
     changed = sorted(k for k in set(_settings(done)) | set(_settings(settings))
                      if done.get(k) != settings.get(k))
-    print(f"{out_dir}: prepared with other settings ({', '.join(changed)}), rebuilding")
+    print(f"{out_dir}: " + ("rebuilding (forced)" if force else
+                             f"prepared with other settings ({', '.join(changed)}), rebuilding"))
+    os.remove(marker)  # the files are about to change: the old settings must not match them again
     return False
 
 

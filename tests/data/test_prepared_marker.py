@@ -17,8 +17,13 @@ def test_same_settings_skip_other_settings_rebuild(tmp_path, capsys):
     assert json.load(open(os.path.join(out, MARKER))) == {"seed": 1, "n_train": 10}
     assert already_prepared(out, dict(settings, force=False))
     assert not already_prepared(out, settings, force=True)
+    assert not os.path.exists(os.path.join(out, MARKER))  # a rebuild starts without a marker
+    mark_prepared(out, settings)
     assert not already_prepared(out, dict(settings, n_train=11))
     assert "n_train" in capsys.readouterr().out  # says which setting changed
+    # a rebuild for n_train=11 that stopped half-way must not pass for the old settings
+    assert not already_prepared(out, settings)
+    mark_prepared(out, settings)
     assert not already_prepared(out, {"seed": 1})  # a setting that disappeared also counts
 
 
