@@ -33,7 +33,7 @@ import torch
 
 from hapo_megatron.rollout import placement
 from hapo_megatron.rollout import sglang_launch as launcher
-from hapo_megatron.rollout.engine import Sample, SamplingParams
+from hapo_megatron.rollout.engine import Sample, SamplingParams, drain_weights
 from hapo_megatron.rollout.sglang_client import SGLangError, SGLangHTTP, ServerHandle
 from hapo_megatron.rollout.sglang_engine import SGLangEngine, agree_on_api_key, resolve_weight_sync
 
@@ -110,8 +110,7 @@ class NodeServersEngine:
             self.node_sync.update_weights(named)
         elif self.weight_sync != "tensor" and self.cluster is not None:
             self.cluster.update_weights(named)
-        for _ in named:  # the export runs collectives: keep pace with the ranks that send
-            pass
+        drain_weights(named)  # the export runs collectives: keep pace with the ranks that send
         self._leaders_barrier()  # every node's servers hold the new weights before rank 0 generates
 
     def _leaders_barrier(self) -> None:
@@ -133,15 +132,11 @@ def _launch_own(slots, *, ctx, host: str, model_path: str, cfg, dtype, device: s
     handles: list[ServerHandle] = []
     try:
         for slot in slots:
-            cmd = launcher.server_command(
+            handles.append(launcher.launch_server(
                 model_path, port=slot.port, host=host, tp_size=cfg.server_tp_size, base_gpu_id=slot.gpu_ids[0],
-                mem_fraction_static=cfg.mem_fraction_static, dtype=launcher.sglang_dtype(dtype),
-                enable_memory_saver=cfg.colocate, extra_args=list(cfg.extra_server_args), device=device,
-                api_key=bool(api_key))
-            handles.append(launcher.start_process(
-                cmd, f"http://{host}:{slot.port}", tp_size=cfg.server_tp_size,
-                log_path=os.path.join(log_dir, f"sglang_server_{slot.index}.log"),
-                env=launcher.server_env(cpu=device == "cpu"), api_key=api_key))
+                mem_fraction_static=cfg.mem_fraction_static, dtype=dtype, colocate=cfg.colocate,
+                extra_args=list(cfg.extra_server_args), device=device,
+                log_path=os.path.join(log_dir, f"sglang_server_{slot.index}.log"), api_key=api_key))
         for h in handles:
             http.wait_healthy(h, timeout_s)
     except Exception as e:  # noqa: BLE001 - reported to every rank, which all stop

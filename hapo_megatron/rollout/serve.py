@@ -76,14 +76,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     servers = []
     device = launch.resolve_device(a.device)
     for i in range(a.num_servers):
-        port = a.port_base + i
-        cmd = launch.server_command(a.model_path, port=port, host=bind, tp_size=a.tp_size,
-                                    base_gpu_id=a.base_gpu_id + i * a.tp_size,
-                                    mem_fraction_static=a.mem_fraction_static, dtype=launch.sglang_dtype(a.dtype),
-                                    enable_memory_saver=a.colocate, extra_args=a.extra, device=device, api_key=True)
-        servers.append(launch.start_process(cmd, f"http://{host}:{port}", tp_size=a.tp_size,
-                                            log_path=os.path.join(a.log_dir, f"sglang_server_{i}.log"),
-                                            env=launch.server_env(cpu=device == "cpu"), api_key=key))
+        servers.append(launch.launch_server(
+            a.model_path, port=a.port_base + i, host=bind, url_host=host, tp_size=a.tp_size,
+            base_gpu_id=a.base_gpu_id + i * a.tp_size, mem_fraction_static=a.mem_fraction_static, dtype=a.dtype,
+            colocate=a.colocate, extra_args=a.extra, device=device,
+            log_path=os.path.join(a.log_dir, f"sglang_server_{i}.log"), api_key=key))
 
     def stop_all() -> None:
         for s in servers:

@@ -306,15 +306,11 @@ class SGLangEngine:
                 raise ValueError(f"server {s} would need GPUs {gpu}..{gpu + self.tp - 1} but this node has "
                                  f"{torch.cuda.device_count()}: fewer num_servers, or start servers on the "
                                  "other nodes with `python -m hapo_megatron.rollout.serve` and attach by URL")
-            port = port_base + s
-            cmd = launcher.server_command(self.model_path, port=port, host=host, tp_size=self.tp, base_gpu_id=gpu,
-                                        mem_fraction_static=mem_fraction, dtype=launcher.sglang_dtype(dtype),
-                                        enable_memory_saver=self.colocate, extra_args=extra, device=self.device,
-                                        api_key=bool(self._api_key))
-            mine.append((s, launcher.start_process(cmd, f"http://{host}:{port}", tp_size=self.tp,
-                                                 log_path=os.path.join(log_dir, f"sglang_server_{s}.log"),
-                                                 env=launcher.server_env(cpu=self.device == "cpu"),
-                                                 api_key=self._api_key)))
+            mine.append((s, launcher.launch_server(
+                self.model_path, port=port_base + s, host=host, tp_size=self.tp, base_gpu_id=gpu,
+                mem_fraction_static=mem_fraction, dtype=dtype, colocate=self.colocate, extra_args=extra,
+                device=self.device, log_path=os.path.join(log_dir, f"sglang_server_{s}.log"),
+                api_key=self._api_key)))
         try:
             for _, h in mine:
                 self.http.wait_healthy(h, timeout_s)
@@ -351,14 +347,13 @@ class SGLangEngine:
         rows = [(p, k) for p in range(len(prompts)) for k in range(params.n)]
         chunks = [list(range(i, min(i + self.requests_per_call, len(rows))))
                   for i in range(0, len(rows), self.requests_per_call)]
-        targets = self.servers
         seeds = row_seeds(params, range(len(rows))) if self.send_sampling_seed else [None] * len(rows)
 
         def run(ci: int) -> list:
             idx = chunks[ci]
             body = generate_payload([prompts[rows[i][0]] for i in idx], params, seeds=[seeds[i] for i in idx])
             try:
-                answer = self.http.request(targets[ci % len(targets)], "/generate", body)
+                answer = self.http.request(self.servers[ci % len(self.servers)], "/generate", body)
             except SGLangError:
                 self.check_health()  # a dead server gives the clearer error
                 raise
@@ -366,7 +361,7 @@ class SGLangEngine:
                 raise SGLangError(f"/generate returned {type(answer).__name__} for {len(idx)} rows")
             return [parse_generate_item(a) for a in answer]
 
-        workers = max(1, min(len(chunks), 8 * len(targets)))
+        workers = max(1, min(len(chunks), 8 * len(self.servers)))
         with ThreadPoolExecutor(max_workers=workers) as pool:
             results = [r for chunk in pool.map(run, range(len(chunks))) for r in chunk]
         out: list[list[Sample]] = [[] for _ in prompts]

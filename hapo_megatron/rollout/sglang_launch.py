@@ -137,6 +137,22 @@ def server_env(*, cpu: bool, base: Optional[dict] = None) -> dict:
     return env
 
 
+def launch_server(model_path: str, *, port: int, host: str, log_path: str, api_key: Optional[str],
+                  tp_size: int = 1, base_gpu_id: int = 0, mem_fraction_static: float = 0.7,
+                  dtype: torch.dtype | str = "bfloat16", colocate: bool = False,
+                  extra_args: Sequence[str] = (), device: str = "cuda",
+                  url_host: Optional[str] = None) -> ServerHandle:
+    """Start one rollout server (:func:`server_command` run by :func:`start_process` in
+    :func:`server_env`), bound to ``host`` and reached at ``url_host`` (default ``host``). With
+    ``api_key`` the server requires that key; without one it runs keyless."""
+    cmd = server_command(model_path, port=port, host=host, tp_size=tp_size, base_gpu_id=base_gpu_id,
+                         mem_fraction_static=mem_fraction_static, dtype=sglang_dtype(dtype),
+                         enable_memory_saver=colocate, extra_args=extra_args, device=device,
+                         api_key=bool(api_key))
+    return start_process(cmd, f"http://{url_host or host}:{int(port)}", tp_size=tp_size, log_path=log_path,
+                         env=server_env(cpu=resolve_device(device) == "cpu"), api_key=api_key)
+
+
 def node_ip(toward: Optional[str] = None) -> str:
     """This node's address as seen by other nodes: the one of the interface that routes to
     ``toward`` (a host, e.g. MASTER_ADDR; default: the default route). No packet is sent."""
@@ -209,5 +225,5 @@ def stop_process(handle: ServerHandle, timeout_s: float = 30.0) -> None:
 
 
 __all__ = ["sglang_dtype", "server_command", "resolve_device", "server_env", "cpu_stubs_dir", "CPU_STUBS_ENV", "node_ip",
-           "free_port", "start_process", "stop_process"]
+           "free_port", "start_process", "launch_server", "stop_process"]
 __all__ += ["module_argv", "SERVER_KEY_FLAGS"]  # the API key (issue 15)
