@@ -1,7 +1,7 @@
 """HAPO algorithm core: pure tensor math (imports torch only; never Megatron, SGLang,
 transformers or torch.distributed), usable from any framework.
 
-See `shared/spec/algorithm.md` for the formulas; each module's docstring names its section.
+See `docs/algorithm.md` for the formulas; each module's docstring names its section.
 """
 
 from hapo_megatron.algo.advantages import (

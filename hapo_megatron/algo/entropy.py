@@ -1,4 +1,6 @@
-"""Token entropy, entropy statistics and the normalised entropy `h_hat` (spec section 1).
+"""Token entropy, entropy statistics and the normalised entropy `h_hat`.
+
+The math: docs/algorithm.md, section "Normalised entropy `h_hat`".
 
 Pure torch. The statistics `(pivot, std, pos_max, neg_min)` are computed in float64 over the
 log-entropies of a set of valid tokens and stored as Python floats, so they can be all-reduced,
@@ -91,7 +93,7 @@ def entropy_of_scaled_logits(z: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class EntropyStats:
-    """The entropy statistics of a token set (spec section 1), as Python floats.
+    """The entropy statistics of a token set (docs/algorithm.md, "Normalised entropy"), as Python floats.
 
     Attributes:
         pivot: the ``entropy_pivot`` quantile of the log-entropies.
@@ -198,7 +200,7 @@ def stats_from_reductions(pivot: float, sum_sq_dev: float, count: int, max_dev: 
 
 
 def compute_entropy_stats(entropy: torch.Tensor, mask: torch.Tensor, entropy_pivot: float = 0.8) -> EntropyStats:
-    """Entropy statistics over the valid tokens (spec section 1), computed in float64.
+    """Entropy statistics over the valid tokens (docs/algorithm.md, "Normalised entropy"), in float64.
 
     Args:
         entropy: ``[...]`` per-token entropies (any float dtype, e.g. ``[B, T]``).
@@ -258,7 +260,7 @@ def h_hat_from_log_entropy(x: torch.Tensor, stats: StatsLike, h_hat_mode: str = 
 
 
 def normalize_entropy(entropy: torch.Tensor, stats: StatsLike, h_hat_mode: str = "signed") -> torch.Tensor:
-    """Normalised entropy ``h_hat`` in ``[-1, 1]`` (spec section 1, steps 4-6).
+    """Normalised entropy ``h_hat`` in ``[-1, 1]`` (docs/algorithm.md, "Normalised entropy `h_hat`").
 
     Args:
         entropy: ``[...]`` entropies (float tensor, or a float).

@@ -1,4 +1,4 @@
-"""Adaptive Temperature Sampling (spec section 2)."""
+"""Adaptive Temperature Sampling (docs/algorithm.md, "1. Adaptive Temperature Sampling")."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ returns, per prompt, ``n`` :class:`Sample` objects in prompt order. Each sample 
 response token ids, the log-prob of every sampled token under the distribution it was sampled
 from, and (where the engine can observe it) the temperature used at that token.
 
-Adaptive temperature (spec section 2): with ``params.adaptive`` and ``params.entropy_stats`` set,
-each decoding step samples row ``b`` at ``T_b = T_base * (1 + temperature_tau * h_hat_b)``, where
+Adaptive temperature (docs/algorithm.md, section 1): with ``params.adaptive`` and
+``params.entropy_stats`` set, each decoding step samples row ``b`` at ``T_b = T_base * (1 + temperature_tau * h_hat_b)``, where
 ``h_hat_b`` is the normalised entropy of that row's next-token distribution at ``T_base``
 (computed by :func:`hapo_megatron.algo.adaptive_temperature`).
 """
@@ -110,8 +110,9 @@ class SamplingParams:
         Training: ``n``, ``temperature`` (T_base), ``top_p``, ``top_k``, and the adaptive
         temperature from ``algo_cfg`` (``adaptive_temperature``, ``temperature_tau``,
         ``h_hat_mode``) with ``entropy_stats``; ``algo_cfg`` is required. Validation: ``val_n``,
-        ``val_temperature``, ``val_top_p``, never adaptive (spec section 2). Every field is read
-        by name, so a missing or renamed one raises instead of falling back to a default.
+        ``val_temperature``, ``val_top_p``, never adaptive (docs/algorithm.md, section 1). Every
+        field is read by name, so a missing or renamed one raises instead of falling back to a
+        default.
         """
         max_new = int(max_new_tokens if max_new_tokens is not None else rollout_cfg.max_response_length)
         if validation:

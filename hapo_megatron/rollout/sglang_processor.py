@@ -3,7 +3,7 @@
 SGLang's sampler (``sglang.srt.layers.sampler.Sampler``, checked on 0.5.23) calls custom logit
 processors on the RAW logits, before it divides each row by the request's ``temperature``. So a
 processor that returns ``z / (T / T_base)`` for a row, where ``T = adaptive_temperature(z, stats,
-T_base, tau, h_hat_mode)`` (``hapo_megatron.algo``, spec section 2), makes the sampler's
+T_base, tau, h_hat_mode)`` (``hapo_megatron.algo``, docs/algorithm.md, section 1), makes the sampler's
 ``softmax((z / (T / T_base)) / T_base)`` equal ``softmax(z / T)``: the adaptive temperature,
 with top-p / top-k applied after it as usual. The request's ``temperature`` MUST equal the
 ``base_temperature`` inside its ``custom_params`` (:class:`SGLangEngine` builds both from one

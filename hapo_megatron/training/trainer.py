@@ -1,4 +1,4 @@
-"""`fit(cfg)`: the RL loop, one line per stage of the data path (see shared/spec/architecture.md).
+"""`fit(cfg)`: the RL loop, one line per stage of the data path (see docs/architecture.md).
 
 Every rank runs `fit`; rank 0 also drives the rollout engine, the metric sinks and the summary.
 """
