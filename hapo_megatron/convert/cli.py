@@ -199,10 +199,10 @@ def megatron_to_hf(args) -> int:
 
 def check(args) -> int:
     """Max abs difference of the logits of both sides on a fixed prompt (PP must be 1)."""
-    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from hapo_megatron.convert import load_megatron_checkpoint
+    from hapo_megatron.parallel.collectives import broadcast_object
 
     hf_config, _, _ = _megatron_side(args)
     dtype = DTYPES[args.dtype or "fp32"]
@@ -224,11 +224,9 @@ def check(args) -> int:
         diff = (logits - ref).abs().max().item()
         _log(f"prompt tokens: {ids.shape[1]}  max |logit diff|: {diff:.3e}  "
              f"(max |logit| {ref.abs().max().item():.3e}, dtype {DTYPE_NAMES[dtype]})")
-    ok = [diff is None or diff <= args.tolerance]
-    if dist.is_initialized():
-        dist.broadcast_object_list(ok, src=0)
+    ok = broadcast_object(diff is None or diff <= args.tolerance)
     _finish()
-    if not ok[0]:
+    if not ok:
         print(f"error: logit difference {diff:.3e} exceeds --tolerance {args.tolerance}", file=sys.stderr)
         return 1
     return 0

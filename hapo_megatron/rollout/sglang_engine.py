@@ -64,6 +64,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from hapo_megatron.config.sections import ROUTER_REFUSED
+from hapo_megatron.parallel.collectives import all_gather_objects, broadcast_object, rank_and_world
 from hapo_megatron.rollout import sglang_launch as launcher
 from hapo_megatron.rollout.api_key import resolve_api_key
 from hapo_megatron.rollout.engine import Sample, SamplingParams, check_prompt_ids, drain_weights
@@ -159,13 +160,6 @@ def resolve_weight_sync(mode: str, *, colocate: bool) -> str:
     return mode
 
 
-def _dist_info() -> tuple[int, int]:
-    d = torch.distributed
-    if d.is_available() and d.is_initialized():
-        return d.get_rank(), d.get_world_size()
-    return 0, 1
-
-
 # --------------------------------------------------------------------------- the engine
 def agree_on_api_key(api_key: Optional[str], key_file: Optional[str], *, create: bool, rank: int,
                      world_size: int) -> Optional[str]:
@@ -180,9 +174,7 @@ def agree_on_api_key(api_key: Optional[str], key_file: Optional[str], *, create:
         except (OSError, ValueError) as e:
             found = (None, f"rollout API key: {type(e).__name__}: {e}")
     if world_size > 1:
-        box = [found]
-        torch.distributed.broadcast_object_list(box, src=0)
-        found = box[0]
+        found = broadcast_object(found)
     key, error = found
     if error:
         raise ValueError(error)
@@ -236,7 +228,7 @@ class SGLangEngine:
         self._has_update_session: dict[str, bool] = {}  # server url -> has /begin_weight_update
         self.dtype = dtype if isinstance(dtype, torch.dtype) else None  # export dtype for the trainer
         self.collective = bool(collective)
-        self.rank, self.world_size = _dist_info() if self.collective else (0, 1)
+        self.rank, self.world_size = rank_and_world() if self.collective else (0, 1)
         self._api_key = agree_on_api_key(api_key, key_file, create=launch and not server_urls,
                                          rank=self.rank, world_size=self.world_size)
         self.http = SGLangHTTP(timeout_s=request_timeout_s, max_retries=max_retries, session=session,
@@ -320,9 +312,7 @@ class SGLangEngine:
             raise
         urls = {s: h.url for s, h in mine}
         if self.world_size > 1:
-            gathered: list = [None] * self.world_size
-            torch.distributed.all_gather_object(gathered, urls)
-            urls = {k: v for d in gathered for k, v in d.items()}
+            urls = {k: v for d in all_gather_objects(urls) for k, v in d.items()}
         local = dict(mine)
         return [local.get(s, ServerHandle(url=urls[s], tp_size=self.tp)) for s in range(num_servers)]
 
@@ -338,9 +328,7 @@ class SGLangEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         out = self._generate_local(check_prompt_ids(prompt_ids), params) if self.rank == 0 else None
         if self.world_size > 1:
-            box = [out]
-            torch.distributed.broadcast_object_list(box, src=0)
-            out = box[0]
+            out = broadcast_object(out)
         return out
 
     def _generate_local(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:

@@ -367,18 +367,3 @@ class MegatronActor:
         self.num_skipped = int(state.get("num_skipped_updates", 0))
         if state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
-
-
-def sum_metrics_across_ranks(local: dict[str, Any], *, contribute: bool) -> dict[str, float]:
-    """Sum metric dicts over all ranks; only ranks with ``contribute`` add theirs (e.g. TP rank 0
-    of the last pipeline stage, so TP replicas are not double counted). Same result everywhere."""
-    mine = {k: float(v) for k, v in local.items()} if contribute else {}
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return mine
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    out: dict[str, float] = {}
-    for d in everyone:
-        for k, v in d.items():
-            out[k] = out.get(k, 0.0) + v
-    return out

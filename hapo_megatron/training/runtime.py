@@ -33,15 +33,6 @@ if TYPE_CHECKING:  # transformers is imported only where a tokenizer or config i
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 
-def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
-    """``obj`` from global rank ``src`` on every rank of ``group`` (pickled)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return obj
-    box = [obj if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
-
-
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)

@@ -17,16 +17,17 @@ import torch
 import torch.distributed as dist
 
 from hapo_megatron.algo import EntropyStats, PolicyTokenFields
+from hapo_megatron.parallel.collectives import broadcast_object, sum_metrics
 from hapo_megatron.parallel.loss import LossConfig, TokenSink
 from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.rollout.engine import SamplingParams, drain_weights
-from hapo_megatron.training.actor import LossFactory, sum_metrics_across_ranks
+from hapo_megatron.training.actor import LossFactory
 from hapo_megatron.training.batching import build_rank_micro_batches, split_mini_batches
 from hapo_megatron.training.engine_memory import (ENGINE_MEMORY_TAGS, empty_cache, release_engine,
                                                   resume_engine, trainer_offloaded)
 from hapo_megatron.training.rl_step import (RolloutBatch, rollout_metrics, score_samples, sequence_advantages,
                                             shape_rewards, to_sequences)
-from hapo_megatron.training.runtime import Runtime, broadcast_object
+from hapo_megatron.training.runtime import Runtime
 
 Minis = list[list[MicroBatch]]  # this rank's micro-batches of each PPO mini-batch, in training order
 
@@ -241,7 +242,7 @@ def old_logprob_pass(rt: Runtime, minis: Minis) -> tuple[Minis, EntropyStats, di
         last = dist.get_global_rank(g.pp, g.pp_size - 1)
         stats = broadcast_object(stats.to_dict() if stats is not None else None, src=last, group=g.pp)
         stats = EntropyStats.from_dict(stats)
-    tot = sum_metrics_across_ranks(sums, contribute=rt.contributes_metrics and g.is_pipeline_last)
+    tot = sum_metrics(sums, contribute=rt.contributes_metrics and g.is_pipeline_last)
     n = max(tot.get("n", 0.0), 1.0)
     metrics = {"entropy/mean": tot.get("ent", 0.0) / n, "rollout/logprob_abs_diff": tot.get("diff", 0.0) / n,
                **{f"entropy/{k}": float(v) for k, v in stats.to_dict().items()}, **_temperature_metrics(tot)}
@@ -285,7 +286,7 @@ def ppo_update(rt: Runtime, minis: Minis, stats: EntropyStats) -> tuple[Minis, d
             lr = res.lr
             if not res.skipped:
                 norms.append(res.grad_norm)
-    tot = sum_metrics_across_ranks(sums, contribute=rt.contributes_metrics)
+    tot = sum_metrics(sums, contribute=rt.contributes_metrics)
     metrics = {**finalize_loss_metrics(tot), "actor/grad_norm": sum(norms) / max(len(norms), 1),
                "actor/lr": lr, "actor/skipped_updates": float(skipped),
                "actor/num_updates": float(len(minis) * rt.cfg.trainer.ppo_epochs)}
@@ -356,8 +357,7 @@ def evaluate(rt: Runtime, step: int) -> dict[str, float]:
 
 
 def _tell_others(message) -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        broadcast_object(message)
+    broadcast_object(message)  # a no-op on one process
 
 
 def _evaluate_rank0(rt: Runtime) -> dict[str, float]:

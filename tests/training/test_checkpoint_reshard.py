@@ -58,14 +58,14 @@ def _batches(g):
 
 def _train(g, actor, steps: int) -> list[tuple[float, float]]:
     """``steps`` optimizer steps; (global summed loss, grad norm) of each."""
-    from hapo_megatron.training.actor import sum_metrics_across_ranks
+    from hapo_megatron.parallel.collectives import sum_metrics
     from hapo_megatron.training.sft import cross_entropy_loss_factory
 
     out = []
     for _ in range(steps):
         res = actor.train_step(_batches(g), cross_entropy_loss_factory(g.tp))
         assert not res.skipped
-        loss = sum_metrics_across_ranks(res.metrics, contribute=g.tp_rank == 0 and g.is_pipeline_last)
+        loss = sum_metrics(res.metrics, contribute=g.tp_rank == 0 and g.is_pipeline_last)
         out.append((loss["sft/loss_sum"], res.grad_norm))
     return out
 

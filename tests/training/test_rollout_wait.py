@@ -12,7 +12,7 @@ def _rollout_protocol(rank, world, fail):
 
     from hapo_megatron.training import stages
     from hapo_megatron.training.rl_step import RolloutBatch
-    from hapo_megatron.training.runtime import broadcast_object
+    from hapo_megatron.parallel.collectives import broadcast_object
 
     calls = []
     real_broadcast = stages.broadcast_object
