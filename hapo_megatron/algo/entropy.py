@@ -33,7 +33,8 @@ Z_EXTREME_FLOOR = 1e-8
 _FIELDS = ("pivot", "std", "pos_max", "neg_min")
 
 
-def _check_h_hat_mode(h_hat_mode: str) -> None:
+def check_h_hat_mode(h_hat_mode: str) -> None:
+    """The one check of ``h_hat_mode`` (the config, the engines and the SGLang processor call it)."""
     if h_hat_mode not in H_HAT_MODES:
         raise ValueError(f"h_hat_mode must be one of {H_HAT_MODES}, got {h_hat_mode!r}")
 
@@ -247,7 +248,7 @@ def _stats_values(stats: StatsLike):
 
 def h_hat_from_log_entropy(x: torch.Tensor, stats: StatsLike, h_hat_mode: str = "signed") -> torch.Tensor:
     """``h_hat`` (float64, clamped to [-1, 1]) from float64 log-entropies ``x`` (internal)."""
-    _check_h_hat_mode(h_hat_mode)
+    check_h_hat_mode(h_hat_mode)
     pivot, std, pos_max, neg_min = _stats_values(stats)
     z = (x - pivot) / std
     pos = z / pos_max
@@ -271,7 +272,7 @@ def normalize_entropy(entropy: torch.Tensor, stats: StatsLike, h_hat_mode: str =
     Returns:
         ``[...]`` float32, detached (h_hat never carries gradient).
     """
-    _check_h_hat_mode(h_hat_mode)
+    check_h_hat_mode(h_hat_mode)
     if not torch.is_tensor(entropy):
         entropy = torch.tensor(float(entropy))
     vals = _stats_values(stats)

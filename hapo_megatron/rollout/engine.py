@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence, runtim
 
 import torch
 
-from hapo_megatron.algo import H_HAT_MODES, EntropyStats
+from hapo_megatron.algo import EntropyStats, check_h_hat_mode, check_temperature_tau
 
 FINISH_REASONS = ("stop", "length")
 
@@ -73,10 +73,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
         if int(self.max_new_tokens) < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
-        if not (0.0 <= float(self.temperature_tau) < 1.0):
-            raise ValueError(f"temperature_tau must lie in [0, 1), got {self.temperature_tau!r}")
-        if self.h_hat_mode not in H_HAT_MODES:
-            raise ValueError(f"h_hat_mode must be one of {H_HAT_MODES}, got {self.h_hat_mode!r}")
+        check_temperature_tau(self.temperature_tau)
+        check_h_hat_mode(self.h_hat_mode)
         stats = self.entropy_stats
         if stats is not None and not isinstance(stats, EntropyStats):
             try:

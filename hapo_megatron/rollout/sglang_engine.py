@@ -63,6 +63,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from hapo_megatron.config.base import WEIGHT_SYNC_MODES
 from hapo_megatron.config.sections import ROUTER_REFUSED
 from hapo_megatron.parallel.collectives import all_gather_objects, broadcast_object, rank_and_world
 from hapo_megatron.rollout import sglang_launch as launcher
@@ -71,7 +72,6 @@ from hapo_megatron.rollout.engine import Sample, SamplingParams, check_prompt_id
 from hapo_megatron.rollout.sglang_client import EndpointNotFoundError, SGLangError, SGLangHTTP, ServerHandle
 from hapo_megatron.rollout import weight_sync as ws
 
-WEIGHT_SYNC_MODES = ("auto", "tensor", "distributed", "disk")
 _SEED_MOD = 2**63 - 1
 
 

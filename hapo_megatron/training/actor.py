@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 from hapo_megatron.compat.processes import children_allowed
+from hapo_megatron.dtypes import torch_dtype
 from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.training.checkpoint import OPTIMIZER_FORMAT, optimizer_sharding_metadata
 from hapo_megatron.training.optimizer_checkpoint import load_optimizer_state
 
 LossFactory = Callable[[MicroBatch], Callable]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -68,9 +68,7 @@ class MegatronActor:
                  recompute_activations: bool = False, use_distributed_optimizer: bool = True,
                  init_hf_path: Optional[str] = None, init_megatron_path: Optional[str] = None,
                  fused_output_layer: bool = False):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        self.hf_config, self.groups, self.dtype = hf_config, groups, DTYPES[dtype]
+        self.hf_config, self.groups, self.dtype = hf_config, groups, torch_dtype(dtype)
         self.fused_output_layer = bool(fused_output_layer)
         self.model = self._build_model(use_te, sequence_parallel, recompute_activations,
                                        init_hf_path, init_megatron_path, use_distributed_optimizer)

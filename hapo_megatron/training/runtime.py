@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hapo_megatron.config import HapoConfig
+from hapo_megatron.dtypes import torch_dtype
 from hapo_megatron.data import PromptDataset
 from hapo_megatron.parallel.groups import ParallelGroups
 from hapo_megatron.rewards import RewardResult
@@ -183,8 +184,7 @@ def build_engine(cfg, hf_config, tokenizer):
     if not launches_node_servers(cfg) and dist.get_rank() != 0:
         return None
     on_gpu = torch.cuda.is_available()
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.model.dtype, torch.float32) \
-        if on_gpu else torch.float32
+    dtype = torch_dtype(cfg.model.dtype) if on_gpu else torch.float32
     rollout, keys = cfg.rollout, {}
     if rollout.engine == "sglang":  # launched servers get model.max_position_embeddings too
         from dataclasses import replace

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hapo_megatron.algo import EntropyStats, PolicyTokenFields
+from hapo_megatron.algo import EntropyStats, PolicyTokenFields, temperature_from_entropy
 from hapo_megatron.parallel.collectives import broadcast_object, sum_metrics
 from hapo_megatron.parallel.loss import LossConfig, TokenSink
 from hapo_megatron.parallel.micro_batch import MicroBatch
@@ -164,7 +164,6 @@ def recompute_temperatures(rt: Runtime,
     where it reported them (what was really used; HF engine) and the recomputed ones elsewhere
     (SGLang), and token sums for the metrics, including the absolute difference between the two
     where both exist."""
-    from hapo_megatron.algo import normalize_entropy
     params = SamplingParams.from_config(rt.cfg.rollout, rt.cfg.algo, entropy_stats=rt.rl.entropy_stats)
     t_base = float(params.temperature)
     sums = {"t_n": 0.0, "t_sum": 0.0, "t_sq": 0.0, "t_diff": 0.0, "t_diff_n": 0.0}
@@ -174,8 +173,8 @@ def recompute_temperatures(rt: Runtime,
         ent = mb.old_entropy.float()
         temps = torch.full_like(ent, t_base)
         if params.uses_adaptive:
-            h_hat = normalize_entropy(ent, params.entropy_stats, params.h_hat_mode)
-            temps = t_base * (1.0 + params.temperature_tau * h_hat.float())
+            temps = temperature_from_entropy(ent, params.entropy_stats, t_base, params.temperature_tau,
+                                             params.h_hat_mode)
         temps = torch.where(mask, temps, torch.ones_like(temps))
         if mb.engine_temperatures is not None:
             both = mask & mb.engine_temperatures.unsqueeze(-1)
