@@ -22,7 +22,7 @@ from hapo_megatron.compat.processes import children_allowed
 from hapo_megatron.dtypes import torch_dtype
 from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.training.checkpoint import OPTIMIZER_FORMAT, optimizer_sharding_metadata
-from hapo_megatron.training.optimizer_checkpoint import load_optimizer_state
+from hapo_megatron.training.optimizer_checkpoint import load_optimizer_state, prepare_optimizer_for_load
 
 LossFactory = Callable[[MicroBatch], Callable]
 
@@ -310,51 +310,10 @@ class MegatronActor:
         from megatron.core import dist_checkpointing
 
         from hapo_megatron.convert import unwrap_model
-        self._ensure_adam_state()
+        prepare_optimizer_for_load(self.optimizer)
         state = dist_checkpointing.load(self._sharded_state_dict(True, optimizer_format), path)
         unwrap_model(self.model[0]).load_state_dict(state["model"])
-        load_optimizer_state(self.optimizer, state["optimizer"])  # no_grad: fp32 main params are views
-        self._fix_adam_steps(state["optimizer"])
-
-    def _torch_adams(self) -> list:
-        """The torch Adam(W) optimizers inside Megatron's wrappers (empty with Apex/TE optimizers)."""
-        from megatron.core.optimizer import distrib_optimizer
-        if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
-            return []
-        inner = [getattr(o, "optimizer", None) for o in getattr(self.optimizer, "chained_optimizers",
-                                                                  [self.optimizer])]
-        return [o for o in inner if isinstance(o, torch.optim.Adam | torch.optim.AdamW)]
-
-    def _ensure_adam_state(self) -> None:
-        """Give a fresh torch Adam zero state with a ``step`` before loading a checkpoint.
-
-        WHY: megatron-core's DistributedOptimizer.state_dict() (needed to build the sharded state
-        dict it loads into) asserts on the per-param ``step`` of torch optimizers, which a fresh
-        optimizer does not have yet; its init_state_fn creates exp_avg/exp_avg_sq only.
-        """
-        for opt in self._torch_adams():
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    if not opt.state[p]:
-                        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p.data),
-                                        "exp_avg_sq": torch.zeros_like(p.data)}
-
-    def _fix_adam_steps(self, opt_state: dict) -> None:
-        """Give every param its own Adam ``step`` tensor with the saved value.
-
-        WHY: without Apex/TE, megatron-core's DistributedOptimizer.load_state_dict gives all
-        params ONE shared ``step`` tensor and then overwrites it with the pre-load value, so
-        the bias correction after a resume would differ from an uninterrupted run.
-        """
-        groups = (opt_state.get("optimizer") or {}).get("param_groups") or []
-        steps = {g.get("step") for g in groups if g.get("step") is not None}
-        if len(steps) != 1:
-            return
-        step = float(steps.pop())
-        for opt in self._torch_adams():
-            for st in opt.state.values():
-                if "step" in st:
-                    st["step"] = torch.tensor(step, dtype=torch.float32)
+        load_optimizer_state(self.optimizer, state["optimizer"])
 
     def train_state_dict(self) -> dict[str, Any]:
         """The actor's part of ``rl_state.json``: skipped updates and the LR schedule."""
