@@ -188,12 +188,14 @@ class RolloutEngine(Protocol):
         others waiting in them; `drain_weights` reads the rest."""
         ...
 
-    def release_memory(self) -> None:
-        """Free accelerator memory while the trainer runs (colocated setups); no-op otherwise."""
+    def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Free the accelerator memory regions ``tags`` (of ``"weights"``, ``"kv_cache"``,
+        ``"cuda_graph"``; None = all) while the trainer runs (colocated setups); no-op otherwise.
+        `training.engine_memory.EngineMemory` makes these calls and tracks what is released."""
         ...
 
-    def resume_memory(self) -> None:
-        """Undo :meth:`release_memory` before the next weight update / generation."""
+    def resume_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Undo :meth:`release_memory` of ``tags`` (None = all) before an update / generation."""
         ...
 
     def shutdown(self) -> None:

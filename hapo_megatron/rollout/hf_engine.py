@@ -17,7 +17,7 @@ Greedy (``temperature == 0``): argmax of ``z``, log-prob ``log_softmax(z)``, tem
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -285,15 +285,16 @@ class HFRolloutEngine:
         for name, t in items:
             sd[name].copy_(t.detach())
 
-    def release_memory(self) -> None:
-        """On CUDA, move the model to the CPU and empty the cache; a no-op on CPU."""
+    def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """On CUDA, move the model to the CPU and empty the cache; a no-op on CPU. The model is
+        this engine's one region (it keeps no KV cache between calls), so any ``tags`` release it."""
         if self.device.type == "cuda" and not self._released:
             self.model.to("cpu")
             torch.cuda.empty_cache()
             self._released = True
 
-    def resume_memory(self) -> None:
-        """Undo :meth:`release_memory`."""
+    def resume_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Undo :meth:`release_memory` (any ``tags``: the model is one region)."""
         if self._released:
             self.model.to(self.device)
             self._released = False

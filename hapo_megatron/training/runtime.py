@@ -26,7 +26,7 @@ from hapo_megatron.training.actor import MegatronActor
 from hapo_megatron.training.checkpoint import (CheckpointManager, Layout, read_checkpoint_info,
                                                resume_message)
 from hapo_megatron.training.metrics import MetricsLogger, Timer
-from hapo_megatron.training.offload import StorageOffloader
+from hapo_megatron.training.engine_memory import EngineMemory
 from hapo_megatron.training.rl_state import RLState
 from hapo_megatron.training.rl_step import DynamicSampler
 
@@ -92,8 +92,7 @@ class Runtime:
     timer: Timer = field(default_factory=Timer)
     start_step: int = 0
     reference: Optional[list[torch.nn.Module]] = None  # frozen KL reference chunks (algo.kl_loss_coef > 0)
-    offloader: Optional[StorageOffloader] = None  # colocated SGLang on CUDA, else None
-    engine_released: set[str] = field(default_factory=set)  # engine memory regions released (engine_memory)
+    memory: EngineMemory = field(default_factory=EngineMemory)  # engine regions + actor offloader (named moves)
 
     @property
     def is_main(self) -> bool:
@@ -211,13 +210,12 @@ def _start_engine(rt: Runtime) -> None:
     """Build the engine (collective: servers start on every node). Colocated on CUDA, every rank
     offloads its trainer state first, so the servers size their memory pool from a free GPU, and
     reloads it after."""
-    from hapo_megatron.training.engine_memory import release_engine, trainer_offloaded
     from hapo_megatron.training.offload import make_actor_offloader
-    rt.offloader = make_actor_offloader(rt.cfg, rt.actor)
-    with trainer_offloaded(rt):
-        rt.engine = build_engine(rt.cfg, rt.hf_config, rt.tokenizer)
+    rt.memory = EngineMemory(offloader=make_actor_offloader(rt.cfg, rt.actor))
+    with rt.memory.trainer_offloaded():
+        rt.engine = rt.memory.engine = build_engine(rt.cfg, rt.hf_config, rt.tokenizer)
         if rt.is_main:
-            release_engine(rt)  # every server's memory; the first weight sync resumes the weights
+            rt.memory.release_all()  # every server's memory; the first weight sync resumes the weights
         dist.barrier()
 
 

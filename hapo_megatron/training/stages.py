@@ -23,8 +23,7 @@ from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.rollout.engine import SamplingParams, drain_weights
 from hapo_megatron.training.actor import LossFactory
 from hapo_megatron.training.batching import build_rank_micro_batches, split_mini_batches
-from hapo_megatron.training.engine_memory import (ENGINE_MEMORY_TAGS, empty_cache, release_engine,
-                                                  resume_engine, trainer_offloaded)
+from hapo_megatron.training.engine_memory import empty_cache
 from hapo_megatron.training.rl_step import (RolloutBatch, rollout_metrics, score_samples, sequence_advantages,
                                             shape_rewards, to_sequences)
 from hapo_megatron.training.runtime import Runtime
@@ -61,7 +60,7 @@ def rollout(rt: Runtime, step: int) -> tuple[RolloutBatch, dict[str, float]]:
     Colocated, every rank first offloads its trainer state (`training.offload`) and reloads it
     after. The other ranks wait in `wait_for_rank0`, which rank 0 answers after every generation
     round, so no collective wait lasts longer than one round (trainer.dist_timeout_minutes)."""
-    with trainer_offloaded(rt):
+    with rt.memory.trainer_offloaded():
         if not rt.is_main:
             packed, metrics, sampler_state = wait_for_rank0(rt)
         else:
@@ -77,7 +76,7 @@ def rollout(rt: Runtime, step: int) -> tuple[RolloutBatch, dict[str, float]]:
 
 def _rollout_rank0(rt: Runtime, step: int) -> tuple[dict, dict[str, float], dict]:
     target = rt.cfg.data.train_batch_size
-    resume_engine(rt)  # the KV cache (the weights came back in sync_weights)
+    rt.memory.resume_generation()  # the KV cache (the weights came back in sync_weights)
     dyn = rt.rl.dyn
     dyn.reset()
     generated, offset = [], 0
@@ -92,7 +91,10 @@ def _rollout_rank0(rt: Runtime, step: int) -> tuple[dict, dict[str, float], dict
     kept = dyn.take(target)
     # colocated engines give the accelerator back to the actor; the weights go too unless the step
     # is skipped (no weight sync follows then, and released weights are not kept)
-    release_engine(rt, None if len(kept) else [t for t in ENGINE_MEMORY_TAGS if t != "weights"])
+    if len(kept):
+        rt.memory.release_all()
+    else:
+        rt.memory.release_generation()
     metrics = {**rollout_metrics(RolloutBatch.concat(generated),
                                  max_response_length=rt.cfg.rollout.max_response_length),
                **dyn.metrics(),
@@ -324,7 +326,7 @@ def sync_weights(rt: Runtime) -> None:
     if rt.engine is None:
         drain_weights(named)
         return
-    resume_engine(rt, tags=["weights"])  # the KV cache comes back in rollout, after the offload
+    rt.memory.resume_weights()  # the KV cache comes back in rollout, after the offload
     rt.engine.update_weights(named)
     left = drain_weights(named)
     if left:
@@ -338,16 +340,16 @@ def evaluate(rt: Runtime, step: int) -> dict[str, float]:
     span every GPU), waiting for it like during a rollout."""
     if rt.val_ds is None:
         return {}
-    with trainer_offloaded(rt):
+    with rt.memory.trainer_offloaded():
         if not rt.is_main:
             wait_for_rank0(rt)
             return {}
         try:
-            resume_engine(rt)
+            rt.memory.resume_generation()
             try:
                 out = _evaluate_rank0(rt)
             finally:  # keep the synced weights: only the rest goes
-                release_engine(rt, tags=[t for t in ENGINE_MEMORY_TAGS if t != "weights"])
+                rt.memory.release_generation()
         except BaseException as e:
             _tell_others(("error", f"{type(e).__name__}: {e}"))
             raise

@@ -13,6 +13,7 @@ def _rollout_protocol(rank, world, fail):
     from hapo_megatron.training import stages
     from hapo_megatron.training.rl_step import RolloutBatch
     from hapo_megatron.parallel.collectives import broadcast_object
+    from hapo_megatron.training.engine_memory import EngineMemory
 
     calls = []
     real_broadcast = stages.broadcast_object
@@ -34,7 +35,7 @@ def _rollout_protocol(rank, world, fail):
         return batch.pack(), {"m": 1.0}, {"epoch": 7}
     stages._rollout_rank0 = fake_rank0
     sampler = SimpleNamespace(state=None, load_state_dict=lambda s: setattr(sampler, "state", s))
-    rt = SimpleNamespace(is_main=rank == 0, offloader=None, rl=SimpleNamespace(sampler=sampler))
+    rt = SimpleNamespace(is_main=rank == 0, memory=EngineMemory(), rl=SimpleNamespace(sampler=sampler))
     try:
         batch, metrics = stages.rollout(rt, 5)
         out = dict(ok=True, n=len(batch), metrics=metrics, sampler=sampler.state)
