@@ -51,3 +51,19 @@ def h_hat_bound(std: float, pos_max: float, neg_min: float, *, d_pivot: float, d
     scale = min(pos_max, -neg_min)
     d_z = (eps_x + abs(d_pivot) + max(pos_max, -neg_min) * abs(d_std)) / std
     return d_z / scale + max(abs(d_pos_max) / pos_max, abs(d_neg_min) / -neg_min)
+
+
+def near_loss_discontinuity(ratio, h_hat, valid, cfg, rel: float):
+    """`[B, T]` bool: valid tokens whose importance ratio lies within `rel` (relative) of a value
+    where the HAPO loss or its clip counts jump (algo/loss.py, algo/redistribution.py): the neutral
+    zone edges 1 - eps_L_t / 2 and 1 + eps_R_t / 2 (adaptive advantage switches A' there), the clip
+    range 1 - eps_L_t, 1 + eps_R_t and the dual clip c. There a rounding-sized change of the ratio
+    can change the token's branch; everywhere else the loss is continuous in it. `cfg` is a
+    `parallel.loss.LossConfig`."""
+    import torch
+
+    from hapo_megatron.algo import adaptive_clip_ranges
+    low, high = adaptive_clip_ranges(h_hat, cfg.clip_ratio_low, cfg.clip_ratio_high,
+                                     cfg.clip_alpha if cfg.adaptive_clip else 0.0)
+    edges = torch.stack([1 - low, 1 + high, 1 - low / 2, 1 + high / 2, torch.full_like(low, cfg.clip_ratio_c)])
+    return ((ratio.float() - edges).abs() <= rel * edges.abs()).any(0) & valid.bool()
