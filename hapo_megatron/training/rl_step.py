@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from hapo_megatron.rewards.counts import RewardCounts
 from hapo_megatron.training.batching import SequenceData
 
 
@@ -97,12 +98,12 @@ class RolloutBatch:
 def score_samples(samples: Sequence[Sequence[Any]], records: Sequence[Any], *,
                   reward_fn: Callable[..., Any], decode: Callable[[list[int]], str],
                   score_format: str = "pm1", group_offset: int = 0,
-                  reward_kwargs: dict | None = None) -> RolloutBatch:
+                  reward_kwargs: dict | None = None, counts: RewardCounts | None = None) -> RolloutBatch:
     """Score the engine's ``samples[prompt][k]`` (`Sample`) against ``records[prompt]`` (`PromptRecord`).
 
     ``reward_fn(solution_str, ground_truth, score_format=..., data_source=..., extra_info=...,
     **reward_kwargs)`` returns an object with ``score`` and ``acc``; prompt ``p`` gets group id
-    ``group_offset + p``.
+    ``group_offset + p``. ``counts`` (when given) adds up the results that timed out.
     """
     if len(samples) != len(records):
         raise ValueError(f"samples has {len(samples)} prompts but records has {len(records)}")
@@ -112,6 +113,8 @@ def score_samples(samples: Sequence[Sequence[Any]], records: Sequence[Any], *,
             res = reward_fn(decode(list(smp.response_ids)), rec.ground_truth, score_format=score_format,
                             data_source=getattr(rec, "data_source", None),
                             extra_info=getattr(rec, "extra_info", None), **(reward_kwargs or {}))
+            if counts is not None:
+                counts.add(res)
             out.prompt_ids.append(list(smp.prompt_ids))
             out.response_ids.append(list(smp.response_ids))
             out.rollout_logprobs.append([float(x) for x in smp.rollout_logprobs])

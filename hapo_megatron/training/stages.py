@@ -19,6 +19,7 @@ import torch.distributed as dist
 from hapo_megatron.algo import EntropyStats, PolicyTokenFields
 from hapo_megatron.parallel.loss import LossConfig, TokenSink
 from hapo_megatron.parallel.micro_batch import MicroBatch
+from hapo_megatron.rewards.counts import RewardCounts
 from hapo_megatron.rollout.engine import SamplingParams, drain_weights
 from hapo_megatron.training.actor import LossFactory, sum_metrics_across_ranks
 from hapo_megatron.training.batching import build_rank_micro_batches, split_mini_batches
@@ -36,8 +37,9 @@ def _stop_ids(rt: Runtime) -> list[int]:
     return [int(eos)] if eos is not None else []
 
 
-def _generate_round(rt: Runtime, step: int, gen_index: int, group_offset: int) -> RolloutBatch:
-    """One generation batch on rank 0: sample, score, shape."""
+def _generate_round(rt: Runtime, step: int, gen_index: int, group_offset: int,
+                    counts: RewardCounts) -> RolloutBatch:
+    """One generation batch on rank 0: sample, score (timeouts into ``counts``), shape."""
     cfg = rt.cfg
     records = rt.rl.sampler.next_batch()
     params = SamplingParams.from_config(cfg.rollout, cfg.algo, entropy_stats=rt.rl.entropy_stats,
@@ -46,7 +48,7 @@ def _generate_round(rt: Runtime, step: int, gen_index: int, group_offset: int) -
     batch = score_samples(samples, records, reward_fn=rt.reward_fn,
                           decode=lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True),
                           score_format=cfg.reward.score_format, group_offset=group_offset,
-                          reward_kwargs=cfg.reward.reward_kwargs)
+                          reward_kwargs=cfg.reward.reward_kwargs, counts=counts)
     return shape_rewards(batch, max_response_length=cfg.rollout.max_response_length,
                          overlong_buffer_enable=cfg.reward.overlong_buffer_enable,
                          overlong_buffer_len=cfg.reward.overlong_buffer_len,
@@ -79,9 +81,9 @@ def _rollout_rank0(rt: Runtime, step: int) -> tuple[dict, dict[str, float], dict
     resume_engine(rt)  # the KV cache (the weights came back in sync_weights)
     dyn = rt.rl.dyn
     dyn.reset()
-    generated, offset = [], 0
+    generated, offset, counts = [], 0, RewardCounts()
     while True:
-        b = _generate_round(rt, step, dyn.num_gen_batches, offset)
+        b = _generate_round(rt, step, dyn.num_gen_batches, offset, counts)
         generated.append(b)
         offset += len(set(b.group_ids))
         dyn.add(b)
@@ -94,7 +96,7 @@ def _rollout_rank0(rt: Runtime, step: int) -> tuple[dict, dict[str, float], dict
     release_engine(rt, None if len(kept) else [t for t in ENGINE_MEMORY_TAGS if t != "weights"])
     metrics = {**rollout_metrics(RolloutBatch.concat(generated),
                                  max_response_length=rt.cfg.rollout.max_response_length),
-               **dyn.metrics(),
+               **dyn.metrics(), **counts.metrics(),
                "batch/reward_mean": sum(kept.rewards) / max(len(kept), 1),
                "batch/acc": sum(kept.accs) / max(len(kept), 1),
                "batch/num_groups": float(len(set(kept.group_ids)))}
