@@ -1,5 +1,6 @@
-"""Imported once by the bounded pool's fork server (`bounded.PRELOAD`): math-verify and sympy are
-imported and one answer verified there, so every worker forked from it starts warm."""
+"""Imported by a math-reward worker when it starts (`bounded.MATH_PRELOAD`): math-verify and sympy
+are imported and one answer verified, so the first real call does not pay for it (nor count it
+against its time limit)."""
 
 try:
     from hapo_megatron.rewards.math import verify_unbounded

@@ -20,8 +20,9 @@ the trainer runs threads (torch's OpenMP pool, gloo, HTTP clients) whose held lo
 would inherit locked, and a CUDA context cannot be used after a fork. multiprocessing's "spawn" /
 "forkserver" would be safe too but re-import the caller's ``__main__`` in every worker, which
 re-runs a script without the ``if __name__ == "__main__"`` guard (an analysis script calling the
-math reward). A worker imports `hapo_megatron.rewards._preload` (math-verify, warmed up) when it
-starts, ~1 s, in the manager thread; a replacement after a kill costs the same.
+math reward). A worker imports ``preload`` (for the math reward `MATH_PRELOAD`: math-verify, warmed
+up, ~1 s) when it starts, in the manager thread, and says when it is ready: a call's clock starts
+then. A replacement after a kill costs the same start.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ from typing import Any, Callable, Optional
 
 __all__ = ["Outcome", "BoundedPool", "in_worker", "shared_pool"]
 
-PRELOAD = "hapo_megatron.rewards._preload"
-"""The module a worker imports before its first call."""
+MATH_PRELOAD = "hapo_megatron.rewards._preload"
+"""What the math reward's workers import before their first call (math-verify, warmed up)."""
 STARTUP_TIMEOUT_S = 120.0
 """How long a worker may take to start (imports) before it counts as failed to start."""
 
@@ -86,14 +87,15 @@ def _exit_with_parent(parent_pid: int) -> None:
     os._exit(0)
 
 
-def _worker_main(read_fd: int, write_fd: int) -> None:
+def _worker_main(read_fd: int, write_fd: int, preload: Optional[str]) -> None:
     """The worker process: read pickled calls, run each under the interval timer, send outcomes."""
     global _IN_WORKER
     _IN_WORKER = True
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     signal.signal(signal.SIGALRM, _on_alarm)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    __import__(PRELOAD)
+    if preload:
+        __import__(preload)
     conn_in, conn_out = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     conn_out.send("ready")  # a call's clock starts once the worker can take it
     while True:
@@ -136,7 +138,8 @@ class _Slot:
         down_r, down_w = os.pipe()
         up_r, up_w = os.pipe()
         code = (f"import sys; sys.path[:0] = {sys.path!r}; "
-                f"from hapo_megatron.rewards.bounded import _worker_main; _worker_main({down_r}, {up_w})")
+                f"from hapo_megatron.rewards.bounded import _worker_main; "
+                f"_worker_main({down_r}, {up_w}, {self.pool.preload!r})")
         try:
             self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(down_r, up_w),
                                          stdin=subprocess.DEVNULL)
@@ -218,12 +221,12 @@ class BoundedPool:
     imported in the worker). Use as a context manager or call `close`.
     """
 
-    def __init__(self, num_workers: int, *, grace_s: float = 1.0):
+    def __init__(self, num_workers: int, *, grace_s: float = 1.0, preload: Optional[str] = None):
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an integer >= 1, got {num_workers!r}")
         if grace_s <= 0:
             raise ValueError(f"grace_s must be > 0, got {grace_s}")
-        self.num_workers, self.grace_s = num_workers, grace_s
+        self.num_workers, self.grace_s, self.preload = num_workers, grace_s, preload
         self._tasks: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._lock = threading.Lock()
         self._closed = False
@@ -302,6 +305,6 @@ def shared_pool() -> BoundedPool:
     global _SHARED
     with _SHARED_LOCK:
         if _SHARED is None or _SHARED._closed:
-            _SHARED = BoundedPool(SHARED_WORKERS)
+            _SHARED = BoundedPool(SHARED_WORKERS, preload=MATH_PRELOAD)
             atexit.register(_SHARED.close)
         return _SHARED

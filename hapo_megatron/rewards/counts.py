@@ -9,12 +9,18 @@ __all__ = ["RewardCounts"]
 
 @dataclass
 class RewardCounts:
-    """``timeouts``: responses whose reward hit its time limit (scored wrong, `RewardResult.timed_out`)."""
+    """``timeouts``: responses whose reward hit its time limit; ``errors``: responses whose reward
+    raised, returned something unusable or killed its worker (both scored the format's minimum);
+    ``wait_s``: seconds spent waiting for rewards after generation had ended."""
 
     timeouts: int = 0
+    errors: int = 0
+    wait_s: float = 0.0
 
     def add(self, result) -> None:
+        """Count a `RewardResult` that timed out inside the reward (the math reward's own limit)."""
         self.timeouts += bool(getattr(result, "timed_out", False))
 
     def metrics(self) -> dict[str, float]:
-        return {"reward/timeouts": float(self.timeouts)}
+        return {"reward/timeouts": float(self.timeouts), "reward/errors": float(self.errors),
+                "timing/reward_wait_s": self.wait_s}

@@ -25,7 +25,7 @@ from hapo_megatron.training.actor import LossFactory, sum_metrics_across_ranks
 from hapo_megatron.training.batching import build_rank_micro_batches, split_mini_batches
 from hapo_megatron.training.engine_memory import (ENGINE_MEMORY_TAGS, empty_cache, release_engine,
                                                   resume_engine, trainer_offloaded)
-from hapo_megatron.training.rl_step import (RolloutBatch, rollout_metrics, score_samples, sequence_advantages,
+from hapo_megatron.training.rl_step import (RolloutBatch, build_batch, rollout_metrics, sequence_advantages,
                                             shape_rewards, to_sequences)
 from hapo_megatron.training.runtime import Runtime, broadcast_object
 
@@ -39,16 +39,15 @@ def _stop_ids(rt: Runtime) -> list[int]:
 
 def _generate_round(rt: Runtime, step: int, gen_index: int, group_offset: int,
                     counts: RewardCounts) -> RolloutBatch:
-    """One generation batch on rank 0: sample, score (timeouts into ``counts``), shape."""
+    """One generation batch on rank 0: sample while the reward workers score what is done
+    (failures and waiting into ``counts``), shape."""
     cfg = rt.cfg
     records = rt.rl.sampler.next_batch()
     params = SamplingParams.from_config(cfg.rollout, cfg.algo, entropy_stats=rt.rl.entropy_stats,
                                         seed=rt.sampling_seed(step, gen_index), stop_token_ids=_stop_ids(rt))
-    samples = rt.engine.generate([r.prompt_ids for r in records], params)
-    batch = score_samples(samples, records, reward_fn=rt.reward_fn,
-                          decode=lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True),
-                          score_format=cfg.reward.score_format, group_offset=group_offset,
-                          reward_kwargs=cfg.reward.reward_kwargs, counts=counts)
+    scoring = rt.scorer.start(records, decode=lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True))
+    samples = rt.engine.generate([r.prompt_ids for r in records], params, on_samples=scoring.add)
+    batch = build_batch(samples, records, scoring.results(samples, counts), group_offset=group_offset)
     return shape_rewards(batch, max_response_length=cfg.rollout.max_response_length,
                          overlong_buffer_enable=cfg.reward.overlong_buffer_enable,
                          overlong_buffer_len=cfg.reward.overlong_buffer_len,
