@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -175,8 +175,13 @@ class Sample:
 class RolloutEngine(Protocol):
     """What the trainer needs from a rollout engine."""
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
-        """``params.n`` samples per prompt; outer list in prompt order, inner in sample order."""
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                 on_samples: Optional[Callable[[list[Sample]], None]] = None) -> list[list[Sample]]:
+        """``params.n`` samples per prompt; outer list in prompt order, inner in sample order.
+
+        ``on_samples`` (when given) is called with each chunk of finished samples as soon as the
+        chunk is done (from any thread; every sample exactly once), so rewards can be scored while
+        the rest is generated (rewards.scoring)."""
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import atexit
 import os
 import time
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -65,8 +65,9 @@ class NodeServersEngine:
             raise RuntimeError(f"{what} runs on global rank 0 (this is rank {self.ctx.rank})")
         return self.cluster
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
-        return self._rank0("generation").generate(prompt_ids, params)
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                 on_samples: Optional[Callable[[list[Sample]], None]] = None) -> list[list[Sample]]:
+        return self._rank0("generation").generate(prompt_ids, params, on_samples)
 
     def check_health(self) -> None:
         self._rank0("the health check").check_health()

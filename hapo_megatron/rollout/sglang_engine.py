@@ -59,7 +59,7 @@ import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -322,16 +322,19 @@ class SGLangEngine:
             self.http.check_alive(s)
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
-        """``params.n`` samples per prompt, prompt order (collective under torch.distributed)."""
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                 on_samples: Optional[Callable[[list[Sample]], None]] = None) -> list[list[Sample]]:
+        """``params.n`` samples per prompt, prompt order (collective under torch.distributed);
+        rank 0 hands ``on_samples`` each ``/generate`` call's samples as the call returns."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        out = self._generate_local(check_prompt_ids(prompt_ids), params) if self.rank == 0 else None
+        out = self._generate_local(check_prompt_ids(prompt_ids), params, on_samples) if self.rank == 0 else None
         if self.world_size > 1:
             out = broadcast_object(out)
         return out
 
-    def _generate_local(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+    def _generate_local(self, prompts: list[list[int]], params: SamplingParams,
+                        on_samples: Optional[Callable[[list[Sample]], None]] = None) -> list[list[Sample]]:
         rows = [(p, k) for p in range(len(prompts)) for k in range(params.n)]
         chunks = [list(range(i, min(i + self.requests_per_call, len(rows))))
                   for i in range(0, len(rows), self.requests_per_call)]
@@ -347,15 +350,19 @@ class SGLangEngine:
                 raise
             if not isinstance(answer, list) or len(answer) != len(idx):
                 raise SGLangError(f"/generate returned {type(answer).__name__} for {len(idx)} rows")
-            return [parse_generate_item(a) for a in answer]
+            done = [Sample(prompt_ids=list(prompts[rows[i][0]]), response_ids=ids, rollout_logprobs=logps,
+                           temperatures=[], finish_reason=reason, prompt_index=rows[i][0], sample_index=rows[i][1])
+                    for i, (ids, logps, reason) in zip(idx, map(parse_generate_item, answer))]
+            if on_samples is not None:
+                on_samples(done)
+            return done
 
         workers = max(1, min(len(chunks), 8 * len(self.servers)))
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            results = [r for chunk in pool.map(run, range(len(chunks))) for r in chunk]
+            results = [smp for chunk in pool.map(run, range(len(chunks))) for smp in chunk]
         out: list[list[Sample]] = [[] for _ in prompts]
-        for (p, k), (ids, logps, reason) in zip(rows, results):
-            out[p].append(Sample(prompt_ids=list(prompts[p]), response_ids=ids, rollout_logprobs=logps,
-                                 temperatures=[], finish_reason=reason, prompt_index=p, sample_index=k))
+        for smp in results:  # rows are prompt-major, so each prompt's samples stay in order
+            out[smp.prompt_index].append(smp)
         return out
 
     # ------------------------------------------------------------------ weights

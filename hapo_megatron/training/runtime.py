@@ -21,6 +21,7 @@ from hapo_megatron.dtypes import torch_dtype
 from hapo_megatron.data import PromptDataset
 from hapo_megatron.parallel.groups import ParallelGroups
 from hapo_megatron.rewards import RewardResult
+from hapo_megatron.rewards.scoring import RewardScorer
 from hapo_megatron.rollout.engine import RolloutEngine
 from hapo_megatron.training.actor import MegatronActor
 from hapo_megatron.training.checkpoint import (CheckpointManager, Layout, read_checkpoint_info,
@@ -93,6 +94,7 @@ class Runtime:
     start_step: int = 0
     reference: Optional[list[torch.nn.Module]] = None  # frozen KL reference chunks (algo.kl_loss_coef > 0)
     memory: EngineMemory = field(default_factory=EngineMemory)  # engine regions + actor offloader (named moves)
+    scorer: Optional[RewardScorer] = None  # rank 0: the reward with its worker pool (rewards.scoring)
 
     @property
     def is_main(self) -> bool:
@@ -269,7 +271,8 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
                                   else cfg.rollout.generate_batch_size, seed=cfg.data.seed,
                                   shuffle=cfg.data.shuffle),
             dyn=DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
-                               max_num_gen_batches=cfg.algo.max_num_gen_batches)))
+                               max_num_gen_batches=cfg.algo.max_num_gen_batches)),
+        scorer=RewardScorer.from_config(cfg.reward) if rank == 0 else None)
     _start_engine(rt)
     if resume_from:
         logger.write(resume_message(resume_from, read_checkpoint_info(resume_from), rt.ckpt.layout))

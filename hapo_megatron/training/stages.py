@@ -20,11 +20,12 @@ from hapo_megatron.algo import EntropyStats, PolicyTokenFields, temperature_from
 from hapo_megatron.parallel.collectives import broadcast_object, sum_metrics
 from hapo_megatron.parallel.loss import LossConfig, TokenSink
 from hapo_megatron.parallel.micro_batch import MicroBatch
+from hapo_megatron.rewards.counts import RewardCounts
 from hapo_megatron.rollout.engine import SamplingParams, drain_weights
 from hapo_megatron.training.actor import LossFactory
 from hapo_megatron.training.batching import build_rank_micro_batches, split_mini_batches
 from hapo_megatron.training.engine_memory import empty_cache
-from hapo_megatron.training.rl_step import (RolloutBatch, rollout_metrics, score_samples, sequence_advantages,
+from hapo_megatron.training.rl_step import (RolloutBatch, build_batch, rollout_metrics, sequence_advantages,
                                             shape_rewards, to_sequences)
 from hapo_megatron.training.runtime import Runtime
 
@@ -36,17 +37,17 @@ def _stop_ids(rt: Runtime) -> list[int]:
     return [int(eos)] if eos is not None else []
 
 
-def _generate_round(rt: Runtime, step: int, gen_index: int, group_offset: int) -> RolloutBatch:
-    """One generation batch on rank 0: sample, score, shape."""
+def _generate_round(rt: Runtime, step: int, gen_index: int, group_offset: int,
+                    counts: RewardCounts) -> RolloutBatch:
+    """One generation batch on rank 0: sample while the reward workers score what is done
+    (failures and waiting into ``counts``), shape."""
     cfg = rt.cfg
     records = rt.rl.sampler.next_batch()
     params = SamplingParams.from_config(cfg.rollout, cfg.algo, entropy_stats=rt.rl.entropy_stats,
                                         seed=rt.sampling_seed(step, gen_index), stop_token_ids=_stop_ids(rt))
-    samples = rt.engine.generate([r.prompt_ids for r in records], params)
-    batch = score_samples(samples, records, reward_fn=rt.reward_fn,
-                          decode=lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True),
-                          score_format=cfg.reward.score_format, group_offset=group_offset,
-                          reward_kwargs=cfg.reward.reward_kwargs)
+    scoring = rt.scorer.start(records, decode=lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True))
+    samples = rt.engine.generate([r.prompt_ids for r in records], params, on_samples=scoring.add)
+    batch = build_batch(samples, records, scoring.results(samples, counts), group_offset=group_offset)
     return shape_rewards(batch, max_response_length=cfg.rollout.max_response_length,
                          overlong_buffer_enable=cfg.reward.overlong_buffer_enable,
                          overlong_buffer_len=cfg.reward.overlong_buffer_len,
@@ -79,9 +80,9 @@ def _rollout_rank0(rt: Runtime, step: int) -> tuple[dict, dict[str, float], dict
     rt.memory.resume_generation()  # the KV cache (the weights came back in sync_weights)
     dyn = rt.rl.dyn
     dyn.reset()
-    generated, offset = [], 0
+    generated, offset, counts = [], 0, RewardCounts()
     while True:
-        b = _generate_round(rt, step, dyn.num_gen_batches, offset)
+        b = _generate_round(rt, step, dyn.num_gen_batches, offset, counts)
         generated.append(b)
         offset += len(set(b.group_ids))
         dyn.add(b)
@@ -97,7 +98,7 @@ def _rollout_rank0(rt: Runtime, step: int) -> tuple[dict, dict[str, float], dict
         rt.memory.release_generation()
     metrics = {**rollout_metrics(RolloutBatch.concat(generated),
                                  max_response_length=rt.cfg.rollout.max_response_length),
-               **dyn.metrics(),
+               **dyn.metrics(), **counts.metrics(),
                "batch/reward_mean": sum(kept.rewards) / max(len(kept), 1),
                "batch/acc": sum(kept.accs) / max(len(kept), 1),
                "batch/num_groups": float(len(set(kept.group_ids)))}

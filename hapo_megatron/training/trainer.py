@@ -112,6 +112,8 @@ def _finish(rt: Runtime, t0: float, start_eval: dict, sft_s: float) -> dict[str,
         print(format_summary(summary), flush=True)
     if rt.engine is not None:
         rt.engine.shutdown()
+    if rt.scorer is not None:
+        rt.scorer.close()
     return summary
 
 
