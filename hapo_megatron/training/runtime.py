@@ -8,6 +8,7 @@ datasets and the per-step metadata (broadcast from rank 0). The checkpointed RL 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -22,7 +23,8 @@ from hapo_megatron.parallel.groups import ParallelGroups
 from hapo_megatron.rewards import RewardResult
 from hapo_megatron.rollout.engine import RolloutEngine
 from hapo_megatron.training.actor import MegatronActor
-from hapo_megatron.training.checkpoint import (CheckpointManager, Layout, read_checkpoint_info,
+from hapo_megatron.training.checkpoint import (CheckpointManager, Layout, capture_rng_state,
+                                               list_checkpoints, load_newest_loadable, read_checkpoint_info,
                                                resume_message)
 from hapo_megatron.training.metrics import MetricsLogger, Timer
 from hapo_megatron.training.offload import StorageOffloader
@@ -40,6 +42,15 @@ def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     box = [obj if dist.get_rank() == src else None]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def all_gather_object(obj: Any, group=None) -> list:
+    """``obj`` of every rank of ``group``, by rank (pickled; [obj] in a single process)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def load_tokenizer(path: str):
@@ -131,9 +142,28 @@ class Runtime:
         self.start_step = self.rl.step
         self.actor.load_train_state_dict(state)
 
-    def save_checkpoint(self) -> str:
-        state = self.checkpoint_state()
-        return self.ckpt.save(state.pop("step"), rl_state=state, save_model=self.actor.save)
+    def snapshot(self) -> "StepSnapshot":
+        """The checkpointed state as it is now (a copy): what a stop before the next update saves,
+        since until then the model and optimizer are unchanged (training/preemption.py)."""
+        return StepSnapshot(json.loads(json.dumps(self.checkpoint_state())), capture_rng_state())
+
+    def save_checkpoint(self, snapshot: Optional["StepSnapshot"] = None) -> str:
+        """Save the current state, or ``snapshot``'s RL and RNG state with the current model."""
+        state = dict(snapshot.rl_state) if snapshot else self.checkpoint_state()
+        return self.ckpt.save(state.pop("step"), rl_state=state, save_model=self.actor.save,
+                              rng_state=snapshot.rng_state if snapshot else None)
+
+
+@dataclass(frozen=True)
+class StepSnapshot:
+    """`Runtime.checkpoint_state` (JSON copy) and this rank's RNG states at one point in time."""
+
+    rl_state: dict[str, Any]
+    rng_state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.rl_state["step"])
 
 
 def setup_reference(rt: Runtime) -> None:
@@ -274,7 +304,8 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
         train_ds=train_ds, val_ds=val_ds, actor=actor, engine=None,
         reward_fn=get_reward_fn(cfg.reward.reward_fn), logger=logger,
         ckpt=CheckpointManager(ckpt_root, keep_last_k=cfg.trainer.keep_last_k or 10**9, rank=rank,
-                               barrier=dist.barrier, layout=Layout.from_groups(groups)),
+                               barrier=dist.barrier, layout=Layout.from_groups(groups), world_size=world,
+                               gather=all_gather_object),
         rl=RLState(
             sampler=PromptSampler(train_ds, cfg.data.train_batch_size if cfg.rollout.generate_batch_size is None
                                   else cfg.rollout.generate_batch_size, seed=cfg.data.seed,
@@ -283,8 +314,14 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
                                max_num_gen_batches=cfg.algo.max_num_gen_batches)))
     _start_engine(rt)
     if resume_from:
+        if str(cfg.trainer.resume).lower() == "auto":  # a damaged newest checkpoint: an older one
+            newest_first = [path for _, path in reversed(list_checkpoints(ckpt_root, warn=False))]
+            resume_from, state = load_newest_loadable(rt.ckpt, newest_first, load_model=actor.load,
+                                                      log=logger.write)
+        else:  # the checkpoint asked for, or an error naming it
+            state = rt.ckpt.load(resume_from, load_model=actor.load)
         logger.write(resume_message(resume_from, read_checkpoint_info(resume_from), rt.ckpt.layout))
-        rt.restore(rt.ckpt.load(resume_from, load_model=actor.load))
+        rt.restore(state)
         logger.resume(rt.rl.step)
         logger.write(f"resumed from {resume_from} at step {rt.rl.step}")
     return rt
