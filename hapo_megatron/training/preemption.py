@@ -50,6 +50,22 @@ def cpu_group_over_world():
     return dist.new_group(backend="gloo")
 
 
+def shield_checkpoint_writer(signals) -> None:
+    """Start Megatron's checkpoint-writer result queue now, with ``signals`` ignored.
+
+    WHY: dist_checkpointing starts a spawned multiprocessing Manager on the first save and keeps
+    it; it lives in the worker's process group, and torchrun forwards a signal to the whole group
+    (``os.killpg``), so the Manager would die and the save after the signal fail with
+    BrokenPipeError. A signal ignored when a process is started stays ignored in it."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in parse_signal_names(signals)}
+    try:
+        filesystem_async._get_write_results_queue()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 class StopRequest:
     """Signal flag + wall-clock budget, agreed over ranks at safe points (`agreed`).
 
@@ -60,7 +76,7 @@ class StopRequest:
     def __init__(self, *, signals=("SIGTERM", "SIGINT", "SIGUSR1"), grace_s: float = 600.0,
                  exit_after_minutes: Optional[float] = None, group=None,
                  clock: Callable[[], float] = time.monotonic,
-                 log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)):
+                 log: Callable[[str], None] = lambda msg: sys.stderr.write(msg + "\n")):  # one write: ranks share a pipe
         self.signals = parse_signal_names(signals)
         self.grace_s, self.exit_after_minutes, self.group = float(grace_s), exit_after_minutes, group
         self.clock, self.log, self.started = clock, log, clock()

@@ -15,7 +15,8 @@ from hapo_megatron.training import stages
 from hapo_megatron.training.diagnostics import token_diagnostics
 from hapo_megatron.training.metrics import read_jsonl
 from hapo_megatron.training.checkpoint import step_dir_name
-from hapo_megatron.training.preemption import RunStopped, StopRequest, cpu_group_over_world
+from hapo_megatron.training.preemption import (RunStopped, StopRequest, cpu_group_over_world,
+                                                shield_checkpoint_writer)
 from hapo_megatron.training.runtime import Runtime, StepSnapshot, build_runtime, setup_reference
 from hapo_megatron.training.sft import run_sft
 
@@ -32,6 +33,7 @@ def fit(cfg: HapoConfig, *, tokenizer=None, datasets=None) -> dict[str, Any]:
                                  cp=p.context_parallel_size, seed=cfg.trainer.seed,
                                  timeout_minutes=cfg.trainer.dist_timeout_minutes)
     t = cfg.trainer
+    shield_checkpoint_writer(t.exit_signals)
     stop = StopRequest(signals=t.exit_signals, grace_s=t.exit_grace_s, exit_after_minutes=t.exit_after_minutes,
                        group=cpu_group_over_world()).install()
     try:
