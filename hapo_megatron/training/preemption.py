@@ -58,9 +58,12 @@ def shield_checkpoint_writer(signals) -> None:
     (``os.killpg``), so the Manager would die and the save after the signal fail with
     BrokenPipeError. A signal ignored when a process is started stays ignored in it."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from hapo_megatron.compat.processes import children_allowed
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in parse_signal_names(signals)}
     try:
-        filesystem_async._get_write_results_queue()
+        with children_allowed():  # as MegatronActor.save does (spawned test ranks are daemonic)
+            filesystem_async._get_write_results_queue()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -78,7 +78,7 @@ def build_datasets(cfg, tokenizer):
     """(train, val or None) PromptDatasets; malformed rows / long prompts raise ValueError here."""
     from hapo_megatron.data import PromptDataset
     kw = dict(prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
-              apply_chat_template=cfg.data.apply_chat_template)
+              apply_chat_template=cfg.data.apply_chat_template, filter_overlong=cfg.data.filter_overlong_prompts)
     if not cfg.data.train_files:
         raise ValueError("data.train_files is empty: name at least one .parquet or .jsonl file")
     train = PromptDataset(cfg.data.train_files, tokenizer, **kw)
@@ -121,6 +121,14 @@ class Runtime:
     @property
     def run_dir(self) -> str:
         return self.cfg.trainer.run_dir
+
+    def data_metrics(self) -> dict[str, float]:
+        """Prompts dropped by data.filter_overlong_prompts (only when it is on)."""
+        if not self.cfg.data.filter_overlong_prompts:
+            return {}
+        val = self.val_ds.num_overlong_filtered if self.val_ds is not None else 0
+        return {"data/train_overlong_filtered": float(self.train_ds.num_overlong_filtered),
+                "data/val_overlong_filtered": float(val)}
 
     @property
     def contributes_metrics(self) -> bool:
@@ -312,6 +320,9 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
                                   shuffle=cfg.data.shuffle),
             dyn=DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
                                max_num_gen_batches=cfg.algo.max_num_gen_batches)))
+    for name, n in rt.data_metrics().items():
+        logger.write(f"{name}: dropped {n:.0f} prompt(s) longer than data.max_prompt_length="
+                     f"{cfg.data.max_prompt_length} (data.filter_overlong_prompts)")
     _start_engine(rt)
     if resume_from:
         if str(cfg.trainer.resume).lower() == "auto":  # a damaged newest checkpoint: an older one
