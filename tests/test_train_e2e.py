@@ -182,7 +182,8 @@ def _preempted_run(tiny, run_dir: str, stage: str, step: int):
         finally:
             if proc.poll() is None:
                 _kill_tree(proc)
-    codes = [int(open(os.path.join(markers, f"exit.rank{r}")).read()) for r in (0, 1)]
+    exits = [os.path.join(markers, f"exit.rank{r}") for r in (0, 1)]
+    codes = [int(open(p).read()) if os.path.exists(p) else None for p in exits]  # None: the rank crashed
     return codes, torchrun_code, open(log).read()
 
 
