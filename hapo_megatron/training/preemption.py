@@ -15,6 +15,7 @@ second signal ends it at once with 128 + the signal number.
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import sys
@@ -42,12 +43,12 @@ class RunStopped(Exception):
     exit_code = EXIT_STOPPED
 
 
-def cpu_group_over_world():
-    """A CPU (gloo) group over every rank: the default group when it is gloo, else a new one
-    (collective: every rank calls it)."""
+def cpu_group_over_world(timeout_minutes: float = 30.0):
+    """A CPU (gloo) group over every rank: the default group when it is gloo, else a new one with
+    this collective timeout (collective: every rank calls it)."""
     if not dist.is_initialized() or dist.get_backend() == "gloo":
         return None
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
 def shield_checkpoint_writer(signals) -> None:

@@ -104,3 +104,22 @@ def test_auto_resume_with_no_loadable_checkpoint_stops_instead_of_starting_fresh
     os.remove(os.path.join(path, "model", "w.pt"))
     with pytest.raises(CheckpointLoadError, match=r"none of the 1 complete checkpoint\(s\) .* model/w.pt: missing.*trainer.resume=none"):
         load_newest_loadable(mgr, [path], load_model=_load_into({}), log=lambda _: None)
+
+
+def test_a_stop_mid_step_saves_the_snapshot_state_and_rng(tmp_path):
+    """`Runtime.save_checkpoint(snapshot)` (a step abandoned at a stop signal) records the RL state
+    and RNG streams of the snapshot, not the ones the abandoned stage moved on."""
+    from types import SimpleNamespace
+
+    from hapo_megatron.training.checkpoint import capture_rng_state
+    from hapo_megatron.training.runtime import Runtime, StepSnapshot
+    mgr = CheckpointManager(str(tmp_path))
+    snapshot = StepSnapshot({"step": 1, "cursor": 7}, capture_rng_state())
+    after_snapshot = torch.rand(4)
+    torch.rand(100)  # the abandoned rollout moves the stream on
+    rt = SimpleNamespace(ckpt=mgr, actor=SimpleNamespace(save=_save_model(torch.ones(2))),
+                         checkpoint_state=lambda: {"step": 2, "cursor": 9})
+    path = Runtime.save_checkpoint(rt, snapshot)
+    assert path.endswith("step_000001")
+    assert mgr.load(path, load_model=_load_into({}))["cursor"] == 7
+    assert torch.equal(torch.rand(4), after_snapshot)
