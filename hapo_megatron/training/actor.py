@@ -301,6 +301,7 @@ class MegatronActor:
         """Model + optimizer with Megatron dist_checkpointing (collective). The default optimizer
         format is layout-free (see `hapo_megatron.training.checkpoint.OPTIMIZER_FORMAT`)."""
         from megatron.core import dist_checkpointing
+        self._ensure_adam_state()  # a save before the first optimizer step (a run stopped early)
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
         dist.barrier()
@@ -328,7 +329,8 @@ class MegatronActor:
         return [o for o in inner if isinstance(o, torch.optim.Adam | torch.optim.AdamW)]
 
     def _ensure_adam_state(self) -> None:
-        """Give a fresh torch Adam zero state with a ``step`` before loading a checkpoint.
+        """Give a fresh torch Adam zero state with a ``step`` before saving or loading a checkpoint
+        (what torch's Adam creates at its first step, so training is unchanged).
 
         WHY: megatron-core's DistributedOptimizer.state_dict() (needed to build the sharded state
         dict it loads into) asserts on the per-param ``step`` of torch optimizers, which a fresh
