@@ -80,7 +80,7 @@ class StopRequest:
     def __init__(self, *, signals=("SIGTERM", "SIGINT", "SIGUSR1"), grace_s: float = 600.0,
                  exit_after_minutes: Optional[float] = None, group=None,
                  clock: Callable[[], float] = time.monotonic,
-                 log: Callable[[str], None] = lambda msg: sys.stderr.write(msg + "\n")):  # one write: ranks share a pipe
+                 log: Callable[[str], None] = lambda msg: sys.stderr.write(msg + "\n")):  # ranks share a pipe
         self.signals = parse_signal_names(signals)
         self.grace_s, self.exit_after_minutes, self.group = float(grace_s), exit_after_minutes, group
         self.clock, self.log, self.started = clock, log, clock()

@@ -88,7 +88,8 @@ def _fit(cfg: HapoConfig, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
                 metrics.update(stages.evaluate(rt, step))
         tokens = sum(len(a) + len(b) for a, b in zip(batch.prompt_ids, batch.response_ids))
         elapsed = time.time() - t_step
-        metrics.update({**timer.pop(), **rt.data_metrics(), "perf/step_time_s": elapsed, "perf/tokens_per_s": tokens / max(elapsed, 1e-9),
+        metrics.update({**timer.pop(), **rt.data_metrics(), "perf/step_time_s": elapsed,
+                        "perf/tokens_per_s": tokens / max(elapsed, 1e-9),
                         "actor/consecutive_skips": float(rl.consecutive_skips)})
         rt.logger.log(step, metrics)
         _check_skips(rt)

@@ -75,7 +75,8 @@ def test_a_file_that_does_not_load_is_named(tmp_path):
     os.remove(os.path.join(path, MANIFEST))  # unverifiable (as before manifests): loading decides
     with open(os.path.join(path, "rl_state.json"), "w") as f:
         f.write("{not json")
-    with pytest.raises(CheckpointLoadError, match=r"step_000001: loading failed: rank 0: rl_state.json: JSONDecodeError"):
+    with pytest.raises(CheckpointLoadError,
+                       match=r"step_000001: loading failed: rank 0: rl_state.json: JSONDecodeError"):
         mgr.load(path, load_model=_load_into({}))
 
 
@@ -102,7 +103,8 @@ def test_auto_resume_with_no_loadable_checkpoint_stops_instead_of_starting_fresh
     mgr = CheckpointManager(str(tmp_path))
     path = mgr.save(2, rl_state={}, save_model=_save_model(torch.ones(3)))
     os.remove(os.path.join(path, "model", "w.pt"))
-    with pytest.raises(CheckpointLoadError, match=r"none of the 1 complete checkpoint\(s\) .* model/w.pt: missing.*trainer.resume=none"):
+    with pytest.raises(CheckpointLoadError,
+                       match=r"none of the 1 complete checkpoint\(s\) .* model/w.pt: missing.*trainer.resume=none"):
         load_newest_loadable(mgr, [path], load_model=_load_into({}), log=lambda _: None)
 
 
