@@ -279,3 +279,77 @@ def _assert_continues(full_dir, run_dir):
             _assert_tokens_close(rows, read_rollouts(rollout_path(full_dir, want["step"])), step_d_h,
                                  algo, t_base)
         d_h_before = d_h
+
+
+def _preempted_run(tiny, run_dir: str, stage: str, step: int):
+    """The example under torchrun with ``stage`` of ``step`` held on every rank until its SIGTERM
+    arrives (tests/training/preempt_hook.py); SIGTERM goes to torchrun, which forwards it to the
+    workers. Returns (each rank's exit code, torchrun's exit code, the run's output)."""
+    markers, log = run_dir + ".markers", run_dir + ".log"
+    os.makedirs(markers)
+    cmd = _cmd(tiny, run_dir)
+    cmd[cmd.index("hapo_megatron.train")] = "tests.training.preempt_hook"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HAPO_TEST_HOLD_STAGE": stage,
+           "HAPO_TEST_HOLD_STEP": str(step), "HAPO_TEST_MARKER_DIR": markers}
+    held = [os.path.join(markers, f"held.{stage}.rank{r}") for r in (0, 1)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.time() + 400
+            while proc.poll() is None and time.time() < deadline and not all(map(os.path.exists, held)):
+                time.sleep(0.05)
+            assert all(map(os.path.exists, held)), f"{stage} of step {step} never reached: " + open(log).read()[-3000:]
+            proc.send_signal(signal.SIGTERM)
+            torchrun_code = proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                _kill_tree(proc)
+    exits = [os.path.join(markers, f"exit.rank{r}") for r in (0, 1)]
+    codes = [int(open(p).read()) if os.path.exists(p) else None for p in exits]  # None: the rank crashed
+    return codes, torchrun_code, open(log).read()
+
+
+@pytest.mark.parametrize("stage,step,saved,kept", [("rollout", 2, 1, [1]), ("update", 3, 3, [2, 3])])
+def test_sigterm_saves_the_last_finished_step_and_resumes_to_identical_metrics(tiny, full_run, tmp_path,
+                                                                               stage, step, saved, kept):
+    """SIGTERM during step 2's rollout abandons step 2 and saves step 1 (the state before the
+    rollout); during step 3's update the update finishes and step 3 is saved (after step 2's
+    periodic save: dist_checkpointing's writer process outlives the signal). Every rank exits
+    with EXIT_STOPPED; `--resume auto` then reproduces the uninterrupted run's metrics exactly."""
+    from hapo_megatron.training.checkpoint_manifest import verify
+    from hapo_megatron.training.preemption import EXIT_STOPPED
+    run_dir = str(tmp_path / stage)
+    codes, torchrun_code, out = _preempted_run(tiny, run_dir, stage, step)
+    assert codes == [EXIT_STOPPED, EXIT_STOPPED], out[-3000:]
+    assert torchrun_code != 0  # torchrun re-raises the signal it forwarded (docs/troubleshooting.md)
+    ckpts = os.path.join(run_dir, "checkpoints")
+    name = f"step_{saved:06d}"
+    assert open(os.path.join(ckpts, "latest")).read().strip() == name
+    assert sorted(os.listdir(ckpts)) == ["latest"] + [f"step_{k:06d}" for k in kept]  # step 2: save_interval
+    assert os.path.isfile(os.path.join(ckpts, name, "COMPLETE")) and verify(os.path.join(ckpts, name)) == []
+    assert f"stopping: SIGTERM received; step {saved} is saved in" in out
+    logged = [r["step"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "rollout/reward_mean" in r]
+    assert logged == list(range(1, saved + 1))
+    _run(_cmd(tiny, run_dir, "--resume", "auto"))
+    full = [strip_timing(r) for r in read_jsonl(os.path.join(full_run[0], "metrics.jsonl"))]
+    resumed = [strip_timing(r) for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
+    assert resumed == full
+
+
+def test_truncated_shard_in_newest_checkpoint_resumes_from_the_previous_one(tiny, full_run, tmp_path):
+    """A shard of step 4 cut short after its COMPLETE marker: `--resume auto` says it skips step 4
+    and why, resumes from step 2 and reproduces the uninterrupted run's steps 3-4."""
+    import shutil
+    run_dir = str(tmp_path / "truncated")
+    shutil.copytree(full_run[0], run_dir)
+    model = os.path.join(run_dir, "checkpoints", "step_000004", "model")
+    shard = sorted(f for f in os.listdir(model) if f.endswith(".distcp"))[0]
+    os.truncate(os.path.join(model, shard), os.path.getsize(os.path.join(model, shard)) // 2)
+    out = _run(_cmd(tiny, run_dir, "--resume", "auto"))
+    assert f"resume: skipping step_000004: checkpoint {os.path.join(run_dir, 'checkpoints', 'step_000004')} " \
+           f"fails verification against its manifest.json: model/{shard}:" in out, out[-3000:]
+    assert "resumed from " + os.path.join(run_dir, "checkpoints", "step_000002") in out
+    full = [strip_timing(r) for r in read_jsonl(os.path.join(full_run[0], "metrics.jsonl"))]
+    resumed = [strip_timing(r) for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
+    assert resumed == full

@@ -141,7 +141,11 @@ class DataConfig(_Section):
     prompt_key: str = "prompt"
     """Column holding the chat messages [{"role", "content"}, ...]."""
     max_prompt_length: int = 1024
-    """Longest prompt in tokens; a longer prompt is an error when the dataset is loaded."""
+    """Longest prompt in tokens; a longer prompt is an error when the dataset is loaded (unless
+    filter_overlong_prompts)."""
+    filter_overlong_prompts: bool = False
+    """Drop prompts longer than max_prompt_length (training and validation files) instead of
+    refusing the dataset; the count is logged at start and in the data/*_overlong_filtered metrics."""
     train_batch_size: int = 512
     """Prompts per training step (each gets rollout.n responses)."""
     val_max_samples: Optional[int] = None

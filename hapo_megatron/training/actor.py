@@ -22,7 +22,7 @@ from hapo_megatron.compat.processes import children_allowed
 from hapo_megatron.dtypes import torch_dtype
 from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.training.checkpoint import OPTIMIZER_FORMAT, optimizer_sharding_metadata
-from hapo_megatron.training.optimizer_checkpoint import load_optimizer_state, prepare_optimizer_for_load
+from hapo_megatron.training.optimizer_checkpoint import load_optimizer_state, ensure_adam_state
 
 LossFactory = Callable[[MicroBatch], Callable]
 
@@ -299,6 +299,7 @@ class MegatronActor:
         """Model + optimizer with Megatron dist_checkpointing (collective). The default optimizer
         format is layout-free (see `hapo_megatron.training.checkpoint.OPTIMIZER_FORMAT`)."""
         from megatron.core import dist_checkpointing
+        ensure_adam_state(self.optimizer)  # a save before the first optimizer step (a run stopped early)
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
         dist.barrier()
@@ -310,7 +311,7 @@ class MegatronActor:
         from megatron.core import dist_checkpointing
 
         from hapo_megatron.convert import unwrap_model
-        prepare_optimizer_for_load(self.optimizer)
+        ensure_adam_state(self.optimizer)
         state = dist_checkpointing.load(self._sharded_state_dict(True, optimizer_format), path)
         unwrap_model(self.model[0]).load_state_dict(state["model"])
         load_optimizer_state(self.optimizer, state["optimizer"])

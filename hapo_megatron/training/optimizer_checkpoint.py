@@ -10,8 +10,8 @@ only; the step itself is restored from the param groups as before.
 
 2. `DistributedOptimizer.state_dict()`, needed to build the sharded state dict it loads into,
 asserts on the per-parameter ``step`` that a fresh torch optimizer does not have yet (its
-init_state_fn creates exp_avg / exp_avg_sq only): `prepare_optimizer_for_load` gives it a zero
-state first.
+init_state_fn creates exp_avg / exp_avg_sq only): `ensure_adam_state` gives it a zero
+state first, before a save (a run stopped before its first update) or a load.
 
 3. `DistributedOptimizer.load_state_dict` gives all parameters ONE shared ``step`` tensor and then
 overwrites it with the pre-load value, so the bias correction after a resume would differ from
@@ -68,8 +68,10 @@ def _torch_adams(optimizer) -> list:
     return [o for o in inner if isinstance(o, torch.optim.Adam | torch.optim.AdamW)]
 
 
-def prepare_optimizer_for_load(optimizer) -> None:
-    """Gap 2 (module docstring): a zero Adam state with a ``step`` for every parameter that has none."""
+def ensure_adam_state(optimizer) -> None:
+    """Gap 2 (module docstring): a zero Adam state with a ``step`` for every parameter that has
+    none (what torch's Adam creates at its first step, so training is unchanged); call it before
+    building the sharded state dict, to save or to load."""
     for opt in _torch_adams(optimizer):
         for group in opt.param_groups:
             for p in group["params"]:
@@ -93,7 +95,7 @@ def _restore_adam_steps(optimizer, state_dict: Any) -> None:
 
 def load_optimizer_state(optimizer, state_dict: Any) -> None:
     """``optimizer.load_state_dict(state_dict)`` for any optimizer format this project saves
-    (call `prepare_optimizer_for_load` before building the sharded state dict)."""
+    (call `ensure_adam_state` before building the sharded state dict)."""
     with torch.no_grad(), _adam_steps_hidden_during_reshardable_load(optimizer):  # fp32 main params are views
         optimizer.load_state_dict(state_dict)
     _restore_adam_steps(optimizer, state_dict)

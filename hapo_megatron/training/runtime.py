@@ -8,6 +8,7 @@ datasets and the per-step metadata (broadcast from rank 0). The checkpointed RL 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -19,12 +20,14 @@ import torch.distributed as dist
 from hapo_megatron.config import HapoConfig
 from hapo_megatron.dtypes import torch_dtype
 from hapo_megatron.data import PromptDataset
+from hapo_megatron.parallel.collectives import all_gather_objects
 from hapo_megatron.parallel.groups import ParallelGroups
 from hapo_megatron.rewards import RewardResult
 from hapo_megatron.rewards.scoring import RewardScorer
 from hapo_megatron.rollout.engine import RolloutEngine
 from hapo_megatron.training.actor import MegatronActor
-from hapo_megatron.training.checkpoint import (CheckpointManager, Layout, read_checkpoint_info,
+from hapo_megatron.training.checkpoint import (CheckpointManager, Layout, capture_rng_state,
+                                               list_checkpoints, load_newest_loadable, read_checkpoint_info,
                                                resume_message)
 from hapo_megatron.training.metrics import MetricsLogger, Timer
 from hapo_megatron.training.engine_memory import EngineMemory
@@ -60,7 +63,7 @@ def build_datasets(cfg, tokenizer):
     """(train, val or None) PromptDatasets; malformed rows / long prompts raise ValueError here."""
     from hapo_megatron.data import PromptDataset
     kw = dict(prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
-              apply_chat_template=cfg.data.apply_chat_template)
+              apply_chat_template=cfg.data.apply_chat_template, filter_overlong=cfg.data.filter_overlong_prompts)
     if not cfg.data.train_files:
         raise ValueError("data.train_files is empty: name at least one .parquet or .jsonl file")
     train = PromptDataset(cfg.data.train_files, tokenizer, **kw)
@@ -104,6 +107,14 @@ class Runtime:
     def run_dir(self) -> str:
         return self.cfg.trainer.run_dir
 
+    def data_metrics(self) -> dict[str, float]:
+        """Prompts dropped by data.filter_overlong_prompts (only when it is on)."""
+        if not self.cfg.data.filter_overlong_prompts:
+            return {}
+        val = self.val_ds.num_overlong_filtered if self.val_ds is not None else 0
+        return {"data/train_overlong_filtered": float(self.train_ds.num_overlong_filtered),
+                "data/val_overlong_filtered": float(val)}
+
     @property
     def contributes_metrics(self) -> bool:
         """This rank's loss metrics count (TP rank 0 of the last pipeline stage, CP/DP all)."""
@@ -124,9 +135,28 @@ class Runtime:
         self.start_step = self.rl.step
         self.actor.load_train_state_dict(state)
 
-    def save_checkpoint(self) -> str:
-        state = self.checkpoint_state()
-        return self.ckpt.save(state.pop("step"), rl_state=state, save_model=self.actor.save)
+    def snapshot(self) -> "StepSnapshot":
+        """The checkpointed state as it is now (a copy): what a stop before the next update saves,
+        since until then the model and optimizer are unchanged (training/preemption.py)."""
+        return StepSnapshot(json.loads(json.dumps(self.checkpoint_state())), capture_rng_state())
+
+    def save_checkpoint(self, snapshot: Optional["StepSnapshot"] = None) -> str:
+        """Save the current state, or ``snapshot``'s RL and RNG state with the current model."""
+        state = dict(snapshot.rl_state) if snapshot else self.checkpoint_state()
+        return self.ckpt.save(state.pop("step"), rl_state=state, save_model=self.actor.save,
+                              rng_state=snapshot.rng_state if snapshot else None)
+
+
+@dataclass(frozen=True)
+class StepSnapshot:
+    """`Runtime.checkpoint_state` (JSON copy) and this rank's RNG states at one point in time."""
+
+    rl_state: dict[str, Any]
+    rng_state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.rl_state["step"])
 
 
 def setup_reference(rt: Runtime) -> None:
@@ -265,7 +295,8 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
         train_ds=train_ds, val_ds=val_ds, actor=actor, engine=None,
         reward_fn=get_reward_fn(cfg.reward.reward_fn), logger=logger,
         ckpt=CheckpointManager(ckpt_root, keep_last_k=cfg.trainer.keep_last_k or 10**9, rank=rank,
-                               barrier=dist.barrier, layout=Layout.from_groups(groups)),
+                               barrier=dist.barrier, layout=Layout.from_groups(groups), world_size=world,
+                               gather=all_gather_objects),
         rl=RLState(
             sampler=PromptSampler(train_ds, cfg.data.train_batch_size if cfg.rollout.generate_batch_size is None
                                   else cfg.rollout.generate_batch_size, seed=cfg.data.seed,
@@ -273,10 +304,19 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
             dyn=DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
                                max_num_gen_batches=cfg.algo.max_num_gen_batches)),
         scorer=RewardScorer.from_config(cfg.reward) if rank == 0 else None)
+    for name, n in rt.data_metrics().items():
+        logger.write(f"{name}: dropped {n:.0f} prompt(s) longer than data.max_prompt_length="
+                     f"{cfg.data.max_prompt_length} (data.filter_overlong_prompts)")
     _start_engine(rt)
     if resume_from:
+        if str(cfg.trainer.resume).lower() == "auto":  # a damaged newest checkpoint: an older one
+            newest_first = [path for _, path in reversed(list_checkpoints(ckpt_root, warn=False))]
+            resume_from, state = load_newest_loadable(rt.ckpt, newest_first, load_model=actor.load,
+                                                      log=logger.write)
+        else:  # the checkpoint asked for, or an error naming it
+            state = rt.ckpt.load(resume_from, load_model=actor.load)
         logger.write(resume_message(resume_from, read_checkpoint_info(resume_from), rt.ckpt.layout))
-        rt.restore(rt.ckpt.load(resume_from, load_model=actor.load))
+        rt.restore(state)
         logger.resume(rt.rl.step)
         logger.write(f"resumed from {resume_from} at step {rt.rl.step}")
     return rt
