@@ -91,14 +91,29 @@ def _load_model_config(path: Optional[str]):
         raise ValueError(f"model.hf_model_path: cannot read an HF config from {path!r}: {e}") from None
 
 
+def resolve_model_sources(cfg) -> None:
+    """Hub names in model.hf_model_path / data.tokenizer_path -> their local snapshots, in place,
+    before anything reads them (models/hub.py): the actor, tokenizer, servers and exports then
+    read the same files."""
+    from hapo_megatron.models.hub import resolve_model_path
+    name = cfg.model.hf_model_path
+    local = resolve_model_path(name, "model.hf_model_path")
+    if cfg.data.tokenizer_path == name:
+        cfg.data.tokenizer_path = local
+    else:
+        cfg.data.tokenizer_path = resolve_model_path(cfg.data.tokenizer_path, "data.tokenizer_path")
+    cfg.model.hf_model_path = local
+
+
 def preflight(cfg, world_size: int):
     """Every check that can fail on the inputs, before any process group or model exists.
 
     Returns ``(tokenizer, (train_dataset, val_dataset))``. Raises ValueError / FileNotFoundError
     with a message naming the config field or the file/row.
     """
-    from hapo_megatron.training.runtime import build_datasets, load_tokenizer
+    from hapo_megatron.training.runtime import build_datasets, initial_hf_weights, load_tokenizer
     from hapo_megatron.training.context import check_sequence_fits, sglang_context_args
+    resolve_model_sources(cfg)
     hf_config = _load_model_config(cfg.model.hf_model_path)
     check_parallel_fits_model(hf_config, cfg.parallel)
     check_sequence_fits(hf_config, cfg)
@@ -108,6 +123,7 @@ def preflight(cfg, world_size: int):
     cfg.parallel.validate_world(world_size)
     if cfg.model.megatron_load_path and not os.path.isdir(cfg.model.megatron_load_path):
         raise FileNotFoundError(f"model.megatron_load_path: {cfg.model.megatron_load_path!r} does not exist")
+    initial_hf_weights(cfg.model)  # weights, a Megatron checkpoint, or model.random_init=true
     resolve_resume(cfg.trainer.resume, os.path.join(cfg.trainer.run_dir, "checkpoints"))
     for i, f in enumerate(list(cfg.data.train_files) + list(cfg.data.val_files)):
         if not os.path.isfile(f):
