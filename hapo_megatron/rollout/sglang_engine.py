@@ -437,18 +437,26 @@ class SGLangEngine:
             self._send_tensor_buckets(named, groups)
 
     def _send_tensor_buckets(self, named: Iterable, groups: dict) -> None:
+        """One serialisation per server TP rank (weight_sync.serialize_bucket_for_sglang says why).
+
+        Several trainer ranks (colocated, world_size > 1): server ``s``'s TP rank ``i`` runs on
+        the GPU of trainer rank ``s * tp + i`` (the launch places it there), and that rank
+        serialises its own copy of the bucket on its own GPU; the server's leader gathers them.
+        One process (world_size == 1: `hapo doctor`, the per-node sync of node_servers.py) holds
+        the only copy, so it serialises it ``tp`` times from its own GPU: each TP rank still gets
+        its own CUDA-IPC reference (safe: the bucket lives until the server has answered and all
+        ranks released theirs); TP ranks on other GPUs map it from this process's GPU."""
+        per_server_rank = self.tp if self.world_size == 1 else 1
         for bucket, last in ws.with_last(ws.bucket_named_tensors(named, self.bucket_bytes)):
-            blob, keepalive = ws.serialize_bucket_for_sglang(bucket)
+            blobs, keepalive = ws.serialize_bucket_for_sglang(bucket, per_server_rank)
             for s, (leader, pg) in groups.items():
                 if self.world_size > 1 and self.rank // self.tp != s:
                     continue
-                if self.world_size == 1:
-                    per_rank = [blob] * self.tp  # every server TP rank maps the same IPC handle
-                elif pg is None:
-                    per_rank = [blob]
+                if self.world_size == 1 or pg is None:
+                    per_rank = blobs
                 else:
                     per_rank = [None] * self.tp if self.rank == leader else None
-                    torch.distributed.gather_object(blob, per_rank, dst=leader, group=pg)
+                    torch.distributed.gather_object(blobs[0], per_rank, dst=leader, group=pg)
                 if self.rank == leader:
                     _check_success(self.http.request(self.servers[s], "/update_weights_from_tensor",
                                                      ws.tensor_update_payload(per_rank, flush_cache=last), retries=0),
