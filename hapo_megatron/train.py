@@ -43,26 +43,38 @@ def check_parallel_fits_model(hf_config, parallel) -> None:
 
 
 def rollout_round_bound_s(cfg) -> Optional[float]:
-    """Longest one generation round may block the other ranks (seconds), where it is bounded:
-    with the sglang engine every request gives up after request_timeout_s x (max_retries + 1)."""
+    """Longest one generation round of the sglang engine may take (seconds; None for an engine
+    without a per-request bound): its ``generate_batch_size x n`` rows go out as calls of
+    rows_per_call, ``workers`` at a time (SGLangEngine.generate), so in ``ceil(calls / workers)``
+    waves, each call giving up after request_timeout_s x (max_retries + 1). With num_servers=0
+    (one per GPU group, known only at launch) one server is assumed: the fewest workers, the
+    most waves."""
     if cfg.rollout.engine != "sglang":
         return None
+    from hapo_megatron.rollout.sglang_engine import generate_call_plan
     s = cfg.rollout.sglang
-    return float(s.request_timeout_s) * (int(s.max_retries) + 1)
+    rows = (cfg.rollout.generate_batch_size or cfg.data.train_batch_size) * cfg.rollout.n
+    servers = len(s.server_urls) if s.server_urls else s.num_servers
+    calls, workers = generate_call_plan(rows, servers)
+    waves = -(-calls // workers)
+    return waves * float(s.request_timeout_s) * (int(s.max_retries) + 1)
 
 
 def check_dist_timeout(cfg) -> None:
-    """trainer.dist_timeout_minutes must outlast one generation round: the other ranks wait for
-    rank 0 in a broadcast that it answers after every round (stages.rollout)."""
+    """trainer.dist_timeout_minutes must outlast one generation round: a round that may run longer
+    than the job's timeout is refused at start, not discovered hours in. (The other ranks wait on
+    rank 0's CPU-group heartbeats, training/rollout_protocol.py, not in one collective per round.)"""
     bound = rollout_round_bound_s(cfg)
     timeout_s = 60.0 * cfg.trainer.dist_timeout_minutes
     if bound is not None and timeout_s <= bound:
+        s = cfg.rollout.sglang
+        rows = (cfg.rollout.generate_batch_size or cfg.data.train_batch_size) * cfg.rollout.n
+        waves = round(bound / (float(s.request_timeout_s) * (int(s.max_retries) + 1)))
         raise ValueError(
             f"trainer.dist_timeout_minutes={cfg.trainer.dist_timeout_minutes:g} ({timeout_s:.0f} s) is not longer than "
-            f"one generation round may take ({bound:.0f} s = rollout.sglang.request_timeout_s="
-            f"{cfg.rollout.sglang.request_timeout_s:g} x (rollout.sglang.max_retries={cfg.rollout.sglang.max_retries} + 1)"
-            "), while which the other ranks wait in a broadcast: raise trainer.dist_timeout_minutes or lower "
-            "rollout.sglang.request_timeout_s")
+            f"one generation round may take ({bound:.0f} s = {waves} waves of /generate calls for {rows} rows x "
+            f"rollout.sglang.request_timeout_s={s.request_timeout_s:g} x (rollout.sglang.max_retries={s.max_retries} + 1)"
+            "): raise trainer.dist_timeout_minutes, lower rollout.sglang.request_timeout_s or add servers")
 
 
 def check_server_placement(cfg, world_size: int, env=None) -> None:

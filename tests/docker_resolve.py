@@ -6,13 +6,15 @@ version the Dockerfile installs, under the constraints the image has at that ste
 
 - the constraints file that step 1 writes (`keep-torch.txt`), computed from step 1's report with
   the Dockerfile's own `grep -iE` pattern, from the `ENV PIP_CONSTRAINT=...keep-torch.txt` line on;
-- everything installed by an earlier step, pinned: a later step that would replace an installed
-  version (a downgrade of what an earlier step resolved) does not resolve, as in the image, where
-  it would silently swap it.
+- the `==` pins of the requirement files earlier steps installed (what the image promises: a later
+  step that needs another version of one does not resolve, where the image would silently swap it).
 
-`--no-deps` installs are resolved alone (their metadata still enters the final consistency check).
-A requirement that exists only as an sdist built in the image (Transformer Engine's torch extension)
-is given to pip as a metadata-only local wheel with the requirements its build declares.
+A later step may still replace an unpinned dependency an earlier one chose (pip does that too), so
+the replay ends with `pip check` over the final set: every installed distribution's requirements
+(for the image's markers) are met by what the last step left. `--no-deps` installs are resolved
+alone (their metadata still enters that check). A requirement that exists only as an sdist built in
+the image (Transformer Engine's torch extension) is given to pip as a metadata-only local wheel
+with the requirements its build declares.
 """
 
 import json
@@ -59,6 +61,8 @@ def pip_steps(instructions):
         if kw != "RUN":
             continue
         for words in _commands(arg):
+            while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):  # VAR=value before the command
+                words = words[1:]
             if words[:2] == ["pip", "install"]:
                 steps.append((words[2:], constrained))
     return steps
@@ -163,18 +167,19 @@ def replay(instructions, root: str, workdir: str | None = None):
     pip = fetch_pip(image_pip_version(instructions), workdir)
     links = build_metadata_wheels(workdir)
     freeze = freeze_pattern(instructions)
-    installed, requires, keep, timings = {}, {}, None, []
+    installed, requires, keep, timings, promised = {}, {}, None, [], []
     for args, constrained in pip_steps(instructions):
         if args and args[0].startswith("pip=="):  # the pip/setuptools/wheel bootstrap
             continue
         if "-e" in args:  # the package itself, --no-deps from the source tree
             continue
         t0 = time.perf_counter()
-        cons = [[f"{n}=={v}" for n, v in installed.items()]]
+        cons = [promised] if promised else []
         if constrained:
             assert keep is not None, "PIP_CONSTRAINT names keep-torch.txt before step 1 wrote it"
             cons.append(keep)
         report = dry_run(pip, args, cons, workdir, links, root)
+        promised += [f"{n}=={v}" for f in _requirement_files(args) for n, v in _file_pins(root, f).items()]
         timings.append((" ".join(args), time.perf_counter() - t0))
         for item in report["install"]:
             meta = item["metadata"]
@@ -186,6 +191,23 @@ def replay(instructions, root: str, workdir: str | None = None):
                     for item in report["install"]
                     if freeze.match(f"{item['metadata']['name']}=={item['metadata']['version']}")]
     return installed, requires, timings
+
+
+def _requirement_files(args: list) -> list:
+    return [args[i + 1] for i, a in enumerate(args[:-1]) if a == "-r"]
+
+
+def _file_pins(root: str, path: str) -> dict:
+    pins = {}
+    with open(os.path.join(root, path), encoding="utf-8") as f:
+        for line in f:
+            line = line.split(" #", 1)[0].strip()
+            if line and not line.startswith("#"):
+                req = Requirement(line)
+                for spec in req.specifier:
+                    if spec.operator == "==":
+                        pins[canonicalize_name(req.name)] = spec.version
+    return pins
 
 
 def unmet_requirements(installed: dict, requires: dict, left_out: dict) -> list:

@@ -189,6 +189,18 @@ def agree_on_api_key(api_key: Optional[str], key_file: Optional[str], *, create:
     return key
 
 
+REQUESTS_PER_CALL = 64  # rows per /generate call
+CALLS_PER_SERVER = 8  # concurrent /generate calls per server
+
+
+def generate_call_plan(num_rows: int, num_servers: int,
+                       requests_per_call: int = REQUESTS_PER_CALL) -> tuple[int, int]:
+    """``(calls, concurrent workers)`` of one :meth:`SGLangEngine.generate` over ``num_rows``
+    rows: the calls run in ``ceil(calls / workers)`` waves, each as long as its slowest call."""
+    calls = -(-int(num_rows) // int(requests_per_call))
+    return calls, max(1, min(calls, CALLS_PER_SERVER * max(1, int(num_servers))))
+
+
 class SGLangEngine:
     """Rollouts on SGLang servers; see the module docstring.
 
@@ -217,7 +229,7 @@ class SGLangEngine:
                  weight_sync: str = "auto", bucket_size_mb: int = 512, request_timeout_s: float = 600.0,
                  max_retries: int = 3, colocate: bool = True,
                  extra_server_args: Sequence[str] = (), port_base: int = 30000, tokenizer: Any = None,
-                 dtype: Any = torch.bfloat16, launch_timeout_s: float = 900.0, requests_per_call: int = 64,
+                 dtype: Any = torch.bfloat16, launch_timeout_s: float = 900.0, requests_per_call: int = REQUESTS_PER_CALL,
                  send_sampling_seed: bool = False, disk_sync_dir: Optional[str] = None,
                  log_dir: Optional[str] = None, collective: bool = False, wait_for_servers: bool = True,
                  session: Any = None, launch: bool = True, group_name: str = "hapo_weight_sync",
@@ -361,7 +373,7 @@ class SGLangEngine:
                 raise SGLangError(f"/generate returned {type(answer).__name__} for {len(idx)} rows")
             return [parse_generate_item(a) for a in answer]
 
-        workers = max(1, min(len(chunks), 8 * len(self.servers)))
+        _, workers = generate_call_plan(len(rows), len(self.servers), self.requests_per_call)
         with ThreadPoolExecutor(max_workers=workers) as pool:
             results = [r for chunk in pool.map(run, range(len(chunks))) for r in chunk]
         out: list[list[Sample]] = [[] for _ in prompts]
@@ -553,5 +565,5 @@ def _check_success(answer: Any, what: str) -> None:
         raise SGLangError(f"{what} failed: {answer.get('message')}")
 
 
-__all__ = ["SGLangEngine", "row_sampling_params", "row_seeds", "generate_payload", "parse_generate_item",
+__all__ = ["SGLangEngine", "generate_call_plan", "row_sampling_params", "row_seeds", "generate_payload", "parse_generate_item",
            "resolve_weight_sync", "WEIGHT_SYNC_MODES"]

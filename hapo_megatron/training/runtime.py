@@ -117,6 +117,7 @@ class Runtime:
     reference: Optional[list[torch.nn.Module]] = None  # frozen KL reference chunks (algo.kl_loss_coef > 0)
     offloader: Optional[StorageOffloader] = None  # colocated SGLang on CUDA, else None
     engine_released: set[str] = field(default_factory=set)  # engine memory regions released (engine_memory)
+    control: Any = None  # rollout_protocol.Rank0Channel: rank 0's messages while it alone works (CPU group)
 
     @property
     def is_main(self) -> bool:
@@ -294,6 +295,8 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
                                   shuffle=cfg.data.shuffle),
             dyn=DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
                                max_num_gen_batches=cfg.algo.max_num_gen_batches)))
+    from hapo_megatron.training.rollout_protocol import Rank0Channel
+    rt.control = Rank0Channel.create(timeout_minutes=cfg.trainer.dist_timeout_minutes)  # collective
     _start_engine(rt)
     if resume_from:
         logger.write(resume_message(resume_from, read_checkpoint_info(resume_from), rt.ckpt.layout))
