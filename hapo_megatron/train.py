@@ -42,29 +42,32 @@ def check_parallel_fits_model(hf_config, parallel) -> None:
                          f"num_hidden_layers={hf_config.num_hidden_layers}")
 
 
-def rollout_round_bound_s(cfg) -> Optional[float]:
+def rollout_round_bound_s(cfg, world_size: int = 1) -> Optional[float]:
     """Longest one generation round of the sglang engine may take (seconds; None for an engine
     without a per-request bound): its ``generate_batch_size x n`` rows go out as calls of
-    rows_per_call, ``workers`` at a time (SGLangEngine.generate), so in ``ceil(calls / workers)``
-    waves, each call giving up after request_timeout_s x (max_retries + 1). With num_servers=0
-    (one per GPU group, known only at launch) one server is assumed: the fewest workers, the
-    most waves."""
+    REQUESTS_PER_CALL rows, ``workers`` at a time (SGLangEngine.generate), so in
+    ``ceil(calls / workers)`` waves, each call giving up after request_timeout_s x (max_retries + 1).
+    num_servers=0 colocated means one server per server_tp_size of the ``world_size`` training
+    GPUs; not colocated, their number is known only at launch and one is assumed (the fewest
+    workers, the most waves)."""
     if cfg.rollout.engine != "sglang":
         return None
     from hapo_megatron.rollout.sglang_engine import generate_call_plan
     s = cfg.rollout.sglang
     rows = (cfg.rollout.generate_batch_size or cfg.data.train_batch_size) * cfg.rollout.n
     servers = len(s.server_urls) if s.server_urls else s.num_servers
+    if not servers and s.colocate:
+        servers = int(world_size) // int(s.server_tp_size)
     calls, workers = generate_call_plan(rows, servers)
     waves = -(-calls // workers)
     return waves * float(s.request_timeout_s) * (int(s.max_retries) + 1)
 
 
-def check_dist_timeout(cfg) -> None:
+def check_dist_timeout(cfg, world_size: int = 1) -> None:
     """trainer.dist_timeout_minutes must outlast one generation round: a round that may run longer
     than the job's timeout is refused at start, not discovered hours in. (The other ranks wait on
     rank 0's CPU-group heartbeats, training/rollout_protocol.py, not in one collective per round.)"""
-    bound = rollout_round_bound_s(cfg)
+    bound = rollout_round_bound_s(cfg, world_size)
     timeout_s = 60.0 * cfg.trainer.dist_timeout_minutes
     if bound is not None and timeout_s <= bound:
         s = cfg.rollout.sglang
@@ -130,7 +133,7 @@ def preflight(cfg, world_size: int):
     check_parallel_fits_model(hf_config, cfg.parallel)
     check_sequence_fits(hf_config, cfg)
     sglang_context_args(cfg, cfg.rollout.sglang.extra_server_args)  # no clashing server flags
-    check_dist_timeout(cfg)
+    check_dist_timeout(cfg, world_size)
     check_server_placement(cfg, world_size)
     cfg.parallel.validate_world(world_size)
     if cfg.model.megatron_load_path and not os.path.isdir(cfg.model.megatron_load_path):

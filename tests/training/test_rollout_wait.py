@@ -126,8 +126,12 @@ def test_timeout_shorter_than_one_round_is_refused():
     check_dist_timeout(cfg)
     cfg.rollout.sglang.num_servers = 16  # 128 workers: one wave
     assert rollout_round_bound_s(cfg) == 1800 * 4
-    cfg.rollout.sglang.num_servers = 0  # one per GPU group: counted as one server (8 workers, 16 waves)
-    assert rollout_round_bound_s(cfg) == 16 * 1800 * 4
+    cfg.rollout.sglang.num_servers = 0  # colocated: one per server_tp_size training GPUs
+    cfg.rollout.sglang.colocate, cfg.rollout.sglang.server_tp_size = True, 2
+    assert rollout_round_bound_s(cfg, world_size=8) == 4 * 1800 * 4  # 4 servers
+    assert rollout_round_bound_s(cfg, world_size=16) == 2 * 1800 * 4  # 8 servers
+    cfg.rollout.sglang.colocate = False  # not known before launch: one server, 8 workers, 16 waves
+    assert rollout_round_bound_s(cfg, world_size=8) == 16 * 1800 * 4
     cfg.rollout.generate_batch_size = 1024  # the rows of a round follow the generation batch
     assert rollout_round_bound_s(cfg) == 32 * 1800 * 4
     cfg.rollout.engine = "hf"  # no per-request bound to check against
