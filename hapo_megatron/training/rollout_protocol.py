@@ -18,7 +18,7 @@ from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 
-from hapo_megatron.training.runtime import broadcast_object
+from hapo_megatron.parallel.collectives import broadcast_object
 
 DONE, ERROR, HEARTBEAT, PROGRESS = "done", "error", "heartbeat", "progress"
 

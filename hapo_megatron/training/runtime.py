@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from hapo_megatron.config import HapoConfig
 from hapo_megatron.data import PromptDataset
+from hapo_megatron.parallel.collectives import broadcast_object  # noqa: F401 - re-exported (stages, tests)
 from hapo_megatron.parallel.groups import ParallelGroups
 from hapo_megatron.rewards import RewardResult
 from hapo_megatron.rollout.engine import RolloutEngine
@@ -31,15 +32,6 @@ from hapo_megatron.training.rl_step import DynamicSampler
 
 if TYPE_CHECKING:  # transformers is imported only where a tokenizer or config is loaded
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
-
-
-def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
-    """``obj`` from global rank ``src`` on every rank of ``group`` (pickled)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return obj
-    box = [obj if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
 
 
 def load_tokenizer(path: str):
