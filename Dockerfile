@@ -39,7 +39,7 @@ COPY requirements/ requirements/
 RUN pip install -r requirements/torch.txt \
     && mkdir -p /opt/hapo \
     && pip list --format=freeze \
-       | grep -iE '^(torch|torchvision|triton|nvidia-[a-z0-9-]+|cuda-toolkit|cuda-bindings)==' \
+       | grep -iE '^(torch|torchvision|triton|nvidia-[a-z0-9-]+|cuda-toolkit|cuda-bindings|cuda-python|cuda-pathfinder)==' \
        > /opt/hapo/keep-torch.txt \
     && python -c "import torch; print(torch.__version__)" > /opt/hapo/torch-version.txt \
     && cat /opt/hapo/keep-torch.txt /opt/hapo/torch-version.txt
@@ -50,12 +50,13 @@ ENV PIP_CONSTRAINT="${PIP_CONSTRAINT:+${PIP_CONSTRAINT} }/opt/hapo/keep-torch.tx
 RUN NVTE_FRAMEWORK=pytorch NVTE_PYTORCH_FORCE_BUILD=TRUE MAX_JOBS=${MAX_JOBS:-8} \
     pip install --no-build-isolation -r requirements/te.txt
 
-# 3. Our dependencies (megatron-core pinned to the TE range above), then SGLang without its
-#    dependencies (it declares torchaudio/torchcodec built for other torch versions) and the rest
-#    of its dependencies (sglang-kernel, flashinfer, ... with SGLang's own pins).
-RUN pip install -r requirements/base.txt
+# 3. SGLang without its dependencies (it declares torchaudio/torchcodec built for other torch
+#    versions), then our dependencies (megatron-core pinned to the TE range above) and the rest of
+#    SGLang's (sglang-kernel, flashinfer, ... with SGLang's own pins) in ONE resolution, so that no
+#    later install swaps what an earlier one chose (tests/test_dockerfile.py replays these steps
+#    with pip's resolver).
 RUN pip install --no-deps -r requirements/sglang.txt \
-    && pip install -r requirements/sglang-runtime.txt
+    && pip install -r requirements/base.txt -r requirements/sglang-runtime.txt
 
 # 4. The package itself, editable so that a checkout mounted over /opt/hapo_megatron takes effect.
 COPY setup.cfg pyproject.toml README.md ./

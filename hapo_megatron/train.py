@@ -42,27 +42,42 @@ def check_parallel_fits_model(hf_config, parallel) -> None:
                          f"num_hidden_layers={hf_config.num_hidden_layers}")
 
 
-def rollout_round_bound_s(cfg) -> Optional[float]:
-    """Longest one generation round may block the other ranks (seconds), where it is bounded:
-    with the sglang engine every request gives up after request_timeout_s x (max_retries + 1)."""
+def rollout_round_bound_s(cfg, world_size: int = 1) -> Optional[float]:
+    """Longest one generation round of the sglang engine may take (seconds; None for an engine
+    without a per-request bound): its ``generate_batch_size x n`` rows go out as calls of
+    REQUESTS_PER_CALL rows, ``workers`` at a time (SGLangEngine.generate), so in
+    ``ceil(calls / workers)`` waves, each call giving up after request_timeout_s x (max_retries + 1).
+    num_servers=0 colocated means one server per server_tp_size of the ``world_size`` training
+    GPUs; not colocated, their number is known only at launch and one is assumed (the fewest
+    workers, the most waves)."""
     if cfg.rollout.engine != "sglang":
         return None
+    from hapo_megatron.rollout.sglang_engine import generate_call_plan
     s = cfg.rollout.sglang
-    return float(s.request_timeout_s) * (int(s.max_retries) + 1)
+    rows = (cfg.rollout.generate_batch_size or cfg.data.train_batch_size) * cfg.rollout.n
+    servers = len(s.server_urls) if s.server_urls else s.num_servers
+    if not servers and s.colocate:
+        servers = int(world_size) // int(s.server_tp_size)
+    calls, workers = generate_call_plan(rows, servers)
+    waves = -(-calls // workers)
+    return waves * float(s.request_timeout_s) * (int(s.max_retries) + 1)
 
 
-def check_dist_timeout(cfg) -> None:
-    """trainer.dist_timeout_minutes must outlast one generation round: the other ranks wait for
-    rank 0 in a broadcast that it answers after every round (stages.rollout)."""
-    bound = rollout_round_bound_s(cfg)
+def check_dist_timeout(cfg, world_size: int = 1) -> None:
+    """trainer.dist_timeout_minutes must outlast one generation round: a round that may run longer
+    than the job's timeout is refused at start, not discovered hours in. (The other ranks wait on
+    rank 0's CPU-group heartbeats, training/rollout_protocol.py, not in one collective per round.)"""
+    bound = rollout_round_bound_s(cfg, world_size)
     timeout_s = 60.0 * cfg.trainer.dist_timeout_minutes
     if bound is not None and timeout_s <= bound:
+        s = cfg.rollout.sglang
+        rows = (cfg.rollout.generate_batch_size or cfg.data.train_batch_size) * cfg.rollout.n
+        waves = round(bound / (float(s.request_timeout_s) * (int(s.max_retries) + 1)))
         raise ValueError(
             f"trainer.dist_timeout_minutes={cfg.trainer.dist_timeout_minutes:g} ({timeout_s:.0f} s) is not longer than "
-            f"one generation round may take ({bound:.0f} s = rollout.sglang.request_timeout_s="
-            f"{cfg.rollout.sglang.request_timeout_s:g} x (rollout.sglang.max_retries={cfg.rollout.sglang.max_retries} + 1)"
-            "), while which the other ranks wait in a broadcast: raise trainer.dist_timeout_minutes or lower "
-            "rollout.sglang.request_timeout_s")
+            f"one generation round may take ({bound:.0f} s = {waves} waves of /generate calls for {rows} rows x "
+            f"rollout.sglang.request_timeout_s={s.request_timeout_s:g} x (rollout.sglang.max_retries={s.max_retries} + 1)"
+            "): raise trainer.dist_timeout_minutes, lower rollout.sglang.request_timeout_s or add servers")
 
 
 def check_server_placement(cfg, world_size: int, env=None) -> None:
@@ -91,23 +106,39 @@ def _load_model_config(path: Optional[str]):
         raise ValueError(f"model.hf_model_path: cannot read an HF config from {path!r}: {e}") from None
 
 
+def resolve_model_sources(cfg) -> None:
+    """Hub names in model.hf_model_path / data.tokenizer_path -> their local snapshots, in place,
+    before anything reads them (models/hub.py): the actor, tokenizer, servers and exports then
+    read the same files."""
+    from hapo_megatron.models.hub import resolve_model_path
+    name = cfg.model.hf_model_path
+    local = resolve_model_path(name, "model.hf_model_path")
+    if cfg.data.tokenizer_path == name:
+        cfg.data.tokenizer_path = local
+    else:
+        cfg.data.tokenizer_path = resolve_model_path(cfg.data.tokenizer_path, "data.tokenizer_path")
+    cfg.model.hf_model_path = local
+
+
 def preflight(cfg, world_size: int):
     """Every check that can fail on the inputs, before any process group or model exists.
 
     Returns ``(tokenizer, (train_dataset, val_dataset))``. Raises ValueError / FileNotFoundError
     with a message naming the config field or the file/row.
     """
-    from hapo_megatron.training.runtime import build_datasets, load_tokenizer
+    from hapo_megatron.training.runtime import build_datasets, initial_hf_weights, load_tokenizer
     from hapo_megatron.training.context import check_sequence_fits, sglang_context_args
+    resolve_model_sources(cfg)
     hf_config = _load_model_config(cfg.model.hf_model_path)
     check_parallel_fits_model(hf_config, cfg.parallel)
     check_sequence_fits(hf_config, cfg)
     sglang_context_args(cfg, cfg.rollout.sglang.extra_server_args)  # no clashing server flags
-    check_dist_timeout(cfg)
+    check_dist_timeout(cfg, world_size)
     check_server_placement(cfg, world_size)
     cfg.parallel.validate_world(world_size)
     if cfg.model.megatron_load_path and not os.path.isdir(cfg.model.megatron_load_path):
         raise FileNotFoundError(f"model.megatron_load_path: {cfg.model.megatron_load_path!r} does not exist")
+    initial_hf_weights(cfg.model)  # weights, a Megatron checkpoint, or model.random_init=true
     resolve_resume(cfg.trainer.resume, os.path.join(cfg.trainer.run_dir, "checkpoints"))
     for i, f in enumerate(list(cfg.data.train_files) + list(cfg.data.val_files)):
         if not os.path.isfile(f):

@@ -448,3 +448,70 @@ def test_declared_requirements_match_pypi_metadata():
     assert not problems, "\n".join(problems)
     if len(unread) == len(DECLARED):
         pytest.skip(f"PyPI's JSON API gave no metadata for {unread}")
+
+
+# ------------------------------------------------------- the steps, replayed by pip's resolver
+# sglang 0.5.23 declares these, left out of the image on purpose (docs/docker.md): built for
+# another torch (torchaudio 2.11), video decoding (torchcodec).
+LEFT_OUT = {"sglang": {"torchaudio", "torchcodec"}}
+
+
+def test_replay_reads_the_dockerfile_steps(instructions):
+    from tests.docker_resolve import freeze_pattern, image_pip_version, pip_steps
+    steps = pip_steps(instructions)
+    files = [[a for i, a in enumerate(args) if i and args[i - 1] == "-r"] for args, _ in steps]
+    assert files[1:5] == [["requirements/torch.txt"], ["requirements/te.txt"], ["requirements/sglang.txt"],
+                          ["requirements/base.txt", "requirements/sglang-runtime.txt"]], files
+    # our pins and SGLang's runtime pins in ONE resolution: no later step swaps what base.txt chose
+    assert [c for _, c in steps][1:] == [False, True, True, True, True]  # keep-torch.txt from step 2 on
+    keep = freeze_pattern(instructions)
+    for frozen in ("torch==2.14.1", "cuda-bindings==13.4.4", "cuda-python==13.4.4", "nvidia-nccl-cu13==2.30.7"):
+        assert keep.match(frozen), frozen
+    assert not keep.match("numpy==2.4.6")
+    assert image_pip_version(instructions) == "25.3"
+
+
+def test_no_router_in_the_image(requirement_files):
+    names = {canonicalize_name(r.name) for reqs in requirement_files.values() for r in reqs}
+    assert "sglang-router" not in names  # rollout.sglang.use_router is refused at start
+
+
+def test_consistency_check_catches_an_unmet_requirement():
+    from tests.docker_resolve import unmet_requirements
+    installed = {"cuda-python": "13.4.4", "cuda-bindings": "13.5.0", "sglang": "0.5.23"}
+    requires = {"cuda-python": ["cuda-bindings~=13.4.4"], "cuda-bindings": ['pywin32; sys_platform == "win32"'],
+                "sglang": ["torchaudio==2.11.0", 'decord; platform_machine == "aarch64"']}
+    assert unmet_requirements(installed, requires, LEFT_OUT) == [
+        "cuda-python==13.4.4 requires cuda-bindings~=13.4.4, the image has cuda-bindings==13.5.0"]
+    assert len(unmet_requirements(installed, requires, {})) == 2  # torchaudio, when not left out
+
+
+@pytest.fixture(scope="module")
+def replayed(instructions, tmp_path_factory):
+    """The Dockerfile's pip steps resolved by the image's pip (tests/docker_resolve.py); several
+    minutes on a busy 2-core machine (every distribution's metadata by HTTP range requests)."""
+    from tests.docker_resolve import PipUnavailable, replay
+    try:
+        installed, requires, timings = replay(instructions, ROOT, str(tmp_path_factory.mktemp("docker-resolve")))
+    except PipUnavailable as e:
+        pytest.skip(f"pip's resolver could not reach the package index: {e}")
+    for args, seconds in timings:
+        print(f"pip install --dry-run {args}: {seconds:.0f} s")
+    return installed, requires
+
+
+@pytest.mark.slow
+def test_image_steps_resolve_with_pip(replayed):
+    installed, _ = replayed
+    assert installed["torch"] == "2.14.1" and installed["sglang"] == TESTED_SGLANG
+    assert installed["transformer-engine"] == "2.11.0" and installed["transformer-engine-torch"] == "2.11.0"
+    runtime = pins(read_requirements("requirements/sglang-runtime.txt"))
+    for name, version in {**pins(read_requirements("requirements/base.txt")), **runtime}.items():
+        assert Version(installed[name]) == Version(version), f"{name}: {installed[name]} installed, {version} pinned"
+
+
+@pytest.mark.slow
+def test_image_meets_every_declared_requirement(replayed):
+    from tests.docker_resolve import unmet_requirements
+    installed, requires = replayed
+    assert unmet_requirements(installed, requires, LEFT_OUT) == []

@@ -283,9 +283,16 @@ class ModelConfig(_Section):
     _path: ClassVar[str] = "model"
 
     hf_model_path: Optional[str] = None
-    """HF checkpoint (directory or hub name) for the architecture, tokenizer and initial weights."""
+    """HF checkpoint (directory or hub name) for the architecture, tokenizer and initial weights. A
+    hub name (Qwen/Qwen2.5-Math-7B) is resolved at start to its local snapshot in the HF cache
+    (downloaded there if missing; HF_HOME / HF_HUB_OFFLINE apply), which the actor, the tokenizer,
+    the SGLang servers and HF exports then all read."""
     megatron_load_path: Optional[str] = None
     """Start from this Megatron checkpoint instead of converting the HF weights."""
+    random_init: bool = False
+    """Train from a random initialisation (seeded) instead of the weights of model.hf_model_path,
+    which then supplies only the architecture and tokenizer. Without it, a model.hf_model_path
+    holding no weights and no model.megatron_load_path refuse to start."""
     dtype: str = "bf16"
     """Training parameter dtype: bf16, fp16 or fp32 (CPU runs use fp32)."""
     use_te: Optional[bool] = None
@@ -308,4 +315,7 @@ class ModelConfig(_Section):
 
     def _validate(self) -> None:
         _check_choice("model.dtype", self.dtype, DTYPES)
+        if self.random_init and self.megatron_load_path:
+            _fail("model.random_init=true and model.megatron_load_path both choose the initial weights: "
+                  "set one of them")
         _check_min("model.max_position_embeddings", self.max_position_embeddings, 1)

@@ -152,10 +152,11 @@ class TrainerConfig(_Section):
     sft_warmup_steps: int = 0
     """Supervised warm-up steps on reference solutions before RL (the CPU example)."""
     dist_timeout_minutes: float = 180.0
-    """Timeout of every collective of the process group. While rank 0 generates, the other ranks
-    wait in a broadcast that rank 0 answers after every generation round, so one wait lasts at
-    most one round (bounded by rollout.sglang.request_timeout_s x (max_retries + 1)) or one
-    validation pass; this must exceed that bound (checked at start for the sglang engine)."""
+    """Timeout of every collective of the process group. While rank 0 generates or evaluates, the
+    other ranks wait on a CPU (gloo) group with this timeout for its heartbeats (sent during the
+    work, every minute at most). It must still exceed one generation round of the sglang engine:
+    its calls go out in waves of 8 per server, each call bounded by rollout.sglang.request_timeout_s
+    x (max_retries + 1) (checked at start, with the number of waves)."""
     exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
     """Signals that stop the run cleanly: every rank stops at the next safe point between stages,
     the last finished step is saved, launched SGLang servers are shut down and the ranks exit with

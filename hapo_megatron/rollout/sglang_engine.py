@@ -181,6 +181,18 @@ def agree_on_api_key(api_key: Optional[str], key_file: Optional[str], *, create:
     return key
 
 
+REQUESTS_PER_CALL = 64  # rows per /generate call
+CALLS_PER_SERVER = 8  # concurrent /generate calls per server
+
+
+def generate_call_plan(num_rows: int, num_servers: int,
+                       requests_per_call: int = REQUESTS_PER_CALL) -> tuple[int, int]:
+    """``(calls, concurrent workers)`` of one :meth:`SGLangEngine.generate` over ``num_rows``
+    rows: the calls run in ``ceil(calls / workers)`` waves, each as long as its slowest call."""
+    calls = -(-int(num_rows) // int(requests_per_call))
+    return calls, max(1, min(calls, CALLS_PER_SERVER * max(1, int(num_servers))))
+
+
 class SGLangEngine:
     """Rollouts on SGLang servers; see the module docstring.
 
@@ -209,7 +221,7 @@ class SGLangEngine:
                  weight_sync: str = "auto", bucket_size_mb: int = 512, request_timeout_s: float = 600.0,
                  max_retries: int = 3, colocate: bool = True,
                  extra_server_args: Sequence[str] = (), port_base: int = 30000, tokenizer: Any = None,
-                 dtype: Any = torch.bfloat16, launch_timeout_s: float = 900.0, requests_per_call: int = 64,
+                 dtype: Any = torch.bfloat16, launch_timeout_s: float = 900.0, requests_per_call: int = REQUESTS_PER_CALL,
                  send_sampling_seed: bool = False, disk_sync_dir: Optional[str] = None,
                  log_dir: Optional[str] = None, collective: bool = False, wait_for_servers: bool = True,
                  session: Any = None, launch: bool = True, group_name: str = "hapo_weight_sync",
@@ -357,7 +369,7 @@ class SGLangEngine:
                 on_samples(done)
             return done
 
-        workers = max(1, min(len(chunks), 8 * len(self.servers)))
+        _, workers = generate_call_plan(len(rows), len(self.servers), self.requests_per_call)
         with ThreadPoolExecutor(max_workers=workers) as pool:
             results = [smp for chunk in pool.map(run, range(len(chunks))) for smp in chunk]
         out: list[list[Sample]] = [[] for _ in prompts]
@@ -432,18 +444,26 @@ class SGLangEngine:
             self._send_tensor_buckets(named, groups)
 
     def _send_tensor_buckets(self, named: Iterable, groups: dict) -> None:
+        """One serialisation per server TP rank (weight_sync.serialize_bucket_for_sglang says why).
+
+        Several trainer ranks (colocated, world_size > 1): server ``s``'s TP rank ``i`` runs on
+        the GPU of trainer rank ``s * tp + i`` (the launch places it there), and that rank
+        serialises its own copy of the bucket on its own GPU; the server's leader gathers them.
+        One process (world_size == 1: `hapo doctor`, the per-node sync of node_servers.py) holds
+        the only copy, so it serialises it ``tp`` times from its own GPU: each TP rank still gets
+        its own CUDA-IPC reference (safe: the bucket lives until the server has answered and all
+        ranks released theirs); TP ranks on other GPUs map it from this process's GPU."""
+        per_server_rank = self.tp if self.world_size == 1 else 1
         for bucket, last in ws.with_last(ws.bucket_named_tensors(named, self.bucket_bytes)):
-            blob, keepalive = ws.serialize_bucket_for_sglang(bucket)
+            blobs, keepalive = ws.serialize_bucket_for_sglang(bucket, per_server_rank)
             for s, (leader, pg) in groups.items():
                 if self.world_size > 1 and self.rank // self.tp != s:
                     continue
-                if self.world_size == 1:
-                    per_rank = [blob] * self.tp  # every server TP rank maps the same IPC handle
-                elif pg is None:
-                    per_rank = [blob]
+                if self.world_size == 1 or pg is None:
+                    per_rank = blobs
                 else:
                     per_rank = [None] * self.tp if self.rank == leader else None
-                    torch.distributed.gather_object(blob, per_rank, dst=leader, group=pg)
+                    torch.distributed.gather_object(blobs[0], per_rank, dst=leader, group=pg)
                 if self.rank == leader:
                     _check_success(self.http.request(self.servers[s], "/update_weights_from_tensor",
                                                      ws.tensor_update_payload(per_rank, flush_cache=last), retries=0),
@@ -540,5 +560,5 @@ def _check_success(answer: Any, what: str) -> None:
         raise SGLangError(f"{what} failed: {answer.get('message')}")
 
 
-__all__ = ["SGLangEngine", "row_sampling_params", "row_seeds", "generate_payload", "parse_generate_item",
+__all__ = ["SGLangEngine", "generate_call_plan", "row_sampling_params", "row_seeds", "generate_payload", "parse_generate_item",
            "resolve_weight_sync", "WEIGHT_SYNC_MODES"]

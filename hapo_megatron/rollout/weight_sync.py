@@ -131,9 +131,18 @@ def tensor_update_payload(serialized_per_rank: list[str], *, flush_cache: bool) 
             "flush_cache": bool(flush_cache)}
 
 
-def serialize_bucket_for_sglang(bucket: list[NamedTensor]) -> tuple[str, torch.Tensor]:
-    """One server TP rank's entry of ``serialized_named_tensors`` (needs SGLang), and the
-    flattened tensor it refers to, which the caller keeps alive until the server has answered.
+def serialize_bucket_for_sglang(bucket: list[NamedTensor], num_ranks: int = 1) -> tuple[list[str], torch.Tensor]:
+    """``num_ranks`` entries of ``serialized_named_tensors`` (needs SGLang): the bucket flattened
+    ONCE and serialised once per server TP rank, and the flattened tensor they refer to, which the
+    caller keeps alive until the server has answered.
+
+    One serialisation per TP rank, never one shared string: each TP rank deserialises only its
+    own entry (SGLang 0.5.23 ``managers/tp_worker.py`` ``deserialize_own_rank``), and every
+    CUDA serialisation takes its own producer-side CUDA-IPC reference (``storage._share_cuda_()``
+    in ``torch/multiprocessing/reductions.py``), which that rank's consumer releases; a string
+    shared by several ranks would be released several times for one reference, so the bucket
+    could be freed and reused while another rank still reads it. SGLang's own engine does the same
+    (``entrypoints/engine.py`` ``_serialize_tensors_per_rank``).
 
     The body is SGLang's own ``FlattenedTensorBucket`` dict (what its ``load_format=
     "flattened_bucket"`` reader expects), pickled one of two ways:
@@ -149,6 +158,8 @@ def serialize_bucket_for_sglang(bucket: list[NamedTensor]) -> tuple[str, torch.T
     """
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
+    if int(num_ranks) < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
     on_cuda = any(t.is_cuda for _, t in bucket)
     fb = FlattenedTensorBucket(named_tensors=[(n, t.detach().contiguous()) for n, t in bucket])
     data = {"flattened_tensor": fb.get_flattened_tensor(), "metadata": fb.get_metadata()}
@@ -157,8 +168,10 @@ def serialize_bucket_for_sglang(bucket: list[NamedTensor]) -> tuple[str, torch.T
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         monkey_patch_torch_reductions()
-        return MultiprocessingSerializer.serialize(data, output_str=True), data["flattened_tensor"]
-    return serialize_by_value(data), data["flattened_tensor"]
+        blobs = [MultiprocessingSerializer.serialize(data, output_str=True) for _ in range(int(num_ranks))]
+    else:
+        blobs = [serialize_by_value(data) for _ in range(int(num_ranks))]
+    return blobs, data["flattened_tensor"]
 
 
 def serialize_by_value(obj: Any) -> str:

@@ -59,6 +59,21 @@ def has_hf_weights(path: Optional[str]) -> bool:
     return bool(glob.glob(os.path.join(path, "*.safetensors")) or glob.glob(os.path.join(path, "*.bin")))
 
 
+def initial_hf_weights(model_cfg) -> Optional[str]:
+    """The HF directory the actor's weights start from (None: model.megatron_load_path or, asked
+    for explicitly, a random initialisation). ValueError naming the fields when
+    model.hf_model_path has no weights and nothing else was chosen: a silent random start would
+    train noise and push it into SGLang servers that loaded the real weights."""
+    if model_cfg.random_init or model_cfg.megatron_load_path:
+        return None
+    if has_hf_weights(model_cfg.hf_model_path):
+        return model_cfg.hf_model_path
+    raise ValueError(f"model.hf_model_path={model_cfg.hf_model_path!r} holds no weights (*.safetensors / *.bin) "
+                     "and model.megatron_load_path is not set: point model.hf_model_path at a model with "
+                     "weights, set model.megatron_load_path, or set model.random_init=true to train from "
+                     "a random initialisation on purpose")
+
+
 def build_datasets(cfg, tokenizer):
     """(train, val or None) PromptDatasets; malformed rows / long prompts raise ValueError here."""
     from hapo_megatron.data import PromptDataset
@@ -98,6 +113,7 @@ class Runtime:
     reference: Optional[list[torch.nn.Module]] = None  # frozen KL reference chunks (algo.kl_loss_coef > 0)
     memory: EngineMemory = field(default_factory=EngineMemory)  # engine regions + actor offloader (named moves)
     scorer: Optional[RewardScorer] = None  # rank 0: the reward with its worker pool (rewards.scoring)
+    control: Any = None  # rollout_protocol.Rank0Channel: rank 0's messages while it alone works (CPU group)
 
     @property
     def is_main(self) -> bool:
@@ -272,9 +288,7 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
     tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer_path)
     train_ds, val_ds = datasets or build_datasets(cfg, tokenizer)
     hf_config = load_hf_config(cfg.model.hf_model_path, cfg.model.max_position_embeddings)
-    init_hf = cfg.model.hf_model_path if has_hf_weights(cfg.model.hf_model_path) else None
-    if init_hf is None and not cfg.model.megatron_load_path and rank == 0:
-        warnings.warn(f"model.hf_model_path {cfg.model.hf_model_path!r} has no weights: random init")
+    init_hf = initial_hf_weights(cfg.model)
     total_opt = cfg.trainer.total_steps * optimizer_steps_per_rl_step(cfg) + cfg.trainer.sft_warmup_steps
     actor = MegatronActor(
         hf_config, groups=groups, optim=cfg.optim, total_optimizer_steps=total_opt,
@@ -307,6 +321,8 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
     for name, n in rt.data_metrics().items():
         logger.write(f"{name}: dropped {n:.0f} prompt(s) longer than data.max_prompt_length="
                      f"{cfg.data.max_prompt_length} (data.filter_overlong_prompts)")
+    from hapo_megatron.training.rollout_protocol import Rank0Channel
+    rt.control = Rank0Channel.create(timeout_minutes=cfg.trainer.dist_timeout_minutes)  # collective
     _start_engine(rt)
     if resume_from:
         if str(cfg.trainer.resume).lower() == "auto":  # a damaged newest checkpoint: an older one

@@ -27,6 +27,7 @@ from hapo_megatron.training.batching import build_rank_micro_batches, split_mini
 from hapo_megatron.training.engine_memory import empty_cache
 from hapo_megatron.training.rl_step import (RolloutBatch, build_batch, rollout_metrics, sequence_advantages,
                                             shape_rewards, to_sequences)
+from hapo_megatron.training.rollout_protocol import DONE, ERROR, PROGRESS
 from hapo_megatron.training.runtime import Runtime
 
 Minis = list[list[MicroBatch]]  # this rank's micro-batches of each PPO mini-batch, in training order
@@ -59,18 +60,19 @@ def rollout(rt: Runtime, step: int) -> tuple[RolloutBatch, dict[str, float]]:
     every rank receives the kept batch. ``rollout/*`` metrics cover every generated response.
 
     Colocated, every rank first offloads its trainer state (`training.offload`) and reloads it
-    after. The other ranks wait in `wait_for_rank0`, which rank 0 answers after every generation
-    round, so no collective wait lasts longer than one round (trainer.dist_timeout_minutes)."""
+    after. The other ranks wait on ``rt.control`` (training/rollout_protocol.py: a CPU group,
+    heartbeats from rank 0 during every round), never in a collective of the trainer's groups."""
     with rt.memory.trainer_offloaded():
         if not rt.is_main:
-            packed, metrics, sampler_state = wait_for_rank0(rt)
+            packed, metrics, sampler_state = rt.control.wait()
         else:
             try:
-                packed, metrics, sampler_state = _rollout_rank0(rt, step)
+                with rt.control.heartbeats({"step": step}):
+                    packed, metrics, sampler_state = _rollout_rank0(rt, step)
             except BaseException as e:
-                _tell_others(("error", f"{type(e).__name__}: {e}"))  # the others stop too
+                rt.control.send(ERROR, f"{type(e).__name__}: {e}")  # the others stop too
                 raise
-            broadcast_object(("done", (packed, metrics, sampler_state)))
+            rt.control.send(DONE, (packed, metrics, sampler_state))
     rt.rl.sampler.load_state_dict(sampler_state)
     return RolloutBatch.unpack(packed), metrics
 
@@ -88,7 +90,7 @@ def _rollout_rank0(rt: Runtime, step: int) -> tuple[dict, dict[str, float], dict
         dyn.add(b)
         if not dyn.needs_more(target):
             break
-        broadcast_object(("progress", {"step": step, "round": dyn.num_gen_batches}))  # heartbeat
+        rt.control.send(PROGRESS, {"step": step, "round": dyn.num_gen_batches})
     kept = dyn.take(target)
     # colocated engines give the accelerator back to the actor; the weights go too unless the step
     # is skipped (no weight sync follows then, and released weights are not kept)
@@ -103,18 +105,6 @@ def _rollout_rank0(rt: Runtime, step: int) -> tuple[dict, dict[str, float], dict
                "batch/acc": sum(kept.accs) / max(len(kept), 1),
                "batch/num_groups": float(len(set(kept.group_ids)))}
     return kept.pack(), metrics, rt.rl.sampler.state_dict()
-
-
-def wait_for_rank0(rt: Runtime):
-    """Non-zero ranks: receive rank 0's heartbeats until its ("done", payload); its ("error", msg)
-    raises here too, so a failed rollout (or evaluation) stops every rank instead of leaving them
-    waiting."""
-    while True:
-        kind, body = broadcast_object(None)
-        if kind == "done":
-            return body
-        if kind == "error":
-            raise RuntimeError(f"rank 0 failed during the rollout or evaluation: {body}")
 
 
 def _pad_multiple(rt: Runtime) -> int:
@@ -343,23 +333,20 @@ def evaluate(rt: Runtime, step: int) -> dict[str, float]:
         return {}
     with rt.memory.trainer_offloaded():
         if not rt.is_main:
-            wait_for_rank0(rt)
+            rt.control.wait()
             return {}
         try:
-            rt.memory.resume_generation()
-            try:
-                out = _evaluate_rank0(rt)
-            finally:  # keep the synced weights: only the rest goes
-                rt.memory.release_generation()
+            with rt.control.heartbeats({"evaluation": True}):
+                rt.memory.resume_generation()
+                try:
+                    out = _evaluate_rank0(rt)
+                finally:  # keep the synced weights: only the rest goes
+                    rt.memory.release_generation()
         except BaseException as e:
-            _tell_others(("error", f"{type(e).__name__}: {e}"))
+            rt.control.send(ERROR, f"{type(e).__name__}: {e}")
             raise
-        _tell_others(("done", None))
+        rt.control.send(DONE, None)
         return out
-
-
-def _tell_others(message) -> None:
-    broadcast_object(message)  # a no-op on one process
 
 
 def _evaluate_rank0(rt: Runtime) -> dict[str, float]:

@@ -44,7 +44,7 @@ def test_cpu_subset_prints_its_table(capsys, qwen7b_config_dir):
     assert rc == 0, out
     for name in ("torch", "cuda devices", "import megatron.core", "import transformer_engine.pytorch",
                  "import sgl_kernel", "import flashinfer", "TE spec vs local", "logprob+entropy", "TP=2", "CP=2",
-                 "SGLang server", "memory plan"):
+                 "SGLang server", "SGLang colocated sync (TP=2)", "memory plan"):
         assert name in rows, f"{name} missing from\n{out}"
     assert rows["torch"][0] == PASS and "torch 2." in rows["torch"][1]
     assert rows["import megatron.core"][0] == PASS
@@ -55,6 +55,7 @@ def test_cpu_subset_prints_its_table(capsys, qwen7b_config_dir):
     if importlib.util.find_spec("sglang") is not None:  # a real CPU server, both CPU weight-sync modes
         assert rows["SGLang server"][0] == PASS, rows["SGLang server"]
         assert "tensor: generate" in rows["SGLang server"][1] and "disk: generate" in rows["SGLang server"][1]
+    assert rows["SGLang colocated sync (TP=2)"][0] == "SKIP"  # GPU only (tests/doctor/test_colocated.py)
     assert rows["memory plan"][0] == PASS and "GiB" in rows["memory plan"][1]
     assert "trainer state offloaded during generation: yes" in out  # the plan itself is printed
     assert re.search(r"\d+ passed, 0 failed, \d+ skipped", out)

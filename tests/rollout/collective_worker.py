@@ -24,7 +24,8 @@ def named_weights():
 def collective_worker(rank, world_size, tmp_dir):
     from hapo_megatron.rollout import weight_sync as ws
 
-    ws.serialize_bucket_for_sglang = lambda bucket: (f"rank{rank}:" + ",".join(n for n, _ in bucket), None)
+    ws.serialize_bucket_for_sglang = lambda bucket, num_ranks=1: (
+        [f"rank{rank}:" + ",".join(n for n, _ in bucket)] * num_ranks, None)
     out = {}
     # one colocated server with tp=2 spanning both ranks: tensor sync gathers both ranks' handles;
     # only rank 0 knows the servers' key: the engine hands it to rank 1 over the process group

@@ -53,7 +53,8 @@ def main(out_dir: str, port_base: int) -> None:
     launcher.server_command = standin_command
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(STANDIN), os.environ.get("PYTHONPATH")]))
     launcher.resolve_device = lambda device="auto": "cuda"  # the stand-ins play GPU servers
-    ws.serialize_bucket_for_sglang = lambda bucket: (f"node{node}:" + ",".join(n for n, _ in bucket), None)
+    ws.serialize_bucket_for_sglang = lambda bucket, num_ranks=1: (
+        [f"node{node}:" + ",".join(n for n, _ in bucket)] * num_ranks, None)
     node_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     cfg = HapoConfig.from_dict({
         "model": {"hf_model_path": "standin-model"}, "trainer": {"run_dir": out_dir},

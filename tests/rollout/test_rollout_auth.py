@@ -161,7 +161,7 @@ def test_serve_hands_every_server_the_shared_key(monkeypatch, tmp_path):
 def _refusal_bodies():
     plain = SamplingParams(n=1, max_new_tokens=2)
     adaptive = plain.with_(adaptive=True, entropy_stats=EntropyStats.neutral(), temperature_tau=0.5)
-    blob, _ = ws.serialize_bucket_for_sglang([("lm_head.weight", torch.zeros(4, 4))])
+    (blob,), _ = ws.serialize_bucket_for_sglang([("lm_head.weight", torch.zeros(4, 4))])
     bucket = [("lm_head.weight", torch.zeros(4, 4))]
     return {
         "generate": ("/generate", se.generate_payload([[1, 2]], plain)),

@@ -225,6 +225,42 @@ def test_tensor_sync_single_process_payloads():
     assert all(t.dtype == torch.bfloat16 and torch.equal(t, w) for (_, t), (_, w) in zip(flat, named_weights()))
 
 
+@pytest.mark.skipif(not SGLANG_AVAILABLE, reason="sglang not installed")
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tensor_sync_serializes_once_per_server_tp_rank(monkeypatch, tp):
+    """One process, one server of TP=tp: every payload holds tp DISTINCT serialisations (each TP
+    rank deserialises only its own: one CUDA-IPC reference each), all of the same flattened bucket."""
+    from hapo_megatron.rollout import weight_sync as ws
+    calls = []
+
+    def recording(obj):  # a serialisation is identified by its call, as CUDA-IPC references are
+        calls.append(obj["flattened_tensor"])
+        return f"serialization-{len(calls)}"
+    monkeypatch.setattr(ws, "serialize_by_value", recording)
+    sess = FakeSession()
+    eng = engine(sess, server_urls=URLS[:1], colocate=True, weight_sync="tensor", server_tp_size=tp)
+    eng.bucket_bytes = 64 * 32 * 2
+    eng.update_weights(iter(named_weights()))
+    posts = [b["serialized_named_tensors"] for _, b in sess.posts("/update_weights_from_tensor")]
+    assert len(posts) > 1
+    for i, entries in enumerate(posts):
+        assert len(entries) == tp and len(set(entries)) == tp, entries
+        flats = calls[i * tp:(i + 1) * tp]
+        assert all(f is flats[0] for f in flats)  # the bucket is flattened once, serialised tp times
+    assert len(calls) == tp * len(posts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA-IPC serialisation)")
+def test_cuda_serializations_per_rank_differ_and_each_decodes():
+    pytest.importorskip("sglang.srt.utils")
+    from hapo_megatron.rollout import weight_sync as ws
+    bucket = [(n, t.cuda()) for n, t in named_weights()]
+    blobs, keepalive = ws.serialize_bucket_for_sglang(bucket, 2)
+    assert len(blobs) == 2 and blobs[0] != blobs[1]  # separate CUDA-IPC references
+    assert keepalive.is_cuda
+
+
 def test_release_resume_only_when_colocated():
     sess = FakeSession()
     eng = engine(sess, colocate=True, weight_sync="disk", device="cuda")
@@ -357,7 +393,7 @@ def test_cpu_payload_is_pickled_by_value_and_accepted_by_sglangs_safe_unpickler(
 
     from hapo_megatron.rollout import weight_sync as ws
 
-    blob, _ = ws.serialize_bucket_for_sglang(named_weights())
+    (blob,), _ = ws.serialize_bucket_for_sglang(named_weights())
     data = MultiprocessingSerializer.deserialize(blob)  # the server's SafeUnpickler
     assert torch.equal(data["flattened_tensor"], torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named_weights()]))
     assert [m.name for m in data["metadata"]] == [n for n, _ in named_weights()]

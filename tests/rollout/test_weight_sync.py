@@ -104,8 +104,8 @@ def test_serialized_tensor_bucket_decodes_with_sglang():
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     bucket = named()[:2]
-    blob, keepalive = ws.serialize_bucket_for_sglang(bucket)
-    body = ws.tensor_update_payload([blob, blob], flush_cache=False)
+    blobs, keepalive = ws.serialize_bucket_for_sglang(bucket, 2)
+    body = ws.tensor_update_payload(blobs, flush_cache=False)
     assert body["load_format"] == "flattened_bucket" and len(body["serialized_named_tensors"]) == 2
     data = MultiprocessingSerializer.deserialize(body["serialized_named_tensors"][1])  # SGLang's safe unpickler
     fb = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
