@@ -65,3 +65,16 @@ def test_packed_row_gives_each_sequence_its_own_logits(arch):
     assert min(res["spread"]) > 0.1  # the logits are not trivially small
     assert max(res["diffs"]) <= ATOL, res
     assert max(res["fused_diffs"]) <= ATOL, res
+
+
+def _te_checks(rank, world):
+    from hapo_megatron.doctor.model_checks import check_packed_vs_padded
+    return check_packed_vs_padded()
+
+
+@pytest.mark.gpu
+def test_transformer_engine_thd_row_matches_padded_rows():
+    """The GPU path: TE's THD attention through megatron-core's PackedSeqParams (`hapo doctor`'s
+    check, bf16 tolerance)."""
+    (res,) = run_distributed(_te_checks, 1, timeout=600)
+    assert res.status == "PASS", res
