@@ -192,3 +192,40 @@ def test_config_pack_sequences_needs_a_token_budget():
     assert ParallelConfig(pack_sequences=True, max_tokens_per_micro_batch=128).pack_sequences
     with pytest.raises(ValueError, match="pack_sequences"):
         ParallelConfig(pack_sequences=True)
+
+
+def _layout(pack: bool, dp_rank: int = 1, **parallel):
+    from types import SimpleNamespace
+
+    from hapo_megatron.config import load_config
+    from hapo_megatron.training import stages
+    from hapo_megatron.training.rl_step import RolloutBatch
+    over = [f"parallel.{k}={v}" for k, v in {"max_tokens_per_micro_batch": 40, "pack_sequences": pack,
+                                               **parallel}.items()]
+    cfg = load_config(None, over + ["trainer.ppo_mini_batch_size=2", "data.train_batch_size=4",
+                                    "data.max_prompt_length=6", "rollout.max_response_length=30"])
+    groups = SimpleNamespace(tp_size=2, cp_size=1, dp_size=2, dp_rank=dp_rank)
+    seqs = _seqs(12, seed=9)
+    batch = RolloutBatch(prompt_ids=[s.prompt_ids for s in seqs], response_ids=[s.response_ids for s in seqs],
+                         rollout_logprobs=[s.rollout_logprobs for s in seqs], temperatures=[s.temperatures for s in seqs],
+                         finish_reasons=["stop"] * 12, group_ids=[i // 3 for i in range(12)], scores=[float(i % 2) for i in range(12)],
+                         accs=[bool(i % 2) for i in range(12)], rewards=[float(i % 2) for i in range(12)],
+                         data_sources=[""] * 12)
+    return stages.layout(SimpleNamespace(cfg=cfg, groups=groups), batch), seqs
+
+
+def test_layout_stage_follows_pack_sequences_and_logs_token_efficiency():
+    for pack in (True, False):
+        built, eff = [], None
+        for rank in (0, 1):  # every rank's micro-batches: what was computed
+            (minis, metrics), seqs = _layout(pack, rank, sequence_parallel="true")
+            built += [mb for mini in minis for mb in mini]
+            assert eff in (None, metrics["perf/token_efficiency"])  # every rank logs the same figure
+            eff = metrics["perf/token_efficiency"]
+        assert all(mb.is_packed == pack and mb.seq_len % 2 == 0 for mb in built)  # SP at TP=2: even rows
+        assert sorted(i for mb in built for i in mb.seq_index.tolist()) == list(range(12))
+        real = sum(s.num_tokens for s in seqs)
+        assert eff == pytest.approx(real / sum(mb.input_ids.numel() for mb in built), rel=1e-12)
+        if pack:
+            packed_eff = eff
+    assert eff < packed_eff

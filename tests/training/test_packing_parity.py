@@ -18,6 +18,8 @@ import torch
 from tests.convert.dist_checks import random_hf_model
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.slow  # 8 ranks, about 4 min on 2 cores; run by default
+
 TP, PP, DP = 2, 2, 2
 NUM_SEQS, BUDGET = 14, 64
 #: float32 rounding: the two layouts add the same products in another order (matmuls of other
