@@ -2,9 +2,11 @@
 
 Megatron-Core's `DotProductAttention` asserts ``packed_seq_params is None``; Transformer Engine's
 attention takes packed rows natively. `PackedDotProductAttention` is the local class with the
-packed case added: the attention of a row of sequences with boundaries ``cu_seqlens`` is the
-ordinary one under a block-diagonal causal mask (a position sees the earlier positions of its own
-sequence only). Everything else of the packed path is megatron-core's own: `GPTModel` squeezes the
+packed case added: the attention of a row of sequences with boundaries ``cu_seqlens`` under a
+block-diagonal causal mask (`block_causal_mask`: a position sees the earlier positions of its own
+sequence only). It is computed block by block, as TE does: the row's sequences become the rows of
+an ordinary causal batch (``O(sum L_i^2)``, not ``O(T^2)`` as a dense masked product would be), and
+the outputs go back to the packed row. Everything else of the packed path is megatron-core's own: `GPTModel` squeezes the
 batch dimension for ``qkv_format="thd"`` and applies the rotary embedding per sequence
 (`_apply_rotary_pos_emb_thd`: positions restart at every ``cu_seqlens`` boundary), so a CPU run
 computes what the GPU (TE) path computes, the attention kernel aside.
@@ -27,6 +29,15 @@ def block_causal_mask(cu_seqlens: torch.Tensor, device=None) -> torch.Tensor:
     return blocked.view(1, 1, total, total)
 
 
+def _sequence_rows(cu_seqlens: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``index`` ``[n, L]``: the row positions of sequence ``i`` (0 past its end), ``valid`` where real."""
+    bounds = cu_seqlens.to(device=device, dtype=torch.long)
+    starts, lengths = bounds[:-1], bounds[1:] - bounds[:-1]
+    offs = torch.arange(int(lengths.max()), device=device).unsqueeze(0)
+    valid = offs < lengths.unsqueeze(1)
+    return torch.where(valid, starts.unsqueeze(1) + offs, torch.zeros_like(offs)), valid
+
+
 class PackedDotProductAttention(DotProductAttention):
     """`DotProductAttention` that also takes a packed row (``packed_seq_params.qkv_format ==
     "thd"``, query/key/value ``[T, heads, head_dim]``) by masking block-diagonally; unpacked input
@@ -46,10 +57,16 @@ class PackedDotProductAttention(DotProductAttention):
         cu = packed_seq_params.cu_seqlens_q if cu is None else cu
         if int(cu[-1]) != query.shape[0]:
             raise ValueError(f"cu_seqlens end at {int(cu[-1])} but the packed row holds {query.shape[0]} tokens")
-        mask = block_causal_mask(cu, device=query.device)
-        # [T, heads, d] -> [T, b=1, heads, d]: the parent's sbhd layout; it returns [T, 1, heads*d]
-        return super().forward(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask,
-                               attn_mask_type=attn_mask_type, attention_bias=attention_bias)
+        index, valid = _sequence_rows(cu, query.device)  # [n, L]
+
+        def rows(t):  # [T, heads, d] -> [L, n, heads, d]: one sequence per batch row (sbhd)
+            return t[index].transpose(0, 1)
+
+        # Causal within each row is the block-diagonal mask: a real query never reaches the
+        # positions past its sequence's end (they come later), whose outputs are dropped below.
+        out = super().forward(rows(query), rows(key), rows(value), None, attn_mask_type=attn_mask_type,
+                              attention_bias=attention_bias)  # [L, n, heads * d]
+        return out.transpose(0, 1)[valid].unsqueeze(1)  # [T, 1, heads * d] in row order
 
 
 __all__ = ["PackedDotProductAttention", "block_causal_mask"]

@@ -1,5 +1,5 @@
 """A packed row through megatron-core's GPTModel on CPU (issue 26): `PackedDotProductAttention`
-(block-diagonal causal mask) + megatron-core's per-sequence rotary embedding give every
+(block-diagonal causal mask, computed block by block; checked against the dense masked product) + megatron-core's per-sequence rotary embedding give every
 sequence the logits it gets alone in a padded row, for Llama with llama3-scaled RoPE (untied) and
 Qwen2 (q/k/v biases, tied), plain and through the fused output layer. Not assumed from "RoPE is
 relative": compared. Single process (TP = PP = 1); the parallel layouts are test_packing_parity."""
@@ -57,6 +57,47 @@ def _packed_vs_alone(rank, world, arch):
             spread.append(float(ref[:n].abs().max()))
     out.update(diffs=diffs, fused_diffs=fused_diffs, spread=spread)
     return out
+
+
+def _attention_vs_dense_mask(rank, world):
+    """PackedDotProductAttention (block by block) against the obviously-correct dense product
+    under `block_causal_mask`: outputs and the gradients of q, k, v."""
+    import math
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from hapo_megatron.models import transformer_config_from_hf
+    from hapo_megatron.models.hf_config import tiny_hf_config
+    from hapo_megatron.models.packed_attention import PackedDotProductAttention, block_causal_mask
+    from hapo_megatron.parallel.groups import initialize_parallel
+
+    initialize_parallel(tp=1, pp=1, seed=1)
+    config = transformer_config_from_hf(tiny_hf_config("llama"))
+    attn = PackedDotProductAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                     attention_type="self")
+    heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    cu = torch.tensor([0, 5, 7, 16, 20], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(20, h, d, generator=g, requires_grad=True) for h in (heads, groups, groups))
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=9, max_seqlen_kv=9)
+    out = attn(q, k, v, None, packed_seq_params=params)
+    w = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    kk, vv = (t.repeat_interleave(heads // groups, dim=1) for t in (k, v))  # GQA
+    scores = torch.einsum("qhd,khd->hqk", q, kk) / math.sqrt(d)
+    probs = torch.softmax(scores.masked_fill(block_causal_mask(cu)[0], float("-inf")), dim=-1)
+    ref = torch.einsum("hqk,khd->qhd", probs, vv).reshape(20, 1, heads * d)
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    return {"out": float((out - ref).abs().max()), "shape": tuple(out.shape),
+            "grads": max(float((a - b).abs().max()) for a, b in zip(grads, ref_grads)),
+            "scale": float(ref.abs().max())}
+
+
+def test_packed_attention_is_the_block_diagonal_causal_attention():
+    (res,) = run_distributed(_attention_vs_dense_mask, 1, timeout=300)
+    assert res["shape"][:2] == (20, 1), res
+    assert res["scale"] > 0.1 and res["out"] <= ATOL and res["grads"] <= ATOL, res
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
