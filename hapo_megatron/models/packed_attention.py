@@ -60,7 +60,7 @@ class PackedDotProductAttention(DotProductAttention):
         index, valid = _sequence_rows(cu, query.device)  # [n, L]
 
         def rows(t):  # [T, heads, d] -> [L, n, heads, d]: one sequence per batch row (sbhd)
-            return t[index].transpose(0, 1)
+            return t[index].transpose(0, 1).contiguous()
 
         # Causal within each row is the block-diagonal mask: a real query never reaches the
         # positions past its sequence's end (they come later), whose outputs are dropped below.

@@ -59,7 +59,7 @@ def _packed_vs_alone(rank, world, arch):
     return out
 
 
-def _attention_vs_dense_mask(rank, world):
+def _attention_vs_dense_mask(rank, world, gqa):
     """PackedDotProductAttention (block by block) against the obviously-correct dense product
     under `block_causal_mask`: outputs and the gradients of q, k, v."""
     import math
@@ -73,7 +73,8 @@ def _attention_vs_dense_mask(rank, world):
     from hapo_megatron.parallel.groups import initialize_parallel
 
     initialize_parallel(tp=1, pp=1, seed=1)
-    config = transformer_config_from_hf(tiny_hf_config("llama"))
+    hf = tiny_hf_config("llama")
+    config = transformer_config_from_hf(hf if gqa else tiny_hf_config("llama", num_key_value_heads=hf.num_attention_heads))
     attn = PackedDotProductAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                      attention_type="self")
     heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
@@ -94,8 +95,9 @@ def _attention_vs_dense_mask(rank, world):
             "scale": float(ref.abs().max())}
 
 
-def test_packed_attention_is_the_block_diagonal_causal_attention():
-    (res,) = run_distributed(_attention_vs_dense_mask, 1, timeout=300)
+@pytest.mark.parametrize("gqa", [True, False])  # without GQA, k/v reach the parent's .view() as given
+def test_packed_attention_is_the_block_diagonal_causal_attention(gqa):
+    (res,) = run_distributed(_attention_vs_dense_mask, 1, gqa, timeout=300)
     assert res["shape"][:2] == (20, 1), res
     assert res["scale"] > 0.1 and res["out"] <= ATOL and res["grads"] <= ATOL, res
 
