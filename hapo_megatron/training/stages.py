@@ -317,7 +317,10 @@ def _with_updates(rt: Runtime, minis: Minis, recorded: list[PolicyTokenFields]) 
                            f"{len(flat)} micro-batches x {rt.cfg.trainer.ppo_epochs} epochs")
 
     def full(t: torch.Tensor, cu_seqlens) -> torch.Tensor:  # bool flags travel as float through the all-gather
-        return rt.actor.gather_cp(t.float(), cu_seqlens).to(t.dtype).cpu() if rt.groups.cp_size > 1 else t.cpu()
+        if rt.groups.cp_size == 1:
+            return t.cpu()
+        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}  # a packed row's THD shard
+        return rt.actor.gather_cp(t.float(), **packed).to(t.dtype).cpu()
 
     per_mb = [[] for _ in flat]
     for k, fields in enumerate(recorded):
