@@ -45,13 +45,22 @@ class ParallelConfig(_Section):
     micro_batch_size: int = 1
     """Sequences per micro-batch (when max_tokens_per_micro_batch is null)."""
     max_tokens_per_micro_batch: Optional[int] = None
-    """Pack sequences into micro-batches of at most this many tokens (prompt + response)."""
+    """Group sequences into micro-batches of at most this many tokens (prompt + response): padded
+    tokens (rows x longest) without packing, real tokens with pack_sequences."""
+    pack_sequences: bool = False
+    """Padding-free RL micro-batches: concatenate sequences into one row (THD layout, sequence
+    boundaries for the attention) up to max_tokens_per_micro_batch real tokens, balanced over
+    data-parallel ranks and micro-batches. Needs max_tokens_per_micro_batch. The SFT warm start
+    stays padded."""
 
     def _validate(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "context_parallel_size", "micro_batch_size"):
             _check_min(f"parallel.{name}", getattr(self, name), 1)
         _check_min("parallel.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, 1)
+        if self.pack_sequences and self.max_tokens_per_micro_batch is None:
+            _fail("parallel.pack_sequences needs parallel.max_tokens_per_micro_batch (the real-token "
+                  "budget of a packed row)")
 
     @property
     def model_parallel_size(self) -> int:

@@ -35,6 +35,8 @@ def collect_checks(args) -> list:
     checks += [("imports", n, fn, fix_env) for n, fn in env_checks.import_checks(strict=args.strict)]
     checks += [("model", "TE spec vs local", model_checks.check_te_vs_local,
                 "set model.use_te=false to train without Transformer Engine, and report the error"),
+               ("model", "packed == padded (TE THD)", model_checks.check_packed_vs_padded,
+                "set parallel.pack_sequences=false and report the error"),
                ("kernel", "logprob+entropy", kernel_checks.check_logprob_entropy,
                 "run python -m pytest tests/parallel/test_vocab_parallel.py and report the failure")]
     checks += [("parallel", n, fn, "check NCCL (NCCL_DEBUG=INFO) and the GPUs' peer access")

@@ -58,3 +58,38 @@ def check_te_vs_local() -> CheckResult:
                            "image's pinned pair (megatron-core declares its transformer-engine range) or set "
                            "model.use_te=false")
     return CheckResult("TE spec vs local", PASS, fig)
+
+
+def check_packed_vs_padded() -> CheckResult:
+    """A packed row (THD, megatron-core `PackedSeqParams` into TE's attention) against each of its
+    sequences alone in a padded row: the logits of every real position (issue 26's GPU path)."""
+    name = "packed == padded (TE THD)"
+    if not torch.cuda.is_available():
+        return CheckResult(name, SKIP, "needs a CUDA GPU (the CPU path is tested by tests/training/test_packing_*)")
+    from hapo_megatron.models.gpt import te_available
+    if not te_available():
+        return CheckResult(name, FAIL, "transformer_engine is not importable", "build and use the image (docs/docker.md)")
+    from hapo_megatron.parallel.groups import initialize_parallel
+    from hapo_megatron.training.actor import packed_seq_params_of
+    from hapo_megatron.training.batching import SequenceData, collate, collate_packed
+    initialize_parallel(tp=1, seed=0)
+    hf_config, models = _tiny_gpt_pair()
+    model = models[True]
+    gen = torch.Generator().manual_seed(0)
+    seqs = [SequenceData(torch.randint(0, hf_config.vocab_size, (p,), generator=gen).tolist(),
+                         torch.randint(0, hf_config.vocab_size, (r,), generator=gen).tolist(), index=i)
+            for i, (p, r) in enumerate([(7, 50), (3, 9), (12, 31)])]
+    packed = collate_packed(seqs, seq_multiple=8, row_multiple=8).to("cuda")  # TE's cuDNN THD likes multiples
+    v, diff = hf_config.vocab_size, 0.0
+    with torch.no_grad():
+        row = model(packed.input_ids, packed.position_ids, None, packed_seq_params=packed_seq_params_of(packed))
+        cu = packed.cu_seqlens.tolist()
+        for i, s in enumerate(seqs):
+            alone = collate([s]).to("cuda")
+            ref = model(alone.input_ids, alone.position_ids, None)[0, :s.num_tokens, :v].float()
+            diff = max(diff, float((row[0, cu[i]:cu[i] + s.num_tokens, :v].float() - ref).abs().max()))
+    fig = f"tiny qwen2 bf16, 3 sequences in one row: max |logit diff| {diff:.2e} vs each alone"
+    if diff > LOGIT_TOL:
+        return CheckResult(name, FAIL, fig, "Transformer Engine's THD attention disagrees with padded rows: "
+                           "set parallel.pack_sequences=false and report the versions (hapo doctor)")
+    return CheckResult(name, PASS, fig)

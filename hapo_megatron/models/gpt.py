@@ -116,14 +116,18 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, cp: int =
 
 
 def layer_spec_for(hf_config, use_te: bool | None = None):
-    """Transformer Engine layer spec when TE is usable, Megatron's local spec otherwise."""
+    """Transformer Engine layer spec when TE is usable, Megatron's local spec otherwise (with
+    `PackedDotProductAttention`, so packed rows run on CPU too)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     qk_norm = arch_of(hf_config) == "qwen3"
     use_te = te_available() if use_te is None else use_te
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    from hapo_megatron.models.packed_attention import PackedDotProductAttention
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return spec
 
 
 def _mask_padded_vocab_hook(vocab_size: int) -> Callable:

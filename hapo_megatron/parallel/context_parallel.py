@@ -5,6 +5,11 @@ Megatron-Core balances causal attention over `cp` ranks by cutting every sequenc
 chunk and a late, expensive one). Labels are shifted *before* the split (position `t` holds
 the token predicted at `t`), so each rank's labels line up with its own logits.
 
+Packed rows (THD, several sequences in one row, see `parallel.micro_batch`) follow Transformer
+Engine's convention instead (`thd_get_partitioned_indices`, which megatron-core's
+`get_thd_batch_on_this_cp_rank` uses): *each sequence* is cut into `2 * cp` chunks and rank `r`
+holds chunks `r` and `2 * cp - 1 - r` of every sequence, in sequence order (`thd_cp_indices`).
+
 Nothing here communicates, except the optional convenience `all_gather_from_cp`, which takes
 its process group as an argument.
 """
@@ -61,6 +66,48 @@ def split_for_cp(t: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> t
     return t.index_select(dim, idx)
 
 
+def thd_cp_indices(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.LongTensor:
+    """Positions of a packed row held by `cp_rank` (TE's THD split): for every sequence
+    `[cu_seqlens[i], cu_seqlens[i+1])`, its chunks `cp_rank` and `2*cp_size-1-cp_rank` of
+    `2*cp_size` equal chunks; `[cu_seqlens[-1] / cp_size]`. Every sequence length must be a
+    multiple of `2 * cp_size` (the packer pads each sequence that far)."""
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    if cp_size == 1:
+        return torch.arange(bounds[-1] - bounds[0]) + bounds[0]
+    pieces = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        _check_layout(end - start, cp_size, cp_rank)
+        pieces.append(cp_chunk_indices(end - start, cp_size, cp_rank) + start)
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+
+def split_for_cp_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int,
+                     dim: int = 1) -> torch.Tensor:
+    """This rank's THD shard of a packed row `t` along `dim` (`thd_cp_indices`)."""
+    if cp_size == 1:
+        return t
+    return t.index_select(dim % t.dim(), thd_cp_indices(cu_seqlens, cp_size, cp_rank).to(t.device))
+
+
+def gather_from_cp_thd(shards: Sequence[torch.Tensor], cu_seqlens: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Inverse of `split_for_cp_thd`: the full packed row from every rank's shard (`shards[r]`)."""
+    cp_size = len(shards)
+    if cp_size == 0:
+        raise ValueError("shards must hold one tensor per CP rank, got none")
+    if cp_size == 1:
+        return shards[0]
+    dim = dim % shards[0].dim()
+    total = int(cu_seqlens[-1])
+    shape = list(shards[0].shape)
+    if shape[dim] * cp_size != total:
+        raise ValueError(f"{cp_size} shards of length {shape[dim]} do not make the packed row of {total}")
+    shape[dim] = total
+    out = shards[0].new_empty(shape)
+    for r, s in enumerate(shards):
+        out.index_copy_(dim, thd_cp_indices(cu_seqlens, cp_size, r).to(s.device), s)
+    return out
+
+
 def gather_from_cp(shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
     """Inverse of `split_for_cp`: reassemble the full tensor from every rank's shard.
 
@@ -86,12 +133,15 @@ def gather_from_cp(shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor
     return torch.cat(pieces, dim=dim)  # type: ignore[arg-type]
 
 
-def all_gather_from_cp(t: torch.Tensor, cp_group, dim: int = 1) -> torch.Tensor:
-    """All-gather every CP rank's shard over `cp_group` and reassemble the full sequence."""
+def all_gather_from_cp(t: torch.Tensor, cp_group, dim: int = 1, cu_seqlens=None) -> torch.Tensor:
+    """All-gather every CP rank's shard over `cp_group` and reassemble the full sequence (a
+    packed row's THD layout when `cu_seqlens` is given)."""
     import torch.distributed as dist
 
     if cp_group is None or dist.get_world_size(cp_group) == 1:
         return t
     shards = [torch.empty_like(t) for _ in range(dist.get_world_size(cp_group))]
     dist.all_gather(shards, t.contiguous(), group=cp_group)
+    if cu_seqlens is not None:
+        return gather_from_cp_thd(shards, cu_seqlens, dim=dim)
     return gather_from_cp(shards, dim=dim)

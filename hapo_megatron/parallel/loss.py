@@ -22,6 +22,11 @@ What `num_tokens` counts depends on `loss_agg_mode`:
 Under tensor parallelism every TP rank computes the same loss from its vocab shard
 (`vocab_parallel_logprobs_entropy`); under context parallelism the batch tensors given here
 are already this rank's CP shard (`MicroBatch.split_for_cp`).
+
+A packed micro-batch (`MicroBatch.is_packed`, one row of several sequences) is laid out as one
+row per sequence (`MicroBatch.sequence_layout`) before the per-sequence aggregation, so every
+`loss_agg_mode` sees the same sequences as with padding; the per-token fields go back to the
+packed row.
 """
 
 from __future__ import annotations
@@ -244,23 +249,33 @@ def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: LossConfig,
         logits, batch.labels, tp_group=tp_group, temperature=temperature,
         chunk_size=cfg.logprob_chunk_size, entropy_grad=cfg.entropy_coeff != 0.0)
     h_hat, _ = _h_hat(cfg, stats, batch, entropy, valid)
+    per_token = dict(logprobs=logprobs, old=batch.old_logprobs, adv=batch.advantages, valid=valid,
+                     h_hat=h_hat, entropy=entropy, ref=batch.ref_logprobs, rollout=batch.rollout_logprobs)
+    layout = batch.sequence_layout()
+    if layout is not None:  # one row per sequence: the seq-mean modes count sequences, not rows
+        per_token = {k: None if v is None else layout.to_rows(v) for k, v in per_token.items()}
+    valid = per_token["valid"]
 
     mode = cfg.loss_agg_mode
     lengths, n_seq = _sequence_counts(valid, cp_group)
     horizon = None
     if mode == "seq-mean-token-sum-norm":
-        horizon = cfg.loss_scale_factor or float(shape[1] * _cp_size(cp_group))
+        row = batch.max_seqlen if batch.is_packed else shape[1] * _cp_size(cp_group)
+        horizon = cfg.loss_scale_factor or float(row)
+    t = per_token
     loss_sum, normalizer, metrics, token_fields = hapo_policy_loss(
-        logprobs, batch.old_logprobs, batch.advantages, valid, h_hat,
+        t["logprobs"], t["old"], t["adv"], valid, t["h_hat"],
         clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
         clip_ratio_c=cfg.clip_ratio_c, adaptive_clip=cfg.adaptive_clip, clip_alpha=cfg.clip_alpha,
         adaptive_advantage=cfg.adaptive_advantage, adv_beta=cfg.adv_beta, loss_agg_mode=mode,
         loss_scale_factor=horizon, seq_token_counts=lengths,
         num_seqs=float(n_seq),
-        entropy=entropy, entropy_coeff=cfg.entropy_coeff,
-        ref_logprobs=batch.ref_logprobs, kl_loss_coef=cfg.kl_loss_coef,
-        kl_loss_type=cfg.kl_loss_type, rollout_logprobs=batch.rollout_logprobs,
+        entropy=t["entropy"], entropy_coeff=cfg.entropy_coeff,
+        ref_logprobs=t["ref"], kl_loss_coef=cfg.kl_loss_coef,
+        kl_loss_type=cfg.kl_loss_type, rollout_logprobs=t["rollout"],
         tis_cap=cfg.tis_cap, return_token_fields=True)
+    if layout is not None:
+        token_fields = token_fields.apply(layout.to_packed)
     if on_token_fields is not None:
         on_token_fields(token_fields)
     if mode == "token-mean":

@@ -37,6 +37,21 @@ class StepResult:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def packed_seq_params_of(mb: MicroBatch):
+    """megatron-core `PackedSeqParams` of a packed micro-batch (None when padded): THD layout,
+    sequence boundaries ``cu_seqlens`` of the full row on the model's device (also under context
+    parallelism: Transformer Engine splits by them), ``*_padded`` the same boundaries (a sequence's
+    padding belongs to its span and sits after its last token, where causal attention keeps it from
+    the real tokens), ``max_seqlen`` the longest span. WHY ``cp_group`` stays None: TE would reset
+    its CP group from it on every call; the model already holds the group."""
+    if not mb.is_packed:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+    cu = mb.cu_seqlens.to(torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                           cu_seqlens_kv_padded=cu, max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+
+
 def transformer_overrides(*, recompute_activations: bool, pp: int) -> dict[str, Any]:
     """TransformerConfig fields the actor needs on top of the HF-derived ones."""
     kw: dict[str, Any] = dict(calculate_per_token_loss=True)
@@ -154,11 +169,13 @@ class MegatronActor:
         from hapo_megatron.models.gpt import forward_hidden_states
 
         local = [self._local(mb) for mb in micro_batches]
-        forward = forward_hidden_states if self.fused_output_layer else (lambda m, *a: m(*a))
+        forward = forward_hidden_states if self.fused_output_layer else (lambda m, *a, **kw: m(*a, **kw))
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            out = forward(model, mb.input_ids, mb.position_ids, None)
+            packed = packed_seq_params_of(mb)
+            out = (forward(model, mb.input_ids, mb.position_ids, None) if packed is None else
+                   forward(model, mb.input_ids, mb.position_ids, None, packed_seq_params=packed))
             return out, make_loss(mb)
 
         seq_len = max(mb.seq_len for mb in local)
@@ -195,7 +212,8 @@ class MegatronActor:
             return []
         if len(results) != len(micro_batches):
             raise RuntimeError(f"{len(results)} log-prob results for {len(micro_batches)} micro-batches")
-        return [(self.gather_cp(lp).cpu(), self.gather_cp(ent).cpu()) for lp, ent in results]
+        return [(self.gather_cp(lp, mb.cu_seqlens).cpu(), self.gather_cp(ent, mb.cu_seqlens).cpu())
+                for mb, (lp, ent) in zip(micro_batches, results)]
 
     # ------------------------------------------------------------------ KL reference
     def make_reference(self, *, ckpt_path: Optional[str] = None, hf_path: Optional[str] = None,
@@ -234,13 +252,14 @@ class MegatronActor:
         with children_allowed():
             dist_checkpointing.save({"model": unwrap_model(reference[0]).sharded_state_dict()}, path)
 
-    def gather_cp(self, t: torch.Tensor) -> torch.Tensor:
+    def gather_cp(self, t: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The full sequence ``[b, s]`` of this rank's context-parallel shard ``[b, s / cp]``
-        (collective over the CP group; ``t`` itself without CP)."""
+        (collective over the CP group; ``t`` itself without CP); a packed row's THD shard when
+        ``cu_seqlens`` (`MicroBatch.cu_seqlens`) is given."""
         if self.groups.cp_size == 1:
             return t
         from hapo_megatron.parallel.context_parallel import all_gather_from_cp
-        return all_gather_from_cp(t, self.groups.cp, dim=1)
+        return all_gather_from_cp(t, self.groups.cp, dim=1, cu_seqlens=cu_seqlens)
 
     def _grads_finite(self, metrics: list[dict]) -> bool:
         """True when every gradient and loss is finite on every rank (one all-reduce)."""

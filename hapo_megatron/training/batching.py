@@ -1,4 +1,4 @@
-"""Turn per-sequence rollout data into padded micro-batches, balanced across data-parallel ranks.
+"""Turn per-sequence rollout data into micro-batches, balanced across data-parallel ranks.
 
 Every rank holds the same per-sequence metadata (token ids, reward, advantage, group), so every
 rank computes the same assignment from it: no collective is needed to agree on who trains on what.
@@ -8,6 +8,12 @@ position ``t`` reads ``x_t`` and predicts ``labels[t] = x_{t+1}``; only position
 response token count, i.e. ``loss_mask[t] = 1`` for ``t in [P-1, P+R-2]``. Per-response-token
 values (rollout logprob, temperature) are placed at the position that predicts that token.
 Sequences are right-padded (causal attention never looks at the padding).
+
+Two layouts (`MicroBatch`): padded, one sequence per row, or packed (``pack=True``): sequences
+concatenated in one row up to ``max_tokens_per_micro_batch`` *real* tokens, each padded only to
+the multiple the kernels need (`pack_multiples`), positions restarting per sequence. Which
+sequences go to which rank and micro-batch is `plan_micro_batches`, a pure function of the
+lengths; `token_efficiency` measures what the layout costs (real / computed tokens).
 """
 
 from __future__ import annotations
@@ -104,6 +110,133 @@ def split_micro_batches(seqs: Sequence[SequenceData], *, micro_batch_size: int =
     return out
 
 
+def pack_bins(items: Sequence[int], lengths: Sequence[int], num_bins: int) -> list[list[int]]:
+    """Longest-first into the lightest of ``num_bins`` bins (ties: lowest bin), ``items`` indexing
+    ``lengths``; each bin's items ascending, empty bins dropped. Pure function of its inputs."""
+    loads = [0] * num_bins
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    for i in sorted(items, key=lambda j: (-int(lengths[j]), j)):
+        best = min(range(num_bins), key=lambda b: (loads[b], b))
+        bins[best].append(i)
+        loads[best] += int(lengths[i])
+    return [sorted(b) for b in bins if b]
+
+
+def _fits(bins: list[list[int]], lengths: Sequence[int], budget: int) -> bool:
+    # a sequence longer than the budget gets a micro-batch of its own (as the padded path does)
+    return all(len(b) == 1 or sum(int(lengths[i]) for i in b) <= budget for b in bins)
+
+
+def plan_micro_batches(lengths: Sequence[int], *, dp_size: int, micro_batch_size: int = 1,
+                       max_tokens_per_micro_batch: int | None = None,
+                       pack: bool = False) -> list[list[list[int]]]:
+    """Sequence indices of every data-parallel rank's micro-batches: ``plan[rank][mb]``.
+
+    Padded: `balance_partitions` (equal counts, balanced tokens), then `split_micro_batches`.
+    Packed: ranks balanced by tokens (`balance_partitions` without equal counts), then every rank
+    splits its sequences into the same number ``k`` of micro-batches with `pack_bins`, ``k`` the
+    smallest count that keeps every micro-batch of every rank within ``max_tokens_per_micro_batch``
+    real tokens (so micro-batches are balanced within and across ranks). Identical on every rank.
+    """
+    if pack and max_tokens_per_micro_batch is None:
+        raise ValueError("packing needs max_tokens_per_micro_batch (the real-token budget of a row)")
+    n = len(lengths)
+    parts = balance_partitions(lengths, dp_size, equal_size=not pack)
+    if not pack:
+        plan = []
+        for p in parts:
+            groups = split_micro_batches([_Len(int(lengths[i])) for i in p], micro_batch_size=micro_batch_size,
+                                         max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+            starts = [sum(len(g) for g in groups[:j]) for j in range(len(groups))]
+            plan.append([p[a:a + len(g)] for a, g in zip(starts, groups)])
+        return plan
+    budget = int(max_tokens_per_micro_batch)
+    loads = [sum(int(lengths[i]) for i in p) for p in parts]
+    k = max(1, -(-max(loads, default=0) // budget))
+    while True:
+        plan = [pack_bins(p, lengths, k) for p in parts]
+        if all(_fits(bins, lengths, budget) for bins in plan) or k >= max(n, 1):
+            return plan
+        k += 1
+
+
+class _Len:  # what split_micro_batches reads of a sequence: its token count
+    def __init__(self, num_tokens: int):
+        self.num_tokens = num_tokens
+
+
+def pack_multiples(*, tp_size: int, cp_size: int, sequence_parallel: bool) -> tuple[int, int]:
+    """``(per_sequence, per_row)`` padding multiples of a packed row: with context parallelism each
+    sequence splits into ``2 * cp`` equal chunks (TE's THD split); with sequence parallelism each CP
+    rank's share of the row splits over TP (the row: a multiple of ``tp * cp``). The row padding is
+    added to its last sequence, so ``per_row`` is a multiple of ``per_sequence``."""
+    per_seq = 2 * cp_size if cp_size > 1 else 1
+    per_row = math.lcm(per_seq, tp_size * cp_size if sequence_parallel and tp_size > 1 else 1)
+    return per_seq, per_row
+
+
+def collate_packed(seqs: Sequence[SequenceData], *, seq_multiple: int = 1, row_multiple: int = 1) -> MicroBatch:
+    """Concatenate sequences into one packed row (`MicroBatch` with ``cu_seqlens``).
+
+    Each sequence keeps the token layout of `collate` within its span (labels shifted inside the
+    sequence, never across), padded to a multiple of ``seq_multiple``; the last span also takes
+    the padding that makes the row a multiple of ``row_multiple`` (itself a multiple of
+    ``seq_multiple``). ``position_ids`` restart at 0 in every span.
+    """
+    if not seqs:
+        raise ValueError("seqs must not be empty")
+    if row_multiple % max(seq_multiple, 1):
+        raise ValueError(f"row_multiple ({row_multiple}) must be a multiple of seq_multiple ({seq_multiple})")
+    spans = [_round_up(max(x.num_tokens, 2), max(1, seq_multiple)) for x in seqs]
+    spans[-1] += _round_up(sum(spans), max(1, row_multiple)) - sum(spans)
+    rows = collate(seqs, pad_multiple=1)
+    width = rows.seq_len
+    cu = [0]
+    for length in spans:
+        cu.append(cu[-1] + length)
+    total = cu[-1]
+    seg = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(spans))
+    pos = torch.arange(total) - torch.tensor(cu[:-1])[seg]
+    take = pos < width  # positions of a span beyond the longest sequence are padding
+
+    def pack(t: torch.Tensor, fill) -> torch.Tensor:
+        out = torch.full((total,), fill, dtype=t.dtype)
+        out[take] = t[seg[take], pos[take]]
+        return out.unsqueeze(0)
+
+    return MicroBatch(
+        input_ids=pack(rows.input_ids, PAD_ID), position_ids=pos.unsqueeze(0), labels=pack(rows.labels, PAD_ID),
+        loss_mask=pack(rows.loss_mask, 0.0), advantages=pack(rows.advantages, 0.0),
+        rollout_logprobs=pack(rows.rollout_logprobs, 0.0), temperatures=pack(rows.temperatures, 1.0),
+        seq_index=rows.seq_index, engine_temperatures=rows.engine_temperatures,
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32), segment_ids=seg.unsqueeze(0))
+
+
+def token_efficiency(plan: list[list[list[int]]], lengths: Sequence[int], *, pack: bool,
+                     pad_multiple: int = 1, seq_multiple: int = 1, row_multiple: int = 1) -> dict[str, float]:
+    """Real tokens / computed tokens of a `plan_micro_batches` plan over all ranks, the layout
+    `build_rank_micro_batches` makes of it (``computed``: rows x padded length, or packed row
+    lengths), and the micro-batches per rank. A rank left without a sequence runs one filler of
+    2 tokens (`dummy_sequence`)."""
+    real = computed = 0
+    for bins in plan:
+        if not bins:
+            computed += _round_up(2, max(pad_multiple, row_multiple) if pack else pad_multiple)
+            continue
+        for b in bins:
+            ls = [int(lengths[i]) for i in b]
+            real += sum(ls)
+            if pack:
+                spans = sum(_round_up(max(x, 2), seq_multiple) for x in ls)
+                computed += _round_up(spans, row_multiple)
+            else:
+                computed += len(ls) * _round_up(max(max(ls), 2), pad_multiple)
+    counts = [max(len(b), 1) for b in plan]
+    return {"real_tokens": float(real), "computed_tokens": float(computed),
+            "token_efficiency": real / computed if computed else 1.0,
+            "micro_batches_per_rank_max": float(max(counts)), "micro_batches_per_rank_min": float(min(counts))}
+
+
 def _round_up(x: int, m: int) -> int:
     return ((x + m - 1) // m) * m
 
@@ -158,20 +291,24 @@ def dummy_sequence(template: SequenceData) -> SequenceData:
 
 def build_rank_micro_batches(seqs: Sequence[SequenceData], *, dp_rank: int, dp_size: int,
                              micro_batch_size: int = 1, max_tokens_per_micro_batch: int | None = None,
-                             pad_multiple: int = 1) -> list[MicroBatch]:
-    """This data-parallel rank's padded micro-batches for one (mini-)batch of sequences.
+                             pad_multiple: int = 1, pack: bool = False, seq_multiple: int = 1,
+                             row_multiple: int = 1) -> list[MicroBatch]:
+    """This data-parallel rank's micro-batches for one (mini-)batch of sequences: padded
+    (`collate`, rows padded to ``pad_multiple``) or packed rows (`collate_packed` with
+    ``seq_multiple`` / ``row_multiple``, see `pack_multiples`).
 
-    The split is `balance_partitions` by token count (identical on every rank); a rank left
-    without a sequence gets one all-masked dummy so every rank runs at least one micro-batch.
+    The split is `plan_micro_batches` (identical on every rank); a rank left without a sequence
+    gets one all-masked dummy so every rank runs at least one micro-batch.
     """
     if not seqs:
         raise ValueError("seqs must not be empty")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
-    parts = balance_partitions([x.num_tokens for x in seqs], dp_size)
-    mine = [seqs[i] for i in parts[dp_rank]] or [dummy_sequence(seqs[0])]
-    groups = split_micro_batches(mine, micro_batch_size=micro_batch_size,
-                                 max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+    plan = plan_micro_batches([x.num_tokens for x in seqs], dp_size=dp_size, micro_batch_size=micro_batch_size,
+                              max_tokens_per_micro_batch=max_tokens_per_micro_batch, pack=pack)
+    groups = [[seqs[i] for i in b] for b in plan[dp_rank]] or [[dummy_sequence(seqs[0])]]
+    if pack:
+        return [collate_packed(g, seq_multiple=seq_multiple, row_multiple=row_multiple) for g in groups]
     return [collate(g, pad_multiple=pad_multiple) for g in groups]
 
 

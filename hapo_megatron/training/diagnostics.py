@@ -35,7 +35,7 @@ def accumulate_token_diagnostics(micro_batches: list[MicroBatch], stats: Entropy
     the response lengths of the real sequences (`seq_index >= 0`; truncated = finish reason
     "length" in `finish_reasons[seq_index]`)."""
     diag = TokenDiagnostics()
-    for mb in micro_batches:
+    for mb in (m.unpacked() for m in micro_batches):  # one row per sequence (packed rows too)
         mask = mb.loss_mask != 0
         h_hat = diagnostic_h_hat(mb, stats, algo)
         diag.update_tokens(entropy=mb.old_entropy, h_hat=h_hat, mask=mask, token_ids=mb.labels,
@@ -56,7 +56,7 @@ def rollout_records(micro_batches: list[MicroBatch], batch: RolloutBatch, stats:
     """Saved-rollout records (`analysis.ROLLOUT_FIELDS`, plus `index` in the step's batch) of the
     real sequences of `micro_batches`; ratio, A' and clip flags are the loss's in the last update."""
     out = []
-    for mb in micro_batches:
+    for mb in (m.unpacked() for m in micro_batches):
         per_tok = {"entropy": mb.old_entropy, "h_hat": diagnostic_h_hat(mb, stats, algo),
                    "adv_before": mb.advantages, "temperatures": mb.temperatures}
         if mb.updates:

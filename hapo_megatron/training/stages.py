@@ -23,7 +23,8 @@ from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.rewards.counts import RewardCounts
 from hapo_megatron.rollout.engine import SamplingParams, drain_weights
 from hapo_megatron.training.actor import LossFactory
-from hapo_megatron.training.batching import build_rank_micro_batches, split_mini_batches
+from hapo_megatron.training.batching import (build_rank_micro_batches, pack_multiples, plan_micro_batches,
+                                             split_mini_batches, token_efficiency)
 from hapo_megatron.training.engine_memory import empty_cache
 from hapo_megatron.training.rl_step import (RolloutBatch, build_batch, rollout_metrics, sequence_advantages,
                                             shape_rewards, to_sequences)
@@ -118,8 +119,11 @@ def _pad_multiple(rt: Runtime) -> int:
 
 def layout(rt: Runtime, batch: RolloutBatch) -> tuple[Minis, dict[str, float]]:
     """Advantages from per-sequence (reward, length, group) and this rank's micro-batches of each
-    PPO mini-batch (DP-balanced by token count; identical assignment on every rank)."""
+    PPO mini-batch (DP-balanced by token count; identical assignment on every rank), padded or
+    packed (``parallel.pack_sequences``); ``perf/token_efficiency`` is real / computed tokens of
+    the step over every rank (from the assignment, which every rank knows: no collective)."""
     cfg, g = rt.cfg, rt.groups
+    p = cfg.parallel
     adv, metrics = sequence_advantages(batch.rewards, batch.response_lengths, batch.group_ids,
                                        adv_estimator=cfg.algo.adv_estimator,
                                        norm_adv_by_std=cfg.algo.norm_adv_by_std,
@@ -127,10 +131,20 @@ def layout(rt: Runtime, batch: RolloutBatch) -> tuple[Minis, dict[str, float]]:
     seqs = to_sequences(batch, adv)
     minis = split_mini_batches(list(dict.fromkeys(batch.group_ids)), batch.group_ids,
                                cfg.trainer.ppo_mini_batch_size)
-    mbs = [build_rank_micro_batches([seqs[i] for i in idx], dp_rank=g.dp_rank, dp_size=g.dp_size,
-                                    micro_batch_size=cfg.parallel.micro_batch_size,
-                                    max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
-                                    pad_multiple=_pad_multiple(rt)) for idx in minis]
+    seq_multiple, row_multiple = pack_multiples(tp_size=g.tp_size, cp_size=g.cp_size,
+                                                sequence_parallel=p.sequence_parallel)
+    shape = dict(micro_batch_size=p.micro_batch_size, max_tokens_per_micro_batch=p.max_tokens_per_micro_batch,
+                 pack=p.pack_sequences)
+    pads = dict(pad_multiple=_pad_multiple(rt), seq_multiple=seq_multiple, row_multiple=row_multiple)
+    mbs = [build_rank_micro_batches([seqs[i] for i in idx], dp_rank=g.dp_rank, dp_size=g.dp_size, **shape, **pads)
+           for idx in minis]
+    real = computed = 0.0
+    for idx in minis:
+        lengths = [seqs[i].num_tokens for i in idx]
+        eff = token_efficiency(plan_micro_batches(lengths, dp_size=g.dp_size, **shape), lengths,
+                               pack=p.pack_sequences, **pads)
+        real, computed = real + eff["real_tokens"], computed + eff["computed_tokens"]
+    metrics["perf/token_efficiency"] = real / max(computed, 1.0)
     return mbs, metrics
 
 
@@ -170,7 +184,7 @@ def recompute_temperatures(rt: Runtime,
                                              params.h_hat_mode)
         temps = torch.where(mask, temps, torch.ones_like(temps))
         if mb.engine_temperatures is not None:
-            both = mask & mb.engine_temperatures.unsqueeze(-1)
+            both = mask & mb.tokens_of_sequences(mb.engine_temperatures)
             sums["t_diff"] += float(((temps - mb.temperatures).abs() * both).sum())
             sums["t_diff_n"] += float(both.sum())
             temps = torch.where(both, mb.temperatures, temps)
@@ -295,12 +309,16 @@ def _with_updates(rt: Runtime, minis: Minis, recorded: list[PolicyTokenFields]) 
         raise RuntimeError(f"the loss reported {len(recorded)} micro-batch updates, expected "
                            f"{len(flat)} micro-batches x {rt.cfg.trainer.ppo_epochs} epochs")
 
-    def full(t: torch.Tensor) -> torch.Tensor:  # bool flags travel as float through the all-gather
-        return rt.actor.gather_cp(t.float()).to(t.dtype).cpu() if rt.groups.cp_size > 1 else t.cpu()
+    def full(t: torch.Tensor, cu_seqlens) -> torch.Tensor:  # bool flags travel as float through the all-gather
+        if rt.groups.cp_size == 1:
+            return t.cpu()
+        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}  # a packed row's THD shard
+        return rt.actor.gather_cp(t.float(), **packed).to(t.dtype).cpu()
 
     per_mb = [[] for _ in flat]
     for k, fields in enumerate(recorded):
-        per_mb[k % len(flat)].append(fields.apply(full))
+        cu = flat[k % len(flat)].cu_seqlens
+        per_mb[k % len(flat)].append(fields.apply(lambda t: full(t, cu)))
     return _regroup([mb.with_(updates=mb.updates + tuple(u)) for mb, u in zip(flat, per_mb)], minis)
 
 
