@@ -21,13 +21,13 @@ from hapo_megatron.models.hf_config import (
     has_qk_norm,
     has_qkv_bias,
     is_moe,
-    moe_layer_pattern,
     head_dim_of,
     num_kv_heads_of,
     rope_inv_freq,
     rope_parameters,
     validate_hf_config,
 )
+from hapo_megatron.models.moe import moe_config_fields
 
 DEFAULT_VOCAB_DIVISIBLE_BY = 128
 # Logit given to padded vocab ids: exp() underflows to exactly 0 next to real logits, yet stays
@@ -129,37 +129,6 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, cp: int =
         fields.update(moe_config_fields(hf_config, etp))
     fields.update(kw)
     return TransformerConfig(**fields)
-
-
-def moe_config_fields(hf_config, etp: int = 1) -> dict:
-    """TransformerConfig fields of a Qwen3-MoE config's sparse layers.
-
-    The router: HF takes softmax over all experts, then the top-k, then (norm_topk_prob)
-    renormalises them to sum 1. That equals Megatron's top-k of the logits followed by a softmax
-    over the k chosen (moe_router_pre_softmax=False); without renormalisation it is Megatron's
-    pre-softmax routing (softmax over all, then top-k). No capacity limit or token dropping (HF
-    drops none), SequentialMLP experts without grouped GEMM (exact on CPU; TE's grouped GEMM is a
-    GPU option of `layer_spec_for`). The aux-loss coefficient comes from router_aux_loss_coef;
-    the training config may override it (`moe_aux_loss_coeff=` in `kw`). Tokens travel with the
-    alltoall dispatcher, except with ETP > 1 without CUDA: its uneven all-gather over the expert-TP
-    group is not supported by gloo, so the allgather dispatcher (same results) is used there.
-    """
-    pattern = moe_layer_pattern(hf_config)
-    return dict(
-        num_moe_experts=int(hf_config.num_experts),
-        moe_router_topk=int(hf_config.num_experts_per_tok),
-        moe_ffn_hidden_size=int(hf_config.moe_intermediate_size),
-        moe_layer_freq=pattern if not all(pattern) else 1,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", False)),
-        moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0),
-        moe_router_dtype="fp32",
-        moe_token_dispatcher_type="allgather" if etp > 1 and not torch.cuda.is_available() else "alltoall",
-        moe_grouped_gemm=False,
-        moe_permute_fusion=False,
-        moe_shared_expert_intermediate_size=None,
-    )
 
 
 def layer_spec_for(hf_config, use_te: bool | None = None):

@@ -27,7 +27,8 @@ def fit(cfg: HapoConfig, *, tokenizer=None, datasets=None) -> dict[str, Any]:
     from hapo_megatron.parallel.groups import initialize_parallel
     p = cfg.parallel
     groups = initialize_parallel(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                                 cp=p.context_parallel_size, seed=cfg.trainer.seed,
+                                 cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
+                                 etp=p.expert_tensor_parallel_size, seed=cfg.trainer.seed,
                                  timeout_minutes=cfg.trainer.dist_timeout_minutes)
     rt = build_runtime(cfg, groups, tokenizer=tokenizer, datasets=datasets)
     rl, t0, timer, start_eval, sft_s = rt.rl, time.time(), rt.timer, {}, 0.0

@@ -5,7 +5,9 @@ Qwen3MoeForCausalLM with the same weights, plain autograd, the same loss functio
 runs the same 3 SGD steps on the same global batch; per-step losses, the global entropy statistics
 of the policy before training and the final weights (hence the gradients) agree to float32
 rounding. The router aux loss is off here (`moe_aux_loss_coeff=0`: it depends on how tokens are
-split over ranks, HF leaves it out of the logits); `test_moe_aux_loss` covers it.
+split over ranks, HF leaves it out of the logits); the actor part (`MegatronActor` at EP2 with
+`moe_aux_loss_coef`) checks the logged aux loss and per-expert load against a loop over HF's
+router logits, and that the coefficient reaches the gradient.
 """
 
 import numpy as np
@@ -106,8 +108,52 @@ def _megatron_run(tp, ep, etp, sp, fused):
     return {"losses": losses, "weights": weights, "entropy_stats": entropy_stats}
 
 
-def _train_ranks(rank, world_size):
-    return {name: _megatron_run(*layout) for name, layout in LAYOUTS.items()}
+AUX_COEF = 0.5
+
+
+def _sequences():
+    from hapo_megatron.training.batching import SequenceData
+
+    gen = torch.Generator().manual_seed(5)
+    return [SequenceData(torch.randint(4, 150, (4 + i,), generator=gen).tolist(),
+                         torch.randint(4, 150, (3 + i,), generator=gen).tolist(), index=i) for i in range(4)]
+
+
+def _actor_run(tmpdir, coef):
+    """MegatronActor at EP2 (DP2 for the dense weights): one train step with the SFT loss; its
+    MoE metrics and, for the gradient check, an expert weight after the step."""
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from hapo_megatron.config import OptimConfig
+    from hapo_megatron.parallel.groups import destroy_parallel, initialize_parallel
+    from hapo_megatron.training.actor import MegatronActor
+    from hapo_megatron.training.batching import build_rank_micro_batches
+    from hapo_megatron.training.sft import cross_entropy_loss_factory
+
+    g = initialize_parallel(tp=1, ep=2, seed=1)
+    path = f"{tmpdir}/hf_moe"
+    if dist.get_rank() == 0:
+        moe_model()[1].save_pretrained(path)
+    dist.barrier()
+    actor = MegatronActor(AutoConfig.from_pretrained(path), groups=g, total_optimizer_steps=2, init_hf_path=path,
+                          optim=OptimConfig(lr=1e-2, lr_warmup_steps=0, weight_decay=0.0),
+                          moe_aux_loss_coef=coef)
+    assert actor.config.moe_aux_loss_coeff == coef
+    mbs = build_rank_micro_batches(_sequences(), dp_rank=g.dp_rank, dp_size=g.dp_size)
+    actor.compute_logprobs_entropy(mbs)  # not counted: the metrics are the training steps'
+    actor.train_step(mbs, cross_entropy_loss_factory(g.tp))
+    metrics = actor.moe_step_metrics()
+    weights = dict(actor.export_hf_weights())
+    destroy_parallel()
+    return {"metrics": metrics, "mbs": [mb.input_ids for mb in mbs],
+            "expert": weights["model.layers.0.mlp.experts.1.up_proj.weight"].numpy().copy()}
+
+
+def _train_ranks(rank, world_size, tmpdir):
+    out = {name: _megatron_run(*layout) for name, layout in LAYOUTS.items()}
+    out["actor"] = {coef: _actor_run(tmpdir, coef) for coef in (AUX_COEF, 0.0)}
+    return out
 
 
 def _hf_reference():
@@ -132,8 +178,35 @@ def _hf_reference():
     return losses, {k: v.detach().numpy() for k, v in hf_state(hf_cfg, hf).items()}, entropy_stats
 
 
-def test_moe_training_matches_across_expert_layouts():
-    results = run_distributed(_train_ranks, 2, timeout=900)
+def _routing_reference(micro_batches):
+    """Loop over HF's router logits of every micro-batch (of every rank): the mean over micro-batches
+    and MoE layers of E/k * sum_e f_e P_e (f_e: share of top-k slots, P_e: mean softmax
+    probability; Megatron's switch load-balancing loss) and per layer the routed-token counts."""
+    cfg, hf = moe_model()
+    k, E = cfg.num_experts_per_tok, cfg.num_experts
+    aux, counts = [], {}
+    for ids in micro_batches:
+        with torch.no_grad():
+            router_logits = hf(ids, output_router_logits=True).router_logits
+        for layer, logits in enumerate(router_logits):
+            probs = torch.softmax(logits.double(), -1)
+            chosen = torch.topk(probs, k, -1).indices
+            count = torch.zeros(E, dtype=torch.float64)
+            for row in chosen:
+                for e in row:
+                    count[e] += 1
+            f, P = count / probs.shape[0], probs.mean(0)
+            aux.append(E / k * float((f * P).sum()))
+            counts[layer] = counts.get(layer, 0) + count
+    share = torch.stack([c / c.sum() * E for c in counts.values()])
+    return {"actor/moe_aux_loss": sum(aux) / len(aux),
+            "actor/moe_expert_load_max": float(share.max(1).values.mean()),
+            "actor/moe_expert_load_min": float(share.min(1).values.mean()),
+            "actor/moe_expert_load_cv": float(share.std(1, unbiased=False).mean())}
+
+
+def test_moe_training_matches_across_expert_layouts(tmp_path):
+    results = run_distributed(_train_ranks, 2, str(tmp_path), timeout=900)
     ref_losses, ref_weights, ref_stats = _hf_reference()
     assert max(ref_losses) - min(ref_losses) > 1e-3  # the steps really change the model
     start = hf_state(*moe_model())
@@ -156,3 +229,13 @@ def test_moe_training_matches_across_expert_layouts():
             assert sorted(w) == sorted(ref_weights), name
             for k, v in w.items():
                 np.testing.assert_allclose(v, ref_weights[k], rtol=1e-4, atol=2e-6, err_msg=f"{name} {k}")
+
+    # The actor: metrics equal on both ranks and to the loop reference over both ranks' micro-batches
+    actor = [r["actor"] for r in results]
+    expected = _routing_reference([ids for r in actor for ids in r[AUX_COEF]["mbs"]])
+    assert 0.9 < expected["actor/moe_aux_loss"] and expected["actor/moe_expert_load_max"] > 1.0
+    for r in actor:
+        for key, value in expected.items():  # float32 router softmax vs float64: ~1e-7 relative
+            np.testing.assert_allclose(r[AUX_COEF]["metrics"][key], value, rtol=1e-5, err_msg=key)
+    # the coefficient reaches the gradient: the same step without it moves the experts differently
+    assert not np.allclose(actor[0][AUX_COEF]["expert"], actor[0][0.0]["expert"], rtol=0, atol=1e-7)
