@@ -18,6 +18,15 @@ unless it was called. A library user on CPU calls it once at start. The shims:
    raises "not compiled with CUDA" from these; checkpoint saving, DDP and p2p call them.
 3. RNG tracker on the CPU generator: megatron's `CudaRNGStatesTracker` (weight init under TP,
    dropout, activation recompute) stores CUDA generator states; ours stores CPU ones.
+4. the device mode inside autograd backward: the autograd engine does not carry Python
+   TorchFunctionModes into custom Functions' backward, where megatron allocates on "cuda" too
+   (`tensor_parallel/mappings.py`, e.g. the MoE all-to-all in reverse).
+5. MoE (Mixture-of-Experts) layers: `moe_utils.te_general_gemm` is read by the router but only
+   defined when Transformer Engine imports (a megatron-core 0.16.1 bug: any MoE run without TE
+   fails) -> None, the torch path; the null stream's `record_event()` returns an event whose
+   `synchronize()` the alltoall dispatcher calls; the dispatcher's split sizes, which it moves to
+   host numpy arrays only from CUDA tensors, are converted on the CPU too (`all_to_all_single`
+   rejects tensors).
 
 Context-parallel attention needs Transformer Engine and is not shimmed. The device mode is a
 TorchFunctionMode, hence per thread: megatron code run in another thread than the one that

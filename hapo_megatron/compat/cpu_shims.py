@@ -71,6 +71,28 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _shim_device_mode_in_backward() -> None:
+    """Custom autograd backward functions run without the device mode: the autograd engine does
+    not carry Python TorchFunctionModes into backward, and Megatron's backward passes allocate on
+    "cuda" too (`tensor_parallel/mappings.py`, e.g. the MoE all-to-all's reverse). Enter the mode
+    around every custom Function's backward when it is not already on the stack."""
+    from torch.autograd.function import BackwardCFunction
+    from torch.overrides import _get_current_function_mode_stack
+
+    for name in ("apply", "apply_boxed"):
+        original = getattr(BackwardCFunction, name, None)
+        if original is None:
+            continue
+
+        def wrapped(self, *args, _original=original):
+            if _MODE is None or _MODE in _get_current_function_mode_stack():
+                return _original(self, *args)
+            with _CudaToCpuMode():
+                return _original(self, *args)
+
+        _patch(BackwardCFunction, name, wrapped)
+
+
 def _patch(obj: Any, name: str, value: Any) -> None:
     old = getattr(obj, name)
     setattr(obj, name, value)
@@ -122,7 +144,21 @@ class _NullStream:
         pass
 
     def record_event(self, event=None):
-        return event
+        # The MoE alltoall dispatcher calls `.synchronize()` on the event it gets back.
+        return event if event is not None else _NullEvent()
+
+
+class _NullEvent:
+    """Stand-in for torch.cuda.Event: CPU work is done when the call returns."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
 
 def _shim_rng_tracker() -> None:
@@ -164,7 +200,35 @@ def _shim_rng_tracker() -> None:
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False)
 
 
-_SHIMS = (_shim_device_mode, _shim_cuda_runtime, _shim_rng_tracker)
+def _shim_moe_gemm_without_te() -> None:
+    """megatron-core 0.16.1 reads `moe_utils.te_general_gemm` in the router's gating GEMM, but only
+    defines it when Transformer Engine imports: without TE every MoE forward raises NameError.
+    None selects the module's own torch.mm path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        _UNDO.append(lambda: delattr(moe_utils, "te_general_gemm"))
+
+
+def _shim_moe_split_sizes() -> None:
+    """The MoE alltoall dispatcher turns its split sizes into host numpy arrays with
+    `maybe_move_tensor_to_cpu(t, as_numpy=True)`, which only converts CUDA tensors: on the CPU
+    they stay tensors and `all_to_all_single` rejects them. Convert CPU tensors the same way."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def move(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    _patch(token_dispatcher, "maybe_move_tensor_to_cpu", move)
+
+
+_SHIMS = (_shim_device_mode, _shim_device_mode_in_backward, _shim_cuda_runtime, _shim_rng_tracker,
+          _shim_moe_gemm_without_te, _shim_moe_split_sizes)
 
 
 def activate_cpu_shims() -> bool:

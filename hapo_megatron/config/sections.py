@@ -312,6 +312,11 @@ class ModelConfig(_Section):
     """Log-probs and entropies straight from the final hidden states (the output layer fused into
     them, computed slice by slice of the vocabulary): the [T, V/tp] logits and their gradient are
     never materialised."""
+    moe_aux_loss_coef: Optional[float] = None
+    """MoE models: coefficient of the router load-balancing loss added to the objective (null =
+    the HF config's router_aux_loss_coef, 0 = off). Megatron adds it per routed token of each
+    micro-batch, divided like the policy loss by the step's global token count; logged as
+    actor/moe_aux_loss (before the coefficient). Ignored for dense models."""
 
     def _validate(self) -> None:
         _check_choice("model.dtype", self.dtype, DTYPES)
@@ -319,3 +324,5 @@ class ModelConfig(_Section):
             _fail("model.random_init=true and model.megatron_load_path both choose the initial weights: "
                   "set one of them")
         _check_min("model.max_position_embeddings", self.max_position_embeddings, 1)
+        if self.moe_aux_loss_coef is not None and not self.moe_aux_loss_coef >= 0:
+            _fail(f"model.moe_aux_loss_coef must be >= 0 or null, got {self.moe_aux_loss_coef!r}")

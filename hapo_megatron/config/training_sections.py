@@ -38,6 +38,12 @@ class ParallelConfig(_Section):
     """Pipeline parallel size (PP)."""
     context_parallel_size: int = 1
     """Context parallel size (CP)."""
+    expert_model_parallel_size: int = 1
+    """Expert parallel size (EP) of MoE models: each rank holds num_experts / EP whole experts.
+    The expert grid ETP x EP sits beside TP inside each pipeline stage (world size divisible by
+    expert_tensor_parallel_size * EP * PP); must divide num_experts (checked with the model)."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """Tensor parallel size of each expert's FFN in MoE models (ETP; null = TP, as in Megatron)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (ignored when TP == 1)."""
     use_distributed_optimizer: bool = True
@@ -55,8 +61,9 @@ class ParallelConfig(_Section):
 
     def _validate(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "context_parallel_size", "micro_batch_size"):
+                     "context_parallel_size", "micro_batch_size", "expert_model_parallel_size"):
             _check_min(f"parallel.{name}", getattr(self, name), 1)
+        _check_min("parallel.expert_tensor_parallel_size", self.expert_tensor_parallel_size, 1)
         _check_min("parallel.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, 1)
         if self.pack_sequences and self.max_tokens_per_micro_batch is None:
             _fail("parallel.pack_sequences needs parallel.max_tokens_per_micro_batch (the real-token "
@@ -78,6 +85,13 @@ class ParallelConfig(_Section):
                   f"* pipeline_model_parallel_size * context_parallel_size = "
                   f"{self.tensor_model_parallel_size} * {self.pipeline_model_parallel_size} * "
                   f"{self.context_parallel_size} = {mp}")
+        etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+        expert_grid = etp * self.expert_model_parallel_size * self.pipeline_model_parallel_size
+        if world_size % expert_grid:
+            _fail(f"world_size {world_size} is not divisible by the expert grid "
+                  f"parallel.expert_tensor_parallel_size * expert_model_parallel_size * "
+                  f"pipeline_model_parallel_size = {etp} * {self.expert_model_parallel_size} * "
+                  f"{self.pipeline_model_parallel_size} = {expert_grid}")
         return world_size // mp
 
 

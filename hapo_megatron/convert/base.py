@@ -11,6 +11,10 @@ HF tensors it is made of and a layout `kind`:
   q heads, then its k head, then its v head; split along dim 0 (whole groups per TP rank).
 - "fc1": gate and up fused; TP rank r holds `cat(gate_r, up_r)`, split along dim 0.
 
+MoE expert weights (`ParamMap.expert` set) use the "fc1" / "row" layouts over the expert-TP
+group (ETP) instead of TP; each expert-parallel rank holds whole experts, its `local_experts.{j}`
+being global expert `experts[j]` of that rank (`stage_maps(..., experts=...)`).
+
 All conversions are slicing and concatenation, so a round trip is bit-exact.
 """
 
@@ -38,7 +42,8 @@ class ParamMap:
     """One Megatron parameter and the HF tensors it is made of.
 
     `mcore`: local-spec name with the stage-local layer index; `hf`: HF names; `hf_shapes`: their
-    shapes; `kind`: layout (see module docstring); `order`: position in the HF canonical order.
+    shapes; `kind`: layout (see module docstring); `order`: position in the HF canonical order;
+    `expert`: the global expert index of an MoE expert weight (split over ETP, not TP), else None.
     """
 
     mcore: str
@@ -46,6 +51,7 @@ class ParamMap:
     hf_shapes: tuple[tuple[int, ...], ...]
     kind: str
     order: tuple
+    expert: int | None = None
 
 
 def split_dim(kind: str) -> int | None:
@@ -83,8 +89,15 @@ class ModelAdapter:
                 raise ValueError(f"tp_size={tp_size} must divide {what}={n}")
 
     # ----------------------------------------------------------------------------- the maps
-    def layer_maps(self, local: int, layer: int) -> list[ParamMap]:
-        """Maps of one decoder layer: `local` index inside the stage, `layer` global HF index."""
+    def check_ep(self, ep_size: int, etp_size: int) -> None:
+        """Expert parallelism needs experts (a dense model ignores `etp_size`); subclasses with
+        experts check the split."""
+        if ep_size != 1:
+            raise ValueError(f"ep_size={ep_size}: {self.arch} has no experts to split")
+
+    def layer_maps(self, local: int, layer: int, experts: Sequence[int] | None = None) -> list[ParamMap]:
+        """Maps of one decoder layer: `local` index inside the stage, `layer` global HF index;
+        `experts`: the global experts this rank holds (MoE adapters; ignored by dense ones)."""
         m, h = f"decoder.layers.{local}.", f"model.layers.{layer}."
         H, F, d = self.hidden, self.ffn, self.head_dim
         q, kv = self.heads * d, self.groups * d
@@ -108,14 +121,16 @@ class ModelAdapter:
         ]
         return out
 
-    def stage_maps(self, layers: Sequence[tuple[int, int]], pre_process: bool, post_process: bool) -> list[ParamMap]:
-        """Maps of one pipeline stage holding `layers` = [(local, global), ...]."""
+    def stage_maps(self, layers: Sequence[tuple[int, int]], pre_process: bool, post_process: bool,
+                   experts: Sequence[int] | None = None) -> list[ParamMap]:
+        """Maps of one pipeline stage holding `layers` = [(local, global), ...] and, in MoE layers,
+        the global `experts` (None: all)."""
         V, H = self.vocab, self.hidden
         out = []
         if pre_process:
             out.append(ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), ((V, H),), "vocab", (0,)))
         for local, layer in layers:
-            out += self.layer_maps(local, layer)
+            out += self.layer_maps(local, layer, experts)
         if post_process:
             out.append(ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), ((H,),), "replicated", (2,)))
             if not self.tied:
@@ -125,15 +140,21 @@ class ModelAdapter:
                 out.append(ParamMap("output_layer.weight", ("model.embed_tokens.weight",), ((V, H),), "vocab", (3,)))
         return out
 
-    def uniform_stage_maps(self, pp_rank: int, pp_size: int) -> list[ParamMap]:
-        """Maps of stage `pp_rank` when the layers are split evenly over `pp_size` stages."""
+    def uniform_stage_maps(self, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1) -> list[ParamMap]:
+        """Maps of stage `pp_rank` when the layers are split evenly over `pp_size` stages (and the
+        experts of MoE layers evenly over `ep_size` ranks)."""
         if pp_size <= 0 or not 0 <= pp_rank < pp_size:
             raise ValueError(f"pp_rank={pp_rank} must be in [0, pp_size={pp_size})")
         if self.num_layers % pp_size:
             raise ValueError(f"pp_size={pp_size} must divide num_hidden_layers={self.num_layers}")
         per = self.num_layers // pp_size
         layers = [(j, pp_rank * per + j) for j in range(per)]
-        return self.stage_maps(layers, pp_rank == 0, pp_rank == pp_size - 1)
+        return self.stage_maps(layers, pp_rank == 0, pp_rank == pp_size - 1, self.experts_of(ep_rank, ep_size))
+
+    def experts_of(self, ep_rank: int, ep_size: int) -> list[int] | None:
+        """Global experts held by expert-parallel rank `ep_rank` (None: a dense model)."""
+        self.check_ep(ep_size, 1)
+        return None
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every HF tensor name of the model with its shape, in canonical order (no tied lm_head)."""
@@ -195,29 +216,49 @@ class ModelAdapter:
 
     # -------------------------------------------------------------------- whole state dicts
     def hf_to_mcore(self, hf_state: Mapping[str, torch.Tensor], tp_rank: int, tp_size: int, pp_rank: int,
-                    pp_size: int, padded_vocab: int | None = None) -> dict[str, torch.Tensor]:
-        """Megatron state dict (local spec names) of TP rank `tp_rank`, pipeline stage `pp_rank`."""
+                    pp_size: int, padded_vocab: int | None = None, *, ep_rank: int = 0, ep_size: int = 1,
+                    etp_rank: int | None = None, etp_size: int | None = None) -> dict[str, torch.Tensor]:
+        """Megatron state dict (local spec names) of TP rank `tp_rank`, pipeline stage `pp_rank`
+        and, for MoE models, expert-parallel rank `ep_rank` / expert-TP rank `etp_rank` (None: TP's)."""
+        etp_rank, etp_size = (tp_rank, tp_size) if etp_size is None else (etp_rank, etp_size)
         self.check_tp(tp_size)
+        self.check_ep(ep_size, etp_size)
         check_hf_state(self, hf_state.keys(), lambda n: tuple(hf_state[n].shape))
         out = {}
-        for pm in self.uniform_stage_maps(pp_rank, pp_size):
-            out[pm.mcore] = self.to_mcore_shard(pm, [hf_state[n] for n in pm.hf], tp_rank, tp_size, padded_vocab)
+        for pm in self.uniform_stage_maps(pp_rank, pp_size, ep_rank, ep_size):
+            rank, size = (etp_rank, etp_size) if pm.expert is not None else (tp_rank, tp_size)
+            out[pm.mcore] = self.to_mcore_shard(pm, [hf_state[n] for n in pm.hf], rank, size, padded_vocab)
         return out
 
-    def mcore_to_hf(self, shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """HF state dict (canonical order) from every shard, keyed (tp_rank, pp_rank)."""
-        tp_size = 1 + max(t for t, _ in shards)
-        pp_size = 1 + max(p for _, p in shards)
-        missing = [(t, p) for t in range(tp_size) for p in range(pp_size) if (t, p) not in shards]
+    def mcore_to_hf(self, shards: Mapping[tuple, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """HF state dict (canonical order) from every shard, keyed (tp_rank, pp_rank) or, with
+        experts, (tp_rank, pp_rank, ep_rank, etp_rank): dense weights are read from any shard of
+        their (tp, pp) coordinates, expert weights from any of their (pp, ep, etp) ones."""
+        keys = [k if len(k) == 4 else (k[0], k[1], 0, 0) for k in shards]
+        shards = dict(zip(keys, shards.values()))
+        dense = {(t, p): s for (t, p, _, _), s in shards.items()}
+        expert = {(p, e, r): s for (_, p, e, r), s in shards.items()}
+        tp_size, pp_size = 1 + max(k[0] for k in keys), 1 + max(k[1] for k in keys)
+        ep_size, etp_size = 1 + max(k[2] for k in keys), 1 + max(k[3] for k in keys)
+        self.check_ep(ep_size, etp_size)
+        missing = [(t, p) for t in range(tp_size) for p in range(pp_size) if (t, p) not in dense]
+        missing += [(p, e, r) for p in range(pp_size) for e in range(ep_size) for r in range(etp_size)
+                    if (p, e, r) not in expert]
         if missing:
-            raise ValueError(f"shards: missing (tp_rank, pp_rank) entries {missing}")
+            raise ValueError(f"shards: missing (tp_rank, pp_rank) / (pp_rank, ep_rank, etp_rank) entries {missing}")
         items = []
         for pp_rank in range(pp_size):
-            for pm in self.uniform_stage_maps(pp_rank, pp_size):
-                if pm.mcore == "output_layer.weight" and self.tied:
-                    continue  # the tied copy of the embedding
-                parts = [shards[(t, pp_rank)][pm.mcore] for t in range(tp_size)]
-                items.append((pm.order, pm.hf, self.to_hf(pm, parts)))
+            for ep_rank in range(ep_size):
+                for pm in self.uniform_stage_maps(pp_rank, pp_size, ep_rank, ep_size):
+                    if (pm.mcore == "output_layer.weight" and self.tied) or (pm.expert is None and ep_rank):
+                        continue  # the tied copy of the embedding; dense weights once
+                    holders = ([expert[(pp_rank, ep_rank, r)] for r in range(etp_size)] if pm.expert is not None
+                               else [dense[(t, pp_rank)] for t in range(tp_size)])
+                    if any(pm.mcore not in h for h in holders):
+                        raise ValueError(f"shards: {pm.mcore} (HF {pm.hf[0]}) is missing; the shards do not "
+                                         f"form a TP {tp_size} x PP {pp_size} x EP {ep_size} x ETP {etp_size} layout")
+                    parts = [h[pm.mcore] for h in holders]
+                    items.append((pm.order, pm.hf, self.to_hf(pm, parts)))
         out = {}
         for _, names, tensors in sorted(items, key=lambda x: x[0]):
             out.update(zip(names, tensors))

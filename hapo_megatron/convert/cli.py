@@ -1,12 +1,14 @@
 """`hapo convert` and tools/convert_*.py, tools/check_conversion.py.
 
-    hapo convert hf-to-megatron --hf-model-path HF --megatron-path OUT [--tp N] [--pp N] [--dtype bf16] [--overwrite]
+    hapo convert hf-to-megatron --hf-model-path HF --megatron-path OUT [--tp N] [--pp N] [--ep N] [--etp N] [--dtype bf16] [--overwrite]
     hapo convert megatron-to-hf --megatron-path CKPT --hf-model-path OUT [--dtype bf16] [--overwrite]
     hapo convert check --hf-model-path HF --megatron-path CKPT [--prompt TEXT] [--tolerance X]
-    hapo convert tiny-model --arch llama|qwen2|qwen3 --out DIR [--seed S] [--tokenizer DIR]
+    hapo convert tiny-model --arch llama|qwen2|qwen3|qwen3_moe --out DIR [--seed S] [--tokenizer DIR]
 
-TP/PP > 1 run under `torchrun --nproc-per-node TP*PP` (one rank per model shard). A torch_dist
-checkpoint loads at any TP/PP, so megatron-to-hf and check may use other sizes than the save.
+TP/PP > 1 run under `torchrun --nproc-per-node TP*PP` (one rank per model shard). MoE models
+(Qwen3-MoE) also split experts over --ep ranks and each expert's FFN over --etp (default: --tp);
+they need PP * lcm(TP, EP*ETP) ranks (e.g. --tp 2 --ep 2 --etp 1: 2 ranks). A torch_dist
+checkpoint loads at any TP/PP/EP/ETP, so megatron-to-hf and check may use other sizes than the save.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Sequence
 import torch
 
 from hapo_megatron.dtypes import TORCH_DTYPES, short_name, torch_dtype
+from hapo_megatron.models.hf_config import SUPPORTED_ARCHS
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. 12 + 30 = 42."
 
@@ -53,14 +56,24 @@ def _hf_dtype(hf_config) -> torch.dtype:
 _OWNED: list[str] = []  # what _init set up and _finish must tear down (not a caller's groups)
 
 
-def _init(tp: int, pp: int):
-    """Join torchrun's process group (or a 1-process one) and initialise TP x PP (DP must be 1)."""
+def _world_needed(tp: int, pp: int, ep: int, etp: int) -> int:
+    """Ranks of a conversion: one per model shard, PP * lcm(TP, EP * ETP) (dense weights are
+    replicated over the extra ranks an expert layout needs)."""
+    import math
+
+    return pp * math.lcm(tp, ep * etp)
+
+
+def _init(tp: int, pp: int, ep: int = 1, etp: int | None = None):
+    """Join torchrun's process group (or a 1-process one) and initialise TP x PP (x EP x ETP)."""
     import torch.distributed as dist
 
+    etp = tp if etp is None else etp
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    if world != tp * pp:
-        raise ConversionError(f"--tp {tp} --pp {pp} needs exactly {tp * pp} ranks, got WORLD_SIZE={world}: "
-                              f"run under `torchrun --nproc-per-node {tp * pp} ...`")
+    need = _world_needed(tp, pp, ep, etp)
+    if world != need:
+        raise ConversionError(f"--tp {tp} --pp {pp} --ep {ep} --etp {etp} needs exactly {need} ranks, got "
+                              f"WORLD_SIZE={world}: run under `torchrun --nproc-per-node {need} ...`")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     from megatron.core import parallel_state
@@ -74,7 +87,7 @@ def _init(tp: int, pp: int):
         _OWNED.append("process_group")
     if not parallel_state.model_parallel_is_initialized():
         _OWNED.append("model_parallel")
-    return initialize_parallel(tp=tp, pp=pp)
+    return initialize_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
 
 
 def _finish() -> None:
@@ -116,19 +129,20 @@ def hf_to_megatron(args) -> int:
     reader = HFCheckpointReader(args.hf_model_path)
     check_hf_state(adapter, list(reader.keys()), reader.shape)  # before any heavy work
     dtype = torch_dtype(args.dtype) if args.dtype else _hf_dtype(hf_config)
-    groups = _init(args.tp, args.pp)
+    groups = _init(args.tp, args.pp, args.ep, args.etp)
     model = _build(hf_config, dtype)
     bar = _progress(len(chunk_entries(adapter, model)), "load HF tensors")
     load_hf_weights_into_mcore(model, reader, hf_config, tp_rank=groups.tp_rank, tp_size=groups.tp_size,
-                               pp_rank=groups.pp_rank, pp_size=groups.pp_size, progress=lambda _: bar.update())
+                               pp_rank=groups.pp_rank, pp_size=groups.pp_size, etp_rank=groups.etp_rank,
+                               etp_size=groups.etp_size, progress=lambda _: bar.update())
     bar.close()
     _prepare_dir_rank0(args.megatron_path, args.overwrite)
-    meta = {"tp": args.tp, "pp": args.pp, "dtype": short_name(dtype), "source": os.path.abspath(args.hf_model_path),
-            "arch": adapter.arch}
+    meta = {"tp": args.tp, "pp": args.pp, "ep": groups.ep_size, "etp": groups.etp_size, "dtype": short_name(dtype),
+            "source": os.path.abspath(args.hf_model_path), "arch": adapter.arch}
     save_megatron_checkpoint([model], args.megatron_path, hf_config=hf_config, tokenizer_src=args.hf_model_path,
                              meta=meta)
-    _log(f"saved Megatron torch_dist checkpoint ({adapter.arch}, tp={args.tp}, pp={args.pp}, "
-         f"{short_name(dtype)}) to {args.megatron_path}")
+    _log(f"saved Megatron torch_dist checkpoint ({adapter.arch}, tp={args.tp}, pp={args.pp}, ep={groups.ep_size}, "
+         f"etp={groups.etp_size}, {short_name(dtype)}) to {args.megatron_path}")
     _finish()
     return 0
 
@@ -179,10 +193,11 @@ def megatron_to_hf(args) -> int:
     _check_output_dir(args.hf_model_path, args.overwrite)
     hf_config, tokenizer_src, dtype = _megatron_side(args)
     adapter = get_adapter(hf_config)
-    groups = _init(args.tp, args.pp)
+    groups = _init(args.tp, args.pp, args.ep, args.etp)
     model = _build(hf_config, dtype)
     load_megatron_checkpoint([model], args.megatron_path)
-    stream = export_hf_weights([model], hf_config, tp_group=groups.tp, pp_group=groups.pp)
+    stream = export_hf_weights([model], hf_config, tp_group=groups.tp, pp_group=groups.pp, ep_group=groups.ep,
+                               etp_group=groups.etp)
     if _rank() == 0:
         bar = _progress(len(adapter.hf_shapes()), "export HF tensors")
         save_hf_checkpoint(stream, args.hf_model_path, hf_config, tokenizer_src=tokenizer_src,
@@ -208,7 +223,7 @@ def check(args) -> int:
     dtype = torch_dtype(args.dtype or "fp32")
     ids = _prompt_ids(args.hf_model_path, args.prompt, hf_config.vocab_size)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    groups = _init(args.tp, 1)
+    _init(args.tp, 1, args.ep, args.etp)
     model = _build(hf_config, dtype, parallel_output=False)
     load_megatron_checkpoint([model], args.megatron_path)
     model.eval()
@@ -217,7 +232,7 @@ def check(args) -> int:
         pos = torch.arange(ids.shape[1], device=device).unsqueeze(0)
         logits = model(ids, pos, None)[..., : hf_config.vocab_size].float()
     diff = None
-    if groups.tp_rank == 0:
+    if _rank() == 0:
         hf = AutoModelForCausalLM.from_pretrained(args.hf_model_path, **_hf_dtype_kw(dtype)).to(device).eval()
         with torch.no_grad():
             ref = hf(ids).logits.float()
@@ -283,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--hf-model-path", required=True, help="HF model directory (output for megatron-to-hf)")
         s.add_argument("--megatron-path", required=True, help="Megatron checkpoint directory (output for hf-to-megatron)")
         s.add_argument("--tp", type=int, default=1, help="tensor parallel size (= ranks under torchrun with --pp)")
+        s.add_argument("--ep", type=int, default=1, help="expert model parallel size (MoE models)")
+        s.add_argument("--etp", type=int, default=None,
+                       help="expert tensor parallel size (MoE models; default: --tp)")
         s.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default=None,
                        help="weights dtype (default: the source's dtype; fp32 for check)")
     for s in (a, b):
@@ -296,8 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-shard-size-gb", type=float, default=2.0, help="safetensors shard size")
     c.add_argument("--prompt", default=DEFAULT_PROMPT, help="text of the fixed prompt")
     c.add_argument("--tolerance", type=float, default=float("inf"), help="exit 1 when the difference is larger")
-    t = sub.add_parser("tiny-model", help="write a tiny random HF model (llama | qwen2 | qwen3)")
-    t.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], default="llama")
+    t = sub.add_parser("tiny-model", help="write a tiny random HF model (llama | qwen2 | qwen3 | qwen3_moe)")
+    t.add_argument("--arch", choices=list(SUPPORTED_ARCHS), default="llama")
     t.add_argument("--out", required=True, help="output directory")
     t.add_argument("--layers", type=int, default=2, help="number of layers")
     t.add_argument("--seed", type=int, default=0)

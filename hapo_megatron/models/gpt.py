@@ -18,14 +18,16 @@ import torch
 import torch.nn.functional as F
 
 from hapo_megatron.models.hf_config import (
-    arch_of,
+    has_qk_norm,
     has_qkv_bias,
+    is_moe,
     head_dim_of,
     num_kv_heads_of,
     rope_inv_freq,
     rope_parameters,
     validate_hf_config,
 )
+from hapo_megatron.models.moe import moe_config_fields
 
 DEFAULT_VOCAB_DIVISIBLE_BY = 128
 # Logit given to padded vocab ids: exp() underflows to exactly 0 next to real logits, yet stays
@@ -63,18 +65,28 @@ def _dtype_flags(dtype: torch.dtype) -> dict:
                 bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
 
 
-def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, cp: int = 1,
-                               sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
-                               use_te: bool | None = None, **kw):
+def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                               etp: int | None = None, sequence_parallel: bool = False,
+                               dtype: torch.dtype = torch.float32, use_te: bool | None = None, **kw):
     """The Megatron TransformerConfig equivalent of `hf_config`; `kw` overrides any field.
 
     Dropout is 0 (RL fine-tuning), RMSNorm, SwiGLU without linear biases, q/k/v biases for Qwen2,
     QK-norm for Qwen3, GQA via num_query_groups, kv_channels = head_dim (Qwen3 may differ from
-    hidden/heads). On a machine without CUDA, weights are initialised on the CPU.
+    hidden/heads). On a machine without CUDA, weights are initialised on the CPU. MoE models
+    (Qwen3-MoE) get the fields of `moe_config_fields`, their experts split over `ep` ranks and each
+    expert's FFN over `etp` (None: `tp`).
     """
     from megatron.core.transformer import TransformerConfig
 
     validate_hf_config(hf_config)
+    etp = tp if etp is None else etp
+    if (ep, etp) != (1, tp) and not is_moe(hf_config):
+        raise ValueError(f"ep={ep}, etp={etp}: expert parallelism needs a MoE model "
+                         f"({hf_config.model_type} has no experts)")
+    if is_moe(hf_config) and int(hf_config.num_experts) % ep:
+        raise ValueError(f"ep={ep} must divide num_experts={hf_config.num_experts}")
+    if is_moe(hf_config) and int(hf_config.moe_intermediate_size) % etp:
+        raise ValueError(f"etp={etp} must divide moe_intermediate_size={hf_config.moe_intermediate_size}")
     if hf_config.num_hidden_layers % pp:
         raise ValueError(f"pp={pp} must divide num_hidden_layers={hf_config.num_hidden_layers}")
     if sequence_parallel and tp == 1:
@@ -93,12 +105,14 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, cp: int =
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=has_qkv_bias(hf_config),
-        qk_layernorm=arch_of(hf_config) == "qwen3",
+        qk_layernorm=has_qk_norm(hf_config),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         context_parallel_size=cp,
         sequence_parallel=sequence_parallel,
         use_cpu_initialization=not torch.cuda.is_available(),
@@ -111,6 +125,8 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, cp: int =
         gradient_accumulation_fusion=False,
         **_dtype_flags(dtype),
     )
+    if is_moe(hf_config):
+        fields.update(moe_config_fields(hf_config, etp))
     fields.update(kw)
     return TransformerConfig(**fields)
 
@@ -120,7 +136,7 @@ def layer_spec_for(hf_config, use_te: bool | None = None):
     `PackedDotProductAttention`, so packed rows run on CPU too)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    qk_norm = arch_of(hf_config) == "qwen3"
+    qk_norm = has_qk_norm(hf_config)
     use_te = te_available() if use_te is None else use_te
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
@@ -128,6 +144,22 @@ def layer_spec_for(hf_config, use_te: bool | None = None):
     spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
     return spec
+
+
+def decoder_spec_for(hf_config, config, use_te: bool, vp_stage: int | None = None):
+    """The decoder spec of `build_gpt_model`: `layer_spec_for` for dense models; for MoE models
+    Megatron's block spec, which places sparse and dense layers by `config.moe_layer_freq` on
+    this pipeline stage (SequentialMLP experts with the local spec), with norms that support
+    sequence parallelism in the local spec (`local_norm.py`: MoE with TP > 1 trains only with it)."""
+    if not is_moe(hf_config):
+        return layer_spec_for(hf_config, use_te)
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from hapo_megatron.models.local_norm import with_local_norm
+
+    spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                                      normalization="RMSNorm", vp_stage=vp_stage)
+    return spec if use_te else with_local_norm(spec)
 
 
 def _mask_padded_vocab_hook(vocab_size: int) -> Callable:
@@ -151,13 +183,14 @@ def _mask_padded_vocab_hook(vocab_size: int) -> Callable:
     return hook
 
 
-def _parallel_sizes() -> tuple[int, int, int, bool, bool]:
-    """(tp, pp, cp, first_stage, last_stage) from Megatron's initialised parallel state."""
+def _parallel_sizes() -> tuple[dict, bool, bool]:
+    """({tp, pp, cp, ep, etp}, first_stage, last_stage) from Megatron's initialised parallel state."""
     from megatron.core import parallel_state as ps
 
-    return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-            ps.get_context_parallel_world_size(), ps.is_pipeline_first_stage(ignore_virtual=True),
-            ps.is_pipeline_last_stage(ignore_virtual=True))
+    sizes = dict(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+                 cp=ps.get_context_parallel_world_size(), ep=ps.get_expert_model_parallel_world_size(),
+                 etp=ps.get_expert_tensor_parallel_world_size())
+    return sizes, ps.is_pipeline_first_stage(ignore_virtual=True), ps.is_pipeline_last_stage(ignore_virtual=True)
 
 
 def build_gpt_model(hf_config, *, pre_process: bool | None = None, post_process: bool | None = None,
@@ -173,17 +206,17 @@ def build_gpt_model(hf_config, *, pre_process: bool | None = None, post_process:
     """
     from megatron.core.models.gpt import GPTModel
 
-    tp, pp, cp, first, last = _parallel_sizes()
+    sizes, first, last = _parallel_sizes()
     pre_process = first if pre_process is None else pre_process
     post_process = last if post_process is None else post_process
     use_te = te_available() if use_te is None else use_te
     if config is None:
-        config = transformer_config_from_hf(hf_config, tp=tp, pp=pp, cp=cp, dtype=dtype, use_te=use_te,
+        config = transformer_config_from_hf(hf_config, **sizes, dtype=dtype, use_te=use_te,
                                             sequence_parallel=sequence_parallel, **config_kw)
-    vocab = padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by)
+    vocab = padded_vocab_size(hf_config.vocab_size, sizes["tp"], make_vocab_size_divisible_by)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec_for(hf_config, use_te),
+        transformer_layer_spec=decoder_spec_for(hf_config, config, use_te, vp_stage),
         vocab_size=vocab,
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,

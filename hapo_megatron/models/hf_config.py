@@ -1,4 +1,4 @@
-"""Reading Hugging Face configs: supported architectures, RoPE settings, tiny test configs."""
+"""Reading Hugging Face configs: supported architectures, RoPE settings, MoE settings, tiny test configs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# Architectures with RMSNorm on every query / key head (q_norm, k_norm).
+QK_NORM_ARCHS = ("qwen3", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 # Small enough for CPU tests, big enough to exercise GQA (4 heads, 2 groups), TP2 splits, and
@@ -31,6 +33,11 @@ _TINY_PER_ARCH: dict[str, dict[str, Any]] = {
     "llama": dict(tie_word_embeddings=False),
     "qwen2": dict(tie_word_embeddings=True),  # Qwen2 always has q/k/v biases
     "qwen3": dict(tie_word_embeddings=False, head_dim=24),  # head_dim != hidden/heads (16)
+    # 4 experts (EP=2 and 4 split them), top-2 renormalised like Qwen3-30B-A3B, expert FFN 32
+    # (ETP=2 splits it); every layer sparse.
+    "qwen3_moe": dict(tie_word_embeddings=False, head_dim=24, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True, router_aux_loss_coef=0.001,
+                      decoder_sparse_step=1, mlp_only_layers=[]),
 }
 
 
@@ -45,9 +52,9 @@ def arch_of(hf_config) -> str:
 
 
 def hf_config_class(arch: str):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}
     if arch not in classes:
         raise ValueError(f"arch: unsupported {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
     return classes[arch]
@@ -57,7 +64,8 @@ def tiny_hf_config(arch: str = "llama", **overrides):
     """A tiny transformers config of `arch` for tests and the CPU example (no download).
 
     Llama is untied, Qwen2 tied (with its q/k/v biases), Qwen3 untied with QK-norm and
-    head_dim 24 != hidden/heads. `overrides` replace any field (e.g. num_hidden_layers=4).
+    head_dim 24 != hidden/heads, Qwen3-MoE like Qwen3 with 4 experts of FFN 32, top-2.
+    `overrides` replace any field (e.g. num_hidden_layers=4).
     """
     cls = hf_config_class(arch)
     kwargs = {**_TINY_COMMON, **_TINY_PER_ARCH[arch], **overrides}
@@ -92,6 +100,26 @@ def head_dim_of(hf_config) -> int:
 def num_kv_heads_of(hf_config) -> int:
     kv = getattr(hf_config, "num_key_value_heads", None)
     return int(kv) if kv else hf_config.num_attention_heads
+
+
+def has_qk_norm(hf_config) -> bool:
+    """Qwen3 and Qwen3-MoE normalise every query and key head (q_norm / k_norm)."""
+    return arch_of(hf_config) in QK_NORM_ARCHS
+
+
+def is_moe(hf_config) -> bool:
+    """Whether `hf_config` has Mixture-of-Experts layers (Qwen3-MoE with num_experts > 0)."""
+    return arch_of(hf_config) == "qwen3_moe" and int(getattr(hf_config, "num_experts", 0) or 0) > 0
+
+
+def moe_layer_pattern(hf_config) -> list[int]:
+    """Per layer 1 (sparse MoE block) or 0 (dense MLP of `intermediate_size`), transformers' rule:
+    a layer is sparse unless listed in `mlp_only_layers`, when (index + 1) % decoder_sparse_step == 0."""
+    if not is_moe(hf_config):
+        return [0] * hf_config.num_hidden_layers
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    return [int(i not in dense and (i + 1) % step == 0) for i in range(hf_config.num_hidden_layers)]
 
 
 def has_qkv_bias(hf_config) -> bool:
@@ -153,4 +181,18 @@ def validate_hf_config(hf_config) -> str:
     if hf_config.num_attention_heads % num_kv_heads_of(hf_config):
         raise ValueError("hf_config.num_key_value_heads must divide num_attention_heads")
     rope_inv_freq(hf_config)  # raises on an unsupported RoPE type
+    if is_moe(hf_config):
+        _validate_moe(hf_config)
     return arch
+
+
+def _validate_moe(hf_config) -> None:
+    experts, top_k = int(hf_config.num_experts), int(hf_config.num_experts_per_tok)
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"hf_config.num_experts_per_tok={top_k} must be in [1, num_experts={experts}]")
+    if int(getattr(hf_config, "moe_intermediate_size", 0) or 0) <= 0:
+        raise ValueError("hf_config.moe_intermediate_size must be positive")
+    if int(getattr(hf_config, "decoder_sparse_step", 1) or 1) < 1:
+        raise ValueError("hf_config.decoder_sparse_step must be >= 1")
+    if not any(moe_layer_pattern(hf_config)):
+        raise ValueError("hf_config: num_experts > 0 but no layer is sparse (mlp_only_layers / decoder_sparse_step)")

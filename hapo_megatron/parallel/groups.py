@@ -47,6 +47,13 @@ class ParallelGroups:
     dp_cp_size: int
     is_pipeline_first: bool
     is_pipeline_last: bool
+    # Expert (MoE) layout: experts split over `ep`, each expert's FFN over `etp`; 1/None without MoE.
+    ep: Any = None
+    etp: Any = None
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
 
 
 def _check_size(name: str, value: int) -> int:
@@ -75,7 +82,7 @@ def _ensure_default_group() -> None:
 
 
 def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234,
-                        timeout_minutes: float = 30.0) -> ParallelGroups:
+                        timeout_minutes: float = 30.0, ep: int = 1, etp: int | None = None) -> ParallelGroups:
     """Initialise Megatron model parallelism on the default process group and seed the RNGs.
 
     `dp = world_size / (tp * pp * cp)`. Without CUDA, megatron-core runs only with the CPU
@@ -87,9 +94,13 @@ def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234,
     (per-TP-rank model-parallel RNG stream in the RNG tracker). Calling it again with the same
     sizes returns the existing groups; with different sizes call `destroy_parallel()` first.
     ``timeout_minutes`` is the collective timeout of the TP/PP/CP/DP groups (trainer.dist_timeout_minutes).
+    ``ep`` / ``etp``: expert model / expert tensor parallel sizes of MoE layers (``etp=None``: same as
+    ``tp``); the expert grid is ETP x EP x expert-DP inside each pipeline stage, so ``etp * ep * pp``
+    must divide the world size.
     """
     global _GROUPS
-    for name, v in (("tp", tp), ("pp", pp), ("cp", cp)):
+    etp = tp if etp is None else etp
+    for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep), ("etp", etp)):
         _check_size(name, v)
     if not torch.cuda.is_available():
         from hapo_megatron.compat import cpu_shims_active
@@ -105,15 +116,20 @@ def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234,
 
     if ps.model_parallel_is_initialized():
         g = get_parallel_groups()
-        if (g.tp_size, g.pp_size, g.cp_size) != (tp, pp, cp):
-            raise ValueError(f"model parallel already initialised with tp={g.tp_size}, "
-                             f"pp={g.pp_size}, cp={g.cp_size}; call destroy_parallel() first")
+        if (g.tp_size, g.pp_size, g.cp_size, g.ep_size, g.etp_size) != (tp, pp, cp, ep, etp):
+            raise ValueError(f"model parallel already initialised with tp={g.tp_size}, pp={g.pp_size}, "
+                             f"cp={g.cp_size}, ep={g.ep_size}, etp={g.etp_size}; call destroy_parallel() first")
         return g
     world = dist.get_world_size()
     if world % (tp * pp * cp) != 0:
         raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
+    if world % (etp * ep * pp) != 0:
+        raise ValueError(f"world size {world} is not divisible by etp*ep*pp = {etp}*{ep}*{pp} "
+                         "(expert tensor x expert model x pipeline parallel sizes)")
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 context_parallel_size=cp, distributed_timeout_minutes=int(math.ceil(timeout_minutes)))
+                                 context_parallel_size=cp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=etp,
+                                 distributed_timeout_minutes=int(math.ceil(timeout_minutes)))
     random.seed(seed)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
@@ -143,6 +159,9 @@ def get_parallel_groups() -> ParallelGroups:
         dp_cp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
         is_pipeline_first=ps.is_pipeline_first_stage(ignore_virtual=True),
         is_pipeline_last=ps.is_pipeline_last_stage(ignore_virtual=True),
+        ep=ps.get_expert_model_parallel_group(), etp=ps.get_expert_tensor_parallel_group(),
+        ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
     )
     return _GROUPS
 

@@ -17,12 +17,16 @@ Greedy (``temperature == 0``): argmax of ``z``, log-prob ``log_softmax(z)``, tem
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
 from hapo_megatron.algo import adaptive_temperature
 from hapo_megatron.rollout.engine import Sample, SamplingParams, check_prompt_ids
+
+# An MoE expert weight as exported (`mlp.experts.{e}.{gate,up,down}_proj.weight`).
+_PER_EXPERT_NAME = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 
 
 # --------------------------------------------------------------------------- pure sampling math
@@ -267,6 +271,10 @@ class HFRolloutEngine:
         aliases is, e.g. ``lm_head.weight`` / ``model.embed_tokens.weight``).
         """
         items = list(named_tensors)  # read to the end first (the RolloutEngine contract)
+        if any(_PER_EXPERT_NAME.search(name) for name, _ in items):
+            # MoE: the export's per-expert (on-disk) names -> transformers' fused in-memory experts
+            from hapo_megatron.convert.qwen3_moe import fused_expert_state
+            items = list(fused_expert_state(dict(items)).items())
         sd = self.model.state_dict()
         groups = self._param_groups()
         unknown, bad_shape, dup, seen = [], [], [], set()

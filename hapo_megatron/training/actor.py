@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from hapo_megatron.compat.processes import children_allowed
 from hapo_megatron.dtypes import torch_dtype
+from hapo_megatron.models.hf_config import is_moe
+from hapo_megatron.models.moe import ExpertLoadMonitor, moe_overrides
 from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.training.checkpoint import OPTIMIZER_FORMAT, optimizer_sharding_metadata
 from hapo_megatron.training.optimizer_checkpoint import load_optimizer_state, ensure_adam_state
@@ -82,11 +84,14 @@ class MegatronActor:
                  use_te: Optional[bool] = None, sequence_parallel: bool = False,
                  recompute_activations: bool = False, use_distributed_optimizer: bool = True,
                  init_hf_path: Optional[str] = None, init_megatron_path: Optional[str] = None,
-                 fused_output_layer: bool = False):
+                 fused_output_layer: bool = False, moe_aux_loss_coef: Optional[float] = None):
         self.hf_config, self.groups, self.dtype = hf_config, groups, torch_dtype(dtype)
         self.fused_output_layer = bool(fused_output_layer)
+        self._moe_kw = moe_overrides(hf_config, moe_aux_loss_coef)
         self.model = self._build_model(use_te, sequence_parallel, recompute_activations,
                                        init_hf_path, init_megatron_path, use_distributed_optimizer)
+        self.moe_monitor = (ExpertLoadMonitor(self.model, hf_config.num_hidden_layers, hf_config.num_experts)
+                            if is_moe(hf_config) else None)
         self.optimizer, self.scheduler = self._build_optimizer(optim, total_optimizer_steps,
                                                                use_distributed_optimizer)
         self.config = self.model[0].config
@@ -108,7 +113,8 @@ class MegatronActor:
         g = self.groups
         self._build_kw = dict(pre_process=g.is_pipeline_first, post_process=g.is_pipeline_last,
                               dtype=self.dtype, use_te=use_te, sequence_parallel=sequence_parallel,
-                              **transformer_overrides(recompute_activations=recompute, pp=g.pp_size))
+                              **transformer_overrides(recompute_activations=recompute, pp=g.pp_size),
+                              **self._moe_kw)
         model = build_gpt_model(self.hf_config, **self._build_kw)
         for p in model.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
@@ -119,7 +125,8 @@ class MegatronActor:
         elif init_hf_path:
             from hapo_megatron.convert import load_hf_weights_into_mcore
             load_hf_weights_into_mcore(model, init_hf_path, self.hf_config, tp_rank=g.tp_rank,
-                                       tp_size=g.tp_size, pp_rank=g.pp_rank, pp_size=g.pp_size)
+                                       tp_size=g.tp_size, pp_rank=g.pp_rank, pp_size=g.pp_size,
+                                       etp_rank=g.etp_rank, etp_size=g.etp_size)
         if self.dtype != torch.float32:
             model = Float16Module(model.config, model)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -234,7 +241,8 @@ class MegatronActor:
             load_megatron_checkpoint([ref], megatron_path)
         elif hf_path:
             load_hf_weights_into_mcore(ref, hf_path, self.hf_config, tp_rank=g.tp_rank, tp_size=g.tp_size,
-                                       pp_rank=g.pp_rank, pp_size=g.pp_size)
+                                       pp_rank=g.pp_rank, pp_size=g.pp_size, etp_rank=g.etp_rank,
+                                       etp_size=g.etp_size)
         else:
             ref.load_state_dict(unwrap_model(self.model[0]).state_dict())
         ref.requires_grad_(False)
@@ -283,7 +291,13 @@ class MegatronActor:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        per_mb = self.forward_backward(micro_batches, make_loss, forward_only=False)
+        if self.moe_monitor is not None:
+            self.moe_monitor.recording = True
+        try:
+            per_mb = self.forward_backward(micro_batches, make_loss, forward_only=False)
+        finally:
+            if self.moe_monitor is not None:
+                self.moe_monitor.recording = False
         metrics: dict[str, torch.Tensor] = {}
         for m in per_mb:
             for k, v in m.items():
@@ -305,7 +319,17 @@ class MegatronActor:
         """``(hf_name, full tensor)`` for the whole model; every rank must consume it fully."""
         from hapo_megatron.convert import export_hf_weights
         return export_hf_weights(self.model, self.hf_config, tp_group=self.groups.tp,
-                                 pp_group=self.groups.pp, dtype=dtype)
+                                 pp_group=self.groups.pp, ep_group=self.groups.ep, etp_group=self.groups.etp,
+                                 dtype=dtype)
+
+    def moe_step_metrics(self) -> dict[str, float]:
+        """The MoE metrics of the training steps since the last call (`models.moe`; collective,
+        the same on every rank); empty for dense models."""
+        if self.moe_monitor is None:
+            return {}
+        g = self.groups
+        return self.moe_monitor.step_metrics(tp_group=g.tp, pp_group=g.pp, dp_group=g.dp,
+                                             sequence_parallel=bool(self.config.sequence_parallel))
 
     def _sharded_state_dict(self, is_loading: bool, optimizer_format: str) -> dict:
         from hapo_megatron.convert import unwrap_model

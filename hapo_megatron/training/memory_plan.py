@@ -4,7 +4,9 @@ the device's memory, for each phase of a step. Pure arithmetic (tested with hand
 
 Bytes per parameter follow Megatron's mixed precision with the distributed optimizer: model
 params in the training dtype, fp32 gradient buffers (grad_reduce_in_fp32), and fp32 main params
-+ two fp32 Adam moments sharded over the DP x CP ranks. Activations follow Korthikanti et al.
++ two fp32 Adam moments sharded over the DP x CP ranks. MoE expert weights are split over
+EP x ETP (not TP) and their optimizer state over the expert-data-parallel ranks
+(TP x CP x DP / (ETP x EP)); the activation estimate stays the dense one. Activations follow Korthikanti et al.
 (2022) with flash attention (no s^2 term): per layer s*h*34/t bytes with sequence parallelism,
 s*h*(10 + 24/t) without, only the layer inputs (2*s*h/t) kept with full recomputation, plus
 fp32 logits and their gradient (2 x 4*s*V/t). Everything else (CUDA context, NCCL, allocator
@@ -20,7 +22,7 @@ GiB = 1024**3
 CONTEXT_BYTES = 1 * GiB  # CUDA context + NCCL buffers of one process (rough, deliberately round)
 HEADROOM = 0.95  # plan against 95% of the device (fragmentation)
 
-__all__ = ["ModelShape", "MemoryPlan", "param_count", "plan_memory", "plan_from_config", "format_plan",
+__all__ = ["ModelShape", "MemoryPlan", "expert_param_count", "param_count", "plan_memory", "plan_from_config", "format_plan",
            "shape_from_hf_config"]
 
 
@@ -35,16 +37,27 @@ class ModelShape:
     vocab: int
     tied_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm weights of one query and one key head per layer
+    experts: int = 0  # MoE: experts per sparse layer, their FFN size, how many layers are sparse
+    moe_intermediate: int = 0
+    moe_layers: int = 0
+
+
+def expert_param_count(m: ModelShape) -> int:
+    """Parameters of the MoE experts (SwiGLU, `moe_intermediate`) of every sparse layer."""
+    return m.moe_layers * m.experts * 3 * m.hidden * m.moe_intermediate
 
 
 def param_count(m: ModelShape) -> int:
-    """Parameters of a Llama/Qwen decoder (embeddings, attention, SwiGLU MLP, RMSNorms)."""
+    """Parameters of a Llama/Qwen decoder (embeddings, attention, SwiGLU MLP or MoE block: router
+    + experts, RMSNorms)."""
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
     attn = m.hidden * (q + 2 * kv) + q * m.hidden + ((q + 2 * kv) if m.qkv_bias else 0)
     mlp = 3 * m.hidden * m.intermediate
-    per_layer = attn + mlp + 2 * m.hidden
+    per_layer = attn + 2 * m.hidden + (2 * m.head_dim if m.qk_norm else 0)
     embed = m.vocab * m.hidden * (1 if m.tied_embeddings else 2)
-    return m.layers * per_layer + embed + m.hidden
+    moe = m.moe_layers * m.experts * m.hidden + expert_param_count(m)
+    return m.layers * per_layer + (m.layers - m.moe_layers) * mlp + moe + embed + m.hidden
 
 
 @dataclass
@@ -77,13 +90,18 @@ class MemoryPlan:
         return not self.warnings
 
 
-def plan_memory(shape: ModelShape, *, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1, param_bytes: int = 2,
+def plan_memory(shape: ModelShape, *, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1, ep: int = 1,
+                etp: Optional[int] = None, param_bytes: int = 2,
                 distributed_optimizer: bool = True, sequence_parallel: bool = False, tokens_per_micro_batch: int,
                 recompute: bool = False, sglang_fraction: float = 0.0, server_tp: int = 1, colocated: bool = False,
                 offload: bool = False, device_bytes: int) -> MemoryPlan:
     """The per-GPU plan (see the module docstring for every formula)."""
-    n = param_count(shape) / (tp * pp)
+    etp = tp if etp is None else etp
+    experts = expert_param_count(shape)
+    dense_n, expert_n = (param_count(shape) - experts) / (tp * pp), experts / (ep * etp * pp)
+    n = dense_n + expert_n
     shard = dp * cp if distributed_optimizer else 1
+    expert_shard = max(tp * cp * dp / (etp * ep), 1.0) if distributed_optimizer else 1
     opt_bytes_per_param = 8 + (4 if param_bytes < 4 else 0)  # Adam moments (+ fp32 main params)
     s, h, t = tokens_per_micro_batch / cp, shape.hidden, tp
     layers = shape.layers / pp
@@ -93,7 +111,8 @@ def plan_memory(shape: ModelShape, *, tp: int = 1, pp: int = 1, cp: int = 1, dp:
     acts += 2 * 4 * s * shape.vocab / t
     pool = int(sglang_fraction * device_bytes) if colocated else 0
     server_weights = int(param_count(shape) * 2 / server_tp) if colocated else 0
-    plan = MemoryPlan(params=int(n * param_bytes), grads=int(n * 4), optimizer=int(n * opt_bytes_per_param / shard),
+    optimizer = dense_n * opt_bytes_per_param / shard + expert_n * opt_bytes_per_param / expert_shard
+    plan = MemoryPlan(params=int(n * param_bytes), grads=int(n * 4), optimizer=int(optimizer),
                       activations=int(acts), sglang_pool=pool, sglang_weights=server_weights,
                       overhead=CONTEXT_BYTES * (2 if colocated else 1), device=int(device_bytes), offload=offload)
     held_in_rollout = plan.overhead + (0 if offload else plan.static)
@@ -122,12 +141,15 @@ def _add_warnings(plan: MemoryPlan, colocated: bool) -> None:
 
 
 def shape_from_hf_config(hf_config) -> ModelShape:
-    from hapo_megatron.models.hf_config import has_qkv_bias, head_dim_of, num_kv_heads_of
-    return ModelShape(hidden=int(hf_config.hidden_size), layers=int(hf_config.num_hidden_layers),
+    from hapo_megatron.models.hf_config import (has_qk_norm, has_qkv_bias, head_dim_of, is_moe, moe_layer_pattern,
+                                                num_kv_heads_of)
+    moe = dict(experts=int(hf_config.num_experts), moe_intermediate=int(hf_config.moe_intermediate_size),
+               moe_layers=sum(moe_layer_pattern(hf_config))) if is_moe(hf_config) else {}
+    return ModelShape(**moe,hidden=int(hf_config.hidden_size), layers=int(hf_config.num_hidden_layers),
                       heads=int(hf_config.num_attention_heads), kv_heads=num_kv_heads_of(hf_config),
                       head_dim=head_dim_of(hf_config), intermediate=int(hf_config.intermediate_size),
                       vocab=int(hf_config.vocab_size), tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-                      qkv_bias=has_qkv_bias(hf_config))
+                      qkv_bias=has_qkv_bias(hf_config), qk_norm=has_qk_norm(hf_config))
 
 
 def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int) -> MemoryPlan:
@@ -142,6 +164,7 @@ def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int) -> M
     offload = offload_planned(cfg)
     return plan_memory(shape_from_hf_config(hf_config), tp=p.tensor_model_parallel_size,
                        pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size, dp=max(dp, 1),
+                       ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
                        param_bytes={"bf16": 2, "fp16": 2}.get(cfg.model.dtype, 4),
                        distributed_optimizer=p.use_distributed_optimizer, sequence_parallel=p.sequence_parallel,
                        tokens_per_micro_batch=tokens, recompute=cfg.model.recompute_activations,

@@ -21,6 +21,7 @@ from hapo_megatron.config import HapoConfig
 from hapo_megatron.dtypes import torch_dtype
 from hapo_megatron.data import PromptDataset
 from hapo_megatron.parallel.collectives import all_gather_objects
+from hapo_megatron.models.moe import check_moe_training_layout
 from hapo_megatron.parallel.groups import ParallelGroups
 from hapo_megatron.rewards import RewardResult
 from hapo_megatron.rewards.scoring import RewardScorer
@@ -290,6 +291,10 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
     hf_config = load_hf_config(cfg.model.hf_model_path, cfg.model.max_position_embeddings)
     init_hf = initial_hf_weights(cfg.model)
     total_opt = cfg.trainer.total_steps * optimizer_steps_per_rl_step(cfg) + cfg.trainer.sft_warmup_steps
+    p = cfg.parallel
+    check_moe_training_layout(hf_config, tp=p.tensor_model_parallel_size, ep=p.expert_model_parallel_size,
+                              etp=p.expert_tensor_parallel_size, pp=p.pipeline_model_parallel_size,
+                              cp=p.context_parallel_size, sequence_parallel=p.sequence_parallel)
     actor = MegatronActor(
         hf_config, groups=groups, optim=cfg.optim, total_optimizer_steps=total_opt,
         dtype=cfg.model.dtype if torch.cuda.is_available() else "fp32", use_te=cfg.model.use_te,
@@ -297,7 +302,8 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
         recompute_activations=cfg.model.recompute_activations,
         fused_output_layer=cfg.model.fused_output_layer,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        init_hf_path=init_hf, init_megatron_path=cfg.model.megatron_load_path)
+        init_hf_path=init_hf, init_megatron_path=cfg.model.megatron_load_path,
+        moe_aux_loss_coef=cfg.model.moe_aux_loss_coef)
     ckpt_root = os.path.join(cfg.trainer.run_dir, "checkpoints")
     resume_from = resolve_resume(cfg.trainer.resume, ckpt_root)
     if resume_from is None and rank == 0:

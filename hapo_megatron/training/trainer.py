@@ -30,7 +30,8 @@ def fit(cfg: HapoConfig, *, tokenizer=None, datasets=None) -> dict[str, Any]:
     from hapo_megatron.parallel.groups import initialize_parallel
     p = cfg.parallel
     groups = initialize_parallel(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                                 cp=p.context_parallel_size, seed=cfg.trainer.seed,
+                                 cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
+                                 etp=p.expert_tensor_parallel_size, seed=cfg.trainer.seed,
                                  timeout_minutes=cfg.trainer.dist_timeout_minutes)
     t = cfg.trainer
     shield_checkpoint_writer(t.exit_signals)

@@ -88,3 +88,43 @@ def test_initialize_parallel_needs_the_explicit_opt_in(fresh_shims):
     with pytest.raises(RuntimeError, match=r"activate_cpu_shims\(\) first"):
         initialize_parallel(tp=1)
     assert not compat.cpu_shims_active() and not _mode_installed()
+
+
+class _AllocatesOnCudaInBackward(torch.autograd.Function):
+    """Like Megatron's tensor_parallel/mappings.py: the backward allocates with device="cuda"."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * torch.full(grad.shape, 2.0, device="cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_moe_shims_active_without_cuda_and_reversible(fresh_shims):
+    """The shims MoE layers need: the device mode inside autograd backward, the dispatcher's
+    record_event, CPU split sizes as numpy, the router GEMM without Transformer Engine."""
+    import numpy as np
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    had_gemm = hasattr(moe_utils, "te_general_gemm")
+    x = torch.ones(3, requires_grad=True)
+    with pytest.raises((RuntimeError, AssertionError)):  # without the shims: no CUDA in backward
+        _AllocatesOnCudaInBackward.apply(x).sum().backward()
+    compat.activate_cpu_shims()
+    x.grad = None
+    _AllocatesOnCudaInBackward.apply(x).sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+    torch.cuda.current_stream().record_event().synchronize()  # alltoall dispatcher's d2h event
+    splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+    assert isinstance(splits, np.ndarray) and splits.tolist() == [3, 1]
+    kept = torch.tensor([2])
+    assert token_dispatcher.maybe_move_tensor_to_cpu(kept) is kept
+    assert moe_utils.te_general_gemm is None or had_gemm
+    compat.deactivate_cpu_shims()
+    assert hasattr(moe_utils, "te_general_gemm") == had_gemm
+    assert token_dispatcher.maybe_move_tensor_to_cpu is moe_utils.maybe_move_tensor_to_cpu
+    with pytest.raises((RuntimeError, AssertionError)):
+        _AllocatesOnCudaInBackward.apply(x).sum().backward()

@@ -37,9 +37,11 @@ def random_hf_model(arch: str, seed: int = 0, **overrides):
 
 
 def hf_state(cfg, model) -> dict:
-    """HF state dict as saved on disk (the tied lm_head copy left out)."""
-    return {k: v for k, v in model.state_dict().items()
-            if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    """HF state dict as saved on disk (the tied lm_head copy left out, MoE experts per expert)."""
+    from hapo_megatron.convert import per_expert_state
+
+    return per_expert_state({k: v for k, v in model.state_dict().items()
+                             if not (cfg.tie_word_embeddings and k == "lm_head.weight")})
 
 
 def input_ids(cfg, batch: int = 2) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from hapo_megatron.training.memory_plan import (CONTEXT_BYTES, GiB, ModelShape, format_plan, param_count,
-                                                plan_memory)
+from hapo_megatron.training.memory_plan import (CONTEXT_BYTES, GiB, ModelShape, expert_param_count, format_plan,
+                                                param_count, plan_memory)
 
 # 2 layers, hidden 8, 2 heads x 4 dims, 1 KV head, MLP 16, vocab 10, untied, no bias:
 # attention 8*(8+4+4) + 8*8 = 192, MLP 3*8*16 = 384, norms 16 -> 592 per layer;
@@ -17,6 +17,20 @@ def test_param_count_by_hand():
     qwen25_7b = ModelShape(hidden=3584, layers=28, heads=28, kv_heads=4, head_dim=128, intermediate=18944,
                            vocab=152064, qkv_bias=True)
     assert param_count(qwen25_7b) == 7_615_616_512  # Qwen2.5-7B's published 7.62B
+
+
+def test_moe_experts_by_hand():
+    # TINY with layer 0 sparse: router 4*8 = 32, 4 experts of FFN 4: 4*3*8*4 = 384 (replacing its MLP's 384)
+    moe = ModelShape(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10, experts=4,
+                     moe_intermediate=4, moe_layers=1)
+    assert param_count(moe) == 1352 + 32 and expert_param_count(moe) == 384
+    # tp=2, ep=2, etp=1, dp=2 (4 GPUs), bf16: dense (1384-384)/2 = 500, experts 384/2 = 192 per GPU;
+    # optimizer 12 bytes each, dense over dp=2, experts over tp*dp/(etp*ep) = 2 expert-DP ranks
+    p = plan_memory(moe, tp=2, dp=2, ep=2, etp=1, param_bytes=2, tokens_per_micro_batch=6, device_bytes=10**9)
+    assert (p.params, p.grads, p.optimizer) == (2 * 692, 4 * 692, 12 * 500 // 2 + 12 * 192 // 2)
+    qwen3_30b_a3b = ModelShape(hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, intermediate=6144,
+                               vocab=151936, qk_norm=True, experts=128, moe_intermediate=768, moe_layers=48)
+    assert param_count(qwen3_30b_a3b) == 30_532_122_624  # Qwen3-30B-A3B's safetensors total (30.5B)
 
 
 def test_static_state_and_activations_by_hand():

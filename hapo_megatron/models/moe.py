@@ -1,0 +1,159 @@
+"""Mixture-of-Experts (Qwen3-MoE) on Megatron: the TransformerConfig fields of the sparse layers,
+the checks of an expert layout for training, and the per-step MoE metrics (router load-balancing
+loss and per-expert load).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from hapo_megatron.models.hf_config import is_moe, moe_layer_pattern
+
+# Megatron's name of the router load-balancing loss in its aux-loss tracker (moe_utils).
+AUX_LOSS_NAME = "load_balancing_loss"
+
+
+def moe_config_fields(hf_config, etp: int = 1) -> dict:
+    """TransformerConfig fields of a Qwen3-MoE config's sparse layers.
+
+    The router: HF takes softmax over all experts, then the top-k, then (norm_topk_prob)
+    renormalises them to sum 1. That equals Megatron's top-k of the logits followed by a softmax
+    over the k chosen (moe_router_pre_softmax=False); without renormalisation it is Megatron's
+    pre-softmax routing (softmax over all, then top-k). No capacity limit or token dropping (HF
+    drops none), SequentialMLP experts without grouped GEMM (exact on CPU; TE's grouped GEMM is a
+    GPU option of `layer_spec_for`). The aux-loss coefficient comes from router_aux_loss_coef;
+    the training config may override it (`moe_aux_loss_coeff=` in `kw`). Tokens travel with the
+    alltoall dispatcher, except with ETP > 1 without CUDA: its uneven all-gather over the expert-TP
+    group is not supported by gloo, so the allgather dispatcher (same results) is used there.
+    """
+    pattern = moe_layer_pattern(hf_config)
+    return dict(
+        num_moe_experts=int(hf_config.num_experts),
+        moe_router_topk=int(hf_config.num_experts_per_tok),
+        moe_ffn_hidden_size=int(hf_config.moe_intermediate_size),
+        moe_layer_freq=pattern if not all(pattern) else 1,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", False)),
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0),
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type="allgather" if etp > 1 and not torch.cuda.is_available() else "alltoall",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_shared_expert_intermediate_size=None,
+    )
+
+
+def check_moe_training_layout(hf_config, *, tp: int, ep: int, etp: Optional[int], pp: int, cp: int,
+                              sequence_parallel: bool) -> None:
+    """ValueError naming the config field when an expert layout cannot train `hf_config`.
+
+    Dense models take no expert parallelism; EP must divide the experts and ETP the expert FFN;
+    MoE with TP > 1 trains only with sequence parallelism (Megatron's MoELayer refuses otherwise);
+    context parallelism with MoE is not supported here (its metrics and tests do not cover it).
+    """
+    etp = tp if etp is None else etp
+    if not is_moe(hf_config):
+        if ep != 1 or etp != tp:
+            raise ValueError(f"parallel.expert_model_parallel_size={ep} / expert_tensor_parallel_size={etp}: "
+                             f"the model ({hf_config.model_type}) has no experts; leave them at 1 / null")
+        return
+    experts, ffn = int(hf_config.num_experts), int(hf_config.moe_intermediate_size)
+    if experts % ep:
+        raise ValueError(f"parallel.expert_model_parallel_size={ep} must divide the model's num_experts={experts}")
+    if ffn % etp:
+        raise ValueError(f"parallel.expert_tensor_parallel_size={etp} must divide the model's "
+                         f"moe_intermediate_size={ffn}")
+    if tp > 1 and not sequence_parallel:
+        raise ValueError(f"parallel.sequence_parallel must be true for a MoE model with "
+                         f"tensor_model_parallel_size={tp} (Megatron trains MoE layers under TP only "
+                         "with sequence parallelism)")
+    if cp > 1:
+        raise ValueError("parallel.context_parallel_size > 1 is not supported with MoE models")
+
+
+class ExpertLoadMonitor:
+    """Counts the tokens each router sends to each expert (forward hooks on every MoE router of
+    the model chunks) and reads Megatron's aux-loss tracker; `step_metrics` reduces both over
+    the ranks and starts over.
+
+    Set `recording` around the passes to count. Counts are per (layer, expert) over this rank's
+    routed tokens: under sequence parallelism
+    each TP rank routes its own slice, without it every TP rank routes the same tokens (so the
+    TP sum is taken only with sequence parallelism).
+    """
+
+    def __init__(self, model_chunks, num_layers: int, num_experts: int):
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self.calls = torch.zeros(num_layers, dtype=torch.float64)
+        self.recording = False  # on during training steps only (not the log-prob passes)
+        self.handles = []
+        for chunk in model_chunks:
+            for module in chunk.modules():
+                if type(module).__name__ == "TopKRouter":
+                    self.handles.append(module.register_forward_hook(self._hook))
+
+    def _hook(self, router, inputs, output) -> None:
+        if not self.recording:
+            return
+        _, routing_map = output  # [tokens, experts] bool
+        layer = router.layer_number - 1
+        self.counts[layer] += routing_map.detach().sum(0).to("cpu", torch.float64)
+        self.calls[layer] += 1
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def step_metrics(self, *, tp_group=None, pp_group=None, dp_group=None,
+                     sequence_parallel: bool = False) -> dict[str, float]:
+        """`actor/moe_aux_loss`: the router load-balancing loss (before its coefficient), mean over
+        MoE layers, micro-batches and data-parallel ranks; `actor/moe_expert_load_{max,min}`: the
+        most / least loaded expert's share of routed tokens over the uniform share 1/E, and
+        `actor/moe_expert_load_cv` their coefficient of variation, per layer over the whole step
+        and all ranks, averaged over MoE layers. Collective over every group given; resets."""
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        stats = torch.cat([self.counts.flatten(), self.calls])
+        tracker = get_moe_layer_wise_logging_tracker().get(AUX_LOSS_NAME)
+        aux = (tracker["values"].detach().to("cpu", torch.float64) if tracker is not None
+               else torch.zeros(self.num_layers, dtype=torch.float64))
+        if tracker is not None:
+            tracker["values"].zero_()
+        for group in (pp_group, tp_group if sequence_parallel else None, dp_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(stats, group=group)
+        for group in (pp_group, tp_group if sequence_parallel else None):  # partial sums of one loss
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(aux, group=group)
+        dp = dist.get_world_size(dp_group) if dp_group is not None else 1
+        if dp_group is not None and dp > 1:
+            dist.all_reduce(aux, group=dp_group)
+        counts = stats[: self.counts.numel()].view(self.num_layers, self.num_experts)
+        calls = stats[self.counts.numel():]
+        self.counts.zero_()
+        self.calls.zero_()
+        layers = calls > 0
+        if not bool(layers.any()):
+            return {}
+        # calls were summed over dp (and tp under SP) ranks: micro-batches per rank = calls / that
+        ranks = dp * (dist.get_world_size(tp_group) if sequence_parallel and tp_group is not None else 1)
+        per_layer_aux = aux[layers] / (calls[layers] / ranks) / dp
+        share = counts[layers] / counts[layers].sum(1, keepdim=True).clamp_min(1) * self.num_experts
+        return {"actor/moe_aux_loss": float(per_layer_aux.mean()),
+                "actor/moe_expert_load_max": float(share.max(1).values.mean()),
+                "actor/moe_expert_load_min": float(share.min(1).values.mean()),
+                "actor/moe_expert_load_cv": float((share.std(1, unbiased=False)).mean())}
+
+
+def moe_overrides(hf_config, moe_aux_loss_coef: Optional[float]) -> dict:
+    """TransformerConfig overrides of the run's MoE settings (`model.moe_aux_loss_coef`; None keeps
+    the HF config's router_aux_loss_coef); empty for dense models."""
+    if not is_moe(hf_config) or moe_aux_loss_coef is None:
+        return {}
+    return {"moe_aux_loss_coeff": float(moe_aux_loss_coef)}
