@@ -29,5 +29,8 @@ if [[ "${NNODES:-1}" -gt 1 ]]; then
            --rdzv-id "${RUN_ID:-hapo}")
 fi
 # hapo_megatron.train checks that the world size is a multiple of TP x PP x CP before any work.
+# A stop signal is forwarded to the ranks, which save and exit within trainer.exit_grace_s (300 s
+# by default); torchrun must not SIGKILL them before (docs/troubleshooting.md "Preemption").
 exec torchrun "${nodes[@]}" --nproc-per-node "$GPUS_PER_NODE" \
+    --signals-to-handle SIGTERM,SIGINT,SIGUSR1 --shutdown-timeout "${SHUTDOWN_TIMEOUT:-360}" \
     -m hapo_megatron.train --config "$config" "$@"

@@ -26,9 +26,10 @@ import tempfile
 import time
 from typing import Sequence
 
+from hapo_megatron.config.base import DTYPES
+
 logger = logging.getLogger("hapo.eval")
 
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _RUN_CONFIG_NAMES = ("config.yaml", "resolved_config.yaml", "config.yml")
 
 
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="HF model dir giving config + tokenizer for a Megatron checkpoint")
     ap.add_argument("--convert-dir", default=None, help="where a Megatron checkpoint is converted")
     ap.add_argument("--device", default=None, help="HF engine device (default cuda if available)")
-    ap.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="model dtype (default bf16 on GPU, fp32 on CPU)")
     ap.add_argument("--reward", default=None, help="reward name or dotted path (default math)")
     ap.add_argument("--prompt-key", default=None)
@@ -175,9 +176,11 @@ def _resolve_settings(args, cfg):
             ro.sglang, server_urls=list(args.sglang_url)))
     import torch
 
+    from hapo_megatron.dtypes import torch_dtype
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = args.dtype or ("bf16" if str(device).startswith("cuda") else "fp32")
-    return ro, device, getattr(torch, _DTYPES[dtype_name])
+    return ro, device, torch_dtype(dtype_name)
 
 
 def run(args) -> dict:

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from hapo_megatron.compat import activate_cpu_shims
-from hapo_megatron.training.checkpoint import resolve_resume
+from hapo_megatron.training.checkpoint import CheckpointLoadError, resolve_resume
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -200,7 +200,9 @@ def quiet_warnings() -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of `hapo train`; returns the exit code (2 = bad input, nothing was run)."""
+    """Entry point of `hapo train`; returns the exit code: 0 done, 1 stopped by a failure, 2 bad
+    input (nothing was run), 75 stopped early by a signal or trainer.exit_after_minutes after
+    saving (`--resume auto` continues; training/preemption.py)."""
     quiet_warnings()
     from hapo_megatron.config import format_config, load_config, save_config
     args = parse_args(argv)
@@ -224,9 +226,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import torch.distributed as dist
 
     from hapo_megatron.rollout.sglang_client import SGLangError
+    from hapo_megatron.training.preemption import RunStopped
     from hapo_megatron.training.trainer import TrainingStopped, fit
+    code = 0
     try:
         fit(cfg, tokenizer=tokenizer, datasets=datasets)
+    except RunStopped as e:  # every rank agreed on it and the checkpoint is complete
+        if rank == 0:
+            print(f"hapo train: stopped early: {e} (exit code {e.exit_code})", file=sys.stderr, flush=True)
+        code = e.exit_code
+    except CheckpointLoadError as e:  # every rank: the failure is agreed on (CheckpointManager.load)
+        if rank == 0:
+            print(f"hapo train: error: {e}", file=sys.stderr, flush=True)
+        return 1
     except TrainingStopped as e:
         if rank == 0:
             print(f"hapo train: stopped: {e}", file=sys.stderr, flush=True)
@@ -238,7 +250,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if dist.is_initialized() and "RANK" in os.environ:
         dist.barrier()
         dist.destroy_process_group()
-    return 0
+    return code
 
 
 if __name__ == "__main__":

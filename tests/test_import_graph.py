@@ -1,9 +1,10 @@
 """The package's import graph has no circle.
 
 Static: every ``import`` / ``from ... import`` of a ``hapo_megatron`` module anywhere in a file
-(module level and inside functions: a lazy import is still an edge), except under ``if
-TYPE_CHECKING:`` (never executed). ``from pkg import name`` is an edge to ``pkg.name`` when that
-is a module, else to ``pkg`` (whose ``__init__`` runs)."""
+(module level, inside functions: a lazy import is still an edge, and under ``if TYPE_CHECKING:``:
+a type-only import is a dependency of the code's meaning, and a circle through one is a circle).
+``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg`` (whose
+``__init__`` runs)."""
 
 import ast
 import functools
@@ -22,43 +23,31 @@ def _modules() -> dict[str, pathlib.Path]:
     return out
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    skip = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
-    return skip
-
-
-@functools.lru_cache(maxsize=1)
-def import_graph() -> dict[str, set[str]]:
-    mods = _modules()
-
+def imported_modules(source: str, mods, where: str = "<source>") -> set[str]:
+    """The package modules that ``source`` imports (see the module docstring for what counts)."""
     def resolve(name: str) -> str | None:
         while name and name not in mods:
             name = name.rpartition(".")[0]
         return name or None
 
-    graph: dict[str, set[str]] = {m: set() for m in mods}
-    for mod, path in mods.items():
-        tree = ast.parse(path.read_text())
-        skip = _type_checking_nodes(tree)
-        for node in ast.walk(tree):
-            if id(node) in skip:
-                continue
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
-                           for a in node.names]
-            else:
-                assert not (isinstance(node, ast.ImportFrom) and node.level), f"{path}: relative import"
-                continue
-            for t in targets:
-                r = resolve(t) if t.startswith("hapo_megatron") else None
-                if r and r != mod:
-                    graph[mod].add(r)
-    return graph
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
+                       for a in node.names]
+        else:
+            assert not (isinstance(node, ast.ImportFrom) and node.level), f"{where}: relative import"
+            continue
+        out |= {r for r in (resolve(t) for t in targets if t.startswith("hapo_megatron")) if r}
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def import_graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {mod: imported_modules(path.read_text(), mods, str(path)) - {mod} for mod, path in mods.items()}
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -94,6 +83,13 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_checker_finds_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_type_only_and_lazy_imports_are_edges():
+    source = ("from typing import TYPE_CHECKING\n"
+              "if TYPE_CHECKING:\n    from hapo_megatron.training.runtime import Runtime\n"
+              "def f():\n    import hapo_megatron.algo.entropy\n")
+    assert imported_modules(source, _modules()) == {"hapo_megatron.training.runtime", "hapo_megatron.algo.entropy"}
 
 
 def test_package_import_graph_has_no_circle():

@@ -35,13 +35,14 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.append(_ROOT)
 
+from hapo_megatron.config.base import DTYPES  # noqa: E402 (needs the path above)
+
 # qformat -> (name of the ModelOpt config in modelopt.torch.quantization, SGLang --quantization)
 QFORMATS = {
     "fp8": ("FP8_DEFAULT_CFG", "modelopt_fp8"),
     "nvfp4": ("NVFP4_DEFAULT_CFG", "modelopt_fp4"),
 }
 KV_CACHE_CFGS = {"none": None, "fp8": "FP8_KV_CFG"}
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 # Used when no --calib-data is given: short math-reasoning texts (the policy's domain).
 BUILTIN_CALIBRATION = [
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--calib-seq-len", type=int, default=512, help="max tokens per sample")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--device", default=None, help="default cuda if available, else cpu")
-    ap.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="dtype of the unquantised tensors (default bf16 on GPU, fp32 on CPU)")
     ap.add_argument("--hf-config", default=None, help="HF dir (config+tokenizer) for Megatron input")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
@@ -182,6 +183,7 @@ def run(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hapo_megatron.dtypes import torch_dtype
     from hapo_megatron.evaluate import resolve_model
 
     check_args(args)
@@ -189,7 +191,7 @@ def run(args) -> dict:
         raise ValueError("nvidia-modelopt is not installed: pip install nvidia-modelopt")
     model_dir, _ = resolve_model(args.model, args.hf_config, None)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, _DTYPES[args.dtype or ("bf16" if device.startswith("cuda") else "fp32")])
+    dtype = torch_dtype(args.dtype or ("bf16" if device.startswith("cuda") else "fp32"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)  # conversion copies the tokenizer
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     texts = calibration_texts(args.calib_data, tokenizer, args.calib_size)

@@ -35,7 +35,8 @@ mkdir -p "$SHARED_DIR"
 # num_servers=0: every node fills its GPUs with servers (the trainer checks the plan at start)
 torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
   --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RUN_NAME" \
-  -m hapo_megatron.train --config "$CONFIG" \
+  --signals-to-handle SIGTERM,SIGINT,SIGUSR1 --shutdown-timeout 540 \
+  -m hapo_megatron.train --config "$CONFIG" trainer.exit_grace_s=480 \
   model.hf_model_path="$MODEL_PATH" trainer.experiment_name="$RUN_NAME" trainer.run_dir="$SHARED_DIR" \
   rollout.sglang.server_tp_size="$SERVER_TP" rollout.sglang.port_base="$SGLANG_PORT_BASE" \
   rollout.sglang.num_servers=0 rollout.sglang.colocate=true "$@"

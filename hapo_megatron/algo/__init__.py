@@ -1,7 +1,7 @@
 """HAPO algorithm core: pure tensor math (imports torch only; never Megatron, SGLang,
 transformers or torch.distributed), usable from any framework.
 
-See `shared/spec/algorithm.md` for the formulas; each module's docstring names its section.
+See `docs/algorithm.md` for the formulas; each module's docstring names its section.
 """
 
 from hapo_megatron.algo.advantages import (
@@ -24,6 +24,7 @@ from hapo_megatron.algo.choices import (
 from hapo_megatron.algo.clipping import adaptive_clip_ranges
 from hapo_megatron.algo.entropy import (
     EntropyStats,
+    check_h_hat_mode,
     compute_entropy_stats,
     log_entropy,
     nearest_rank_index,
@@ -41,7 +42,7 @@ from hapo_megatron.algo.loss import (
     kl_penalty,
 )
 from hapo_megatron.algo.redistribution import redistribute_advantages
-from hapo_megatron.algo.temperature import adaptive_temperature, check_temperature_tau
+from hapo_megatron.algo.temperature import adaptive_temperature, check_temperature_tau, temperature_from_entropy
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -59,7 +60,9 @@ __all__ = [
     "adaptive_clip_ranges",
     "adaptive_temperature",
     "agg_loss",
+    "check_h_hat_mode",
     "check_temperature_tau",
+    "temperature_from_entropy",
     "compute_entropy_stats",
     "filter_groups",
     "finalize_loss_metrics",

@@ -1,4 +1,7 @@
-"""Advantage estimators and DAPO reward machinery (spec sections 3 and 7).
+"""Advantage estimators and DAPO reward machinery.
+
+The math: docs/algorithm.md, sections "2. Token-Level Group Average advantages" and "DAPO
+machinery shared by all presets".
 
 - :func:`grpo_advantages`: GRPO (unbiased std over the group's responses) / Dr.GRPO.
 - :func:`token_level_group_advantages`: HAPO's Token-Level Group Average (TLGA) with the GRPO
@@ -113,7 +116,7 @@ def token_level_group_advantages(
     *,
     return_fallback: bool = False,
 ):
-    """HAPO Token-Level Group Average advantages (spec section 3).
+    """HAPO Token-Level Group Average advantages (docs/algorithm.md, section 2).
 
     Over all valid tokens of group g: ``mu = sum L_i r_i / sum L_i``,
     ``sigma = sqrt(sum L_i (r_i - mu)^2 / sum L_i)`` (population), ``A_i = (r_i - mu) / (sigma + eps)``

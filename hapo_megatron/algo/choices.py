@@ -5,6 +5,8 @@ their own arguments against the same tuples, so a mode added here is accepted ev
 mode removed here is refused everywhere. """
 
 ADV_ESTIMATORS = ("hapo", "grpo")
+# advantages relative to the other responses of the prompt's group: a group of 1 gets advantage 0
+GROUP_RELATIVE_ADV_ESTIMATORS = ("hapo", "grpo")
 H_HAT_MODES = ("signed", "reference")
 ENTROPY_STATS_SCOPES = ("global", "microbatch")
 H_HAT_ENTROPIES = ("old", "current")

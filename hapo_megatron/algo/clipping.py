@@ -1,4 +1,4 @@
-"""Asymmetric Adaptive Clipping (spec section 4)."""
+"""Asymmetric Adaptive Clipping (docs/algorithm.md, "3. Asymmetric Adaptive Clipping")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Token entropy, entropy statistics and the normalised entropy `h_hat` (spec section 1).
+"""Token entropy, entropy statistics and the normalised entropy `h_hat`.
+
+The math: docs/algorithm.md, section "Normalised entropy `h_hat`".
 
 Pure torch. The statistics `(pivot, std, pos_max, neg_min)` are computed in float64 over the
 log-entropies of a set of valid tokens and stored as Python floats, so they can be all-reduced,
@@ -31,7 +33,8 @@ Z_EXTREME_FLOOR = 1e-8
 _FIELDS = ("pivot", "std", "pos_max", "neg_min")
 
 
-def _check_h_hat_mode(h_hat_mode: str) -> None:
+def check_h_hat_mode(h_hat_mode: str) -> None:
+    """The one check of ``h_hat_mode`` (the config, the engines and the SGLang processor call it)."""
     if h_hat_mode not in H_HAT_MODES:
         raise ValueError(f"h_hat_mode must be one of {H_HAT_MODES}, got {h_hat_mode!r}")
 
@@ -91,7 +94,7 @@ def entropy_of_scaled_logits(z: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class EntropyStats:
-    """The entropy statistics of a token set (spec section 1), as Python floats.
+    """The entropy statistics of a token set (docs/algorithm.md, "Normalised entropy"), as Python floats.
 
     Attributes:
         pivot: the ``entropy_pivot`` quantile of the log-entropies.
@@ -198,7 +201,7 @@ def stats_from_reductions(pivot: float, sum_sq_dev: float, count: int, max_dev: 
 
 
 def compute_entropy_stats(entropy: torch.Tensor, mask: torch.Tensor, entropy_pivot: float = 0.8) -> EntropyStats:
-    """Entropy statistics over the valid tokens (spec section 1), computed in float64.
+    """Entropy statistics over the valid tokens (docs/algorithm.md, "Normalised entropy"), in float64.
 
     Args:
         entropy: ``[...]`` per-token entropies (any float dtype, e.g. ``[B, T]``).
@@ -245,7 +248,7 @@ def _stats_values(stats: StatsLike):
 
 def h_hat_from_log_entropy(x: torch.Tensor, stats: StatsLike, h_hat_mode: str = "signed") -> torch.Tensor:
     """``h_hat`` (float64, clamped to [-1, 1]) from float64 log-entropies ``x`` (internal)."""
-    _check_h_hat_mode(h_hat_mode)
+    check_h_hat_mode(h_hat_mode)
     pivot, std, pos_max, neg_min = _stats_values(stats)
     z = (x - pivot) / std
     pos = z / pos_max
@@ -258,7 +261,7 @@ def h_hat_from_log_entropy(x: torch.Tensor, stats: StatsLike, h_hat_mode: str = 
 
 
 def normalize_entropy(entropy: torch.Tensor, stats: StatsLike, h_hat_mode: str = "signed") -> torch.Tensor:
-    """Normalised entropy ``h_hat`` in ``[-1, 1]`` (spec section 1, steps 4-6).
+    """Normalised entropy ``h_hat`` in ``[-1, 1]`` (docs/algorithm.md, "Normalised entropy `h_hat`").
 
     Args:
         entropy: ``[...]`` entropies (float tensor, or a float).
@@ -269,7 +272,7 @@ def normalize_entropy(entropy: torch.Tensor, stats: StatsLike, h_hat_mode: str =
     Returns:
         ``[...]`` float32, detached (h_hat never carries gradient).
     """
-    _check_h_hat_mode(h_hat_mode)
+    check_h_hat_mode(h_hat_mode)
     if not torch.is_tensor(entropy):
         entropy = torch.tensor(float(entropy))
     vals = _stats_values(stats)

@@ -1,4 +1,4 @@
-"""The HAPO policy loss (spec sections 4-6): ``(loss_sum, normalizer, metrics)``.
+"""The HAPO policy loss (docs/algorithm.md, "Policy loss"): ``(loss_sum, normalizer, metrics)``.
 
 ``loss_sum / normalizer`` is the loss of one process. A distributed caller sums ``loss_sum`` and
 ``normalizer`` over micro-batches and ranks, so the result does not depend on the split.
@@ -372,7 +372,7 @@ def hapo_policy_loss(
     tis_cap: Optional[float] = None,
     return_token_fields: bool = False,
 ):
-    """HAPO policy loss (spec sections 4-6) as ``(loss_sum, normalizer, metrics)``.
+    """HAPO policy loss (docs/algorithm.md, "Policy loss") as ``(loss_sum, normalizer, metrics)``.
 
     Per valid token: ``rho = exp(logprobs - old_logprobs)`` (log-ratio clamped to +-20), clip ranges
     from :func:`adaptive_clip_ranges` if ``adaptive_clip`` else the constants, ``A'`` from

@@ -1,4 +1,4 @@
-"""Differential Advantage Redistribution (spec section 5)."""
+"""Differential Advantage Redistribution (docs/algorithm.md, "4. Differential Advantage Redistribution")."""
 
 from __future__ import annotations
 

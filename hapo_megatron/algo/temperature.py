@@ -1,4 +1,4 @@
-"""Adaptive Temperature Sampling (spec section 2)."""
+"""Adaptive Temperature Sampling (docs/algorithm.md, "1. Adaptive Temperature Sampling")."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Optional, Union
 
 import torch
 
-from hapo_megatron.algo.entropy import StatsLike, _check_h_hat_mode, entropy_of_scaled_logits, normalize_entropy
+from hapo_megatron.algo.entropy import StatsLike, check_h_hat_mode, entropy_of_scaled_logits, normalize_entropy
 
 
 def check_temperature_tau(temperature_tau: float) -> float:
@@ -16,6 +16,17 @@ def check_temperature_tau(temperature_tau: float) -> float:
     if not (0.0 <= tau < 1.0):
         raise ValueError(f"temperature_tau must lie in [0, 1), got {temperature_tau!r}")
     return tau
+
+
+def temperature_from_entropy(entropy: torch.Tensor, stats: StatsLike, base_temperature: Union[float, torch.Tensor],
+                             temperature_tau: float, h_hat_mode: str = "signed") -> torch.Tensor:
+    """``T = T_base * (1 + tau * h_hat(H))``: the one temperature formula, used by the engines
+    (through :func:`adaptive_temperature`) and by the trainer's recomputation from old entropies.
+
+    ``entropy`` is measured at ``T_base``; the result is float32 like ``h_hat``.
+    """
+    h_hat = normalize_entropy(entropy, stats, h_hat_mode)
+    return base_temperature * (1.0 + float(temperature_tau) * h_hat)
 
 
 def adaptive_temperature(
@@ -39,7 +50,7 @@ def adaptive_temperature(
     Returns:
         ``[...]`` = ``logits.shape[:-1]`` float32 temperatures, on ``logits.device``, detached.
     """
-    _check_h_hat_mode(h_hat_mode)
+    check_h_hat_mode(h_hat_mode)
     tau = check_temperature_tau(temperature_tau)
     if not torch.is_tensor(logits) or logits.ndim < 1:
         raise ValueError("logits must be a tensor with at least 1 dim [..., V]")
@@ -62,5 +73,4 @@ def adaptive_temperature(
     with torch.no_grad():
         z = logits.detach().to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
         ent = entropy_of_scaled_logits(z / t_base.to(z.dtype).unsqueeze(-1))
-        h_hat = normalize_entropy(ent, stats, h_hat_mode)
-        return t_base * (1.0 + tau * h_hat)
+        return temperature_from_entropy(ent, stats, t_base, tau, h_hat_mode)

@@ -19,9 +19,11 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
+
+from hapo_megatron.parallel.collectives import all_gather_objects
 
 # Fixed log-spaced entropy bins (nats): 4 per decade from 1e-6 to 10, plus an underflow bin
 # [0, 1e-6) in front and an overflow bin [10, inf) at the end, so histograms of every step and
@@ -45,7 +47,7 @@ def entropy_histogram(entropy: torch.Tensor, mask: torch.Tensor | None = None) -
 
 def entropy_pivot(entropy: torch.Tensor, mask: torch.Tensor | None = None,
                   q: float = 0.8) -> float:
-    """The entropy at the pivot quantile (nearest rank `round(q * (n - 1))`, spec section 1).
+    """The entropy at the pivot quantile (nearest rank `round(q * (n - 1))`, docs/algorithm.md).
 
     Returns nats (not log-entropy); NaN when there is no valid token.
     """
@@ -274,9 +276,7 @@ class TokenDiagnostics:
         ext = ext.cpu()
         self.temp_min, self.temp_max = -float(ext[0]), float(ext[1])
         self.length_min, self.length_max = -float(ext[2]), float(ext[3])
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (dict(self.clipped_low_tokens),
-                                          dict(self.clipped_high_tokens)), group=group)
+        gathered = all_gather_objects((dict(self.clipped_low_tokens), dict(self.clipped_high_tokens)), group)
         self.clipped_low_tokens = sum((Counter(lo) for lo, _ in gathered), Counter())
         self.clipped_high_tokens = sum((Counter(hi) for _, hi in gathered), Counter())
         return self

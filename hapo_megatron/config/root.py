@@ -7,6 +7,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from hapo_megatron.algo.choices import GROUP_RELATIVE_ADV_ESTIMATORS
 from hapo_megatron.config.base import _fail, _Section
 from hapo_megatron.config.sections import (
     AlgoConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig,
@@ -72,6 +73,15 @@ class HapoConfig(_Section):
                   "reward.overlong_buffer_enable is true")
         if algo.filter_groups and ro.n < 2:
             _fail(f"algo.filter_groups needs rollout.n >= 2 (a group of {ro.n} is always constant)")
+        # configurations that train nothing: every advantage would be 0 at every step
+        if algo.adv_estimator in GROUP_RELATIVE_ADV_ESTIMATORS and ro.n < 2:
+            _fail(f"rollout.n={ro.n} with algo.adv_estimator={algo.adv_estimator!r}: the advantage is relative to "
+                  "the other responses of the same prompt, so a group of 1 gets advantage 0 and nothing is "
+                  "learned; use rollout.n >= 2")
+        if ro.top_k == 1:
+            _fail("rollout.top_k=1 samples greedily: the rollout.n responses of a prompt are identical, so every "
+                  "group-relative advantage is 0 (and algo.filter_groups would never keep a group); use "
+                  "rollout.top_k=-1 or >= 2")
         if ro.engine != "sglang" and ro.sglang.server_urls:
             _fail(f"rollout.sglang.server_urls is set but rollout.engine is {ro.engine!r}; "
                   "set rollout.engine=sglang")

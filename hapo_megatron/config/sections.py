@@ -104,6 +104,13 @@ class RewardConfig(_Section):
     """Score of the math reward: "pm1" (+1 correct / -1 otherwise, DAPO) or "01"."""
     reward_kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments passed to the reward function."""
+    num_workers: int = -1
+    """Reward worker processes, started once, scoring responses while generation runs: -1 = half
+    the usable CPUs (1 to 8); 0 = score in the trainer process after generation (no timeout, no
+    crash isolation)."""
+    timeout_s: float = 30.0
+    """Per-response time limit of the reward in a worker; over it the response scores the format's
+    minimum and counts in reward/timeouts."""
     overlong_buffer_enable: bool = False
     """DAPO overlong shaping: penalise responses that enter the last overlong_buffer_len tokens."""
     overlong_buffer_len: int = 4096
@@ -115,6 +122,8 @@ class RewardConfig(_Section):
         if not self.reward_fn.strip():
             _fail("reward.reward_fn must be a reward name or a dotted path, got ''")
         _check_choice("reward.score_format", self.score_format, SCORE_FORMATS)
+        _check_min("reward.num_workers", self.num_workers, -1)
+        _check_min("reward.timeout_s", self.timeout_s, 0.0, strict=True)
         _check_min("reward.overlong_buffer_len", self.overlong_buffer_len, 1 if self.overlong_buffer_enable else 0)
         _check_min("reward.overlong_penalty_factor", self.overlong_penalty_factor, 0.0)
 
@@ -132,7 +141,11 @@ class DataConfig(_Section):
     prompt_key: str = "prompt"
     """Column holding the chat messages [{"role", "content"}, ...]."""
     max_prompt_length: int = 1024
-    """Longest prompt in tokens; a longer prompt is an error when the dataset is loaded."""
+    """Longest prompt in tokens; a longer prompt is an error when the dataset is loaded (unless
+    filter_overlong_prompts)."""
+    filter_overlong_prompts: bool = False
+    """Drop prompts longer than max_prompt_length (training and validation files) instead of
+    refusing the dataset; the count is logged at start and in the data/*_overlong_filtered metrics."""
     train_batch_size: int = 512
     """Prompts per training step (each gets rollout.n responses)."""
     val_max_samples: Optional[int] = None

@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import signal
+from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from hapo_megatron.config.base import LR_DECAY_STYLES, WANDB_MODES, _check_choice, _check_min, _fail, _Section
 
-__all__ = ["ParallelConfig", "OptimConfig", "TrainerConfig", "LoggingConfig"]
+__all__ = ["ParallelConfig", "OptimConfig", "TrainerConfig", "LoggingConfig", "parse_signal_names"]
+
+
+def parse_signal_names(names) -> list[signal.Signals]:
+    """``["SIGTERM", "USR1", ...]`` as signals (ValueError naming one that is unknown or cannot be
+    handled)."""
+    out = []
+    for name in names:
+        key = str(name).strip().upper()
+        key = key if key.startswith("SIG") else "SIG" + key
+        sig = getattr(signal.Signals, key, None)
+        if sig is None or key in ("SIGKILL", "SIGSTOP"):
+            _fail(f"trainer.exit_signals: {name!r} is not a signal that can be handled")
+        out.append(sig)
+    return out
 
 
 @dataclass
@@ -142,6 +157,17 @@ class TrainerConfig(_Section):
     work, every minute at most). It must still exceed one generation round of the sglang engine:
     its calls go out in waves of 8 per server, each call bounded by rollout.sglang.request_timeout_s
     x (max_retries + 1) (checked at start, with the number of waves)."""
+    exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
+    """Signals that stop the run cleanly: every rank stops at the next safe point between stages,
+    the last finished step is saved, launched SGLang servers are shut down and the ranks exit with
+    code 75; a second signal aborts at once (docs/troubleshooting.md, "Preemption")."""
+    exit_grace_s: float = 300.0
+    """After a stop signal (or trainer.exit_after_minutes), a rank still running this many seconds
+    later exits with code 124 (its checkpoint in progress, if any, is never used). torchrun sends
+    SIGKILL --shutdown-timeout seconds (default 30) after forwarding a signal: set that higher."""
+    exit_after_minutes: Optional[float] = None
+    """Save and stop (exit code 75) at the first safe point after this many minutes of training,
+    e.g. a few steps before a SLURM allocation ends (null = no limit)."""
 
     def _validate(self) -> None:
         for name, lo in (("total_steps", 1), ("ppo_mini_batch_size", 1), ("ppo_epochs", 1),
@@ -149,6 +175,9 @@ class TrainerConfig(_Section):
                          ("max_consecutive_skips", 0), ("sft_warmup_steps", 0)):
             _check_min(f"trainer.{name}", getattr(self, name), lo)
         _check_min("trainer.dist_timeout_minutes", self.dist_timeout_minutes, 0.0, strict=True)
+        _check_min("trainer.exit_grace_s", self.exit_grace_s, 0.0, strict=True)
+        _check_min("trainer.exit_after_minutes", self.exit_after_minutes, 0.0, strict=True)
+        parse_signal_names(self.exit_signals)
         for name in ("project_name", "experiment_name", "resume"):
             if not getattr(self, name).strip():
                 _fail(f"trainer.{name} must be a non-empty string")

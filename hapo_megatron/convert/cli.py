@@ -19,8 +19,8 @@ from typing import Sequence
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+from hapo_megatron.dtypes import TORCH_DTYPES, short_name, torch_dtype
+
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. 12 + 30 = 42."
 
 
@@ -47,7 +47,7 @@ def _hf_dtype(hf_config) -> torch.dtype:
     value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(value, str):
         value = getattr(torch, value, None)
-    return value if value in DTYPE_NAMES else torch.float32
+    return value if value in TORCH_DTYPES.values() else torch.float32
 
 
 _OWNED: list[str] = []  # what _init set up and _finish must tear down (not a caller's groups)
@@ -115,7 +115,7 @@ def hf_to_megatron(args) -> int:
     adapter = get_adapter(hf_config)  # refuses unsupported architectures
     reader = HFCheckpointReader(args.hf_model_path)
     check_hf_state(adapter, list(reader.keys()), reader.shape)  # before any heavy work
-    dtype = DTYPES[args.dtype] if args.dtype else _hf_dtype(hf_config)
+    dtype = torch_dtype(args.dtype) if args.dtype else _hf_dtype(hf_config)
     groups = _init(args.tp, args.pp)
     model = _build(hf_config, dtype)
     bar = _progress(len(chunk_entries(adapter, model)), "load HF tensors")
@@ -123,12 +123,12 @@ def hf_to_megatron(args) -> int:
                                pp_rank=groups.pp_rank, pp_size=groups.pp_size, progress=lambda _: bar.update())
     bar.close()
     _prepare_dir_rank0(args.megatron_path, args.overwrite)
-    meta = {"tp": args.tp, "pp": args.pp, "dtype": DTYPE_NAMES[dtype], "source": os.path.abspath(args.hf_model_path),
+    meta = {"tp": args.tp, "pp": args.pp, "dtype": short_name(dtype), "source": os.path.abspath(args.hf_model_path),
             "arch": adapter.arch}
     save_megatron_checkpoint([model], args.megatron_path, hf_config=hf_config, tokenizer_src=args.hf_model_path,
                              meta=meta)
     _log(f"saved Megatron torch_dist checkpoint ({adapter.arch}, tp={args.tp}, pp={args.pp}, "
-         f"{DTYPE_NAMES[dtype]}) to {args.megatron_path}")
+         f"{short_name(dtype)}) to {args.megatron_path}")
     _finish()
     return 0
 
@@ -168,7 +168,7 @@ def _megatron_side(args):
     if getattr(args, "max_position_embeddings", None):  # the run's model.max_position_embeddings
         hf_config.max_position_embeddings = int(args.max_position_embeddings)
     meta = _checkpoint_meta(args.megatron_path)
-    dtype = DTYPES[args.dtype] if args.dtype else DTYPES.get(meta.get("dtype"), torch.float32)
+    dtype = torch_dtype(args.dtype) if args.dtype else TORCH_DTYPES.get(meta.get("dtype"), torch.float32)
     return hf_config, src or os.path.join(args.megatron_path, HF_SUBDIR), dtype
 
 
@@ -192,20 +192,20 @@ def megatron_to_hf(args) -> int:
     else:
         for _ in stream:  # every rank takes part in the gathers
             pass
-    _log(f"saved HF checkpoint ({adapter.arch}, {DTYPE_NAMES[dtype]}) to {args.hf_model_path}")
+    _log(f"saved HF checkpoint ({adapter.arch}, {short_name(dtype)}) to {args.hf_model_path}")
     _finish()
     return 0
 
 
 def check(args) -> int:
     """Max abs difference of the logits of both sides on a fixed prompt (PP must be 1)."""
-    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from hapo_megatron.convert import load_megatron_checkpoint
+    from hapo_megatron.parallel.collectives import broadcast_object
 
     hf_config, _, _ = _megatron_side(args)
-    dtype = DTYPES[args.dtype or "fp32"]
+    dtype = torch_dtype(args.dtype or "fp32")
     ids = _prompt_ids(args.hf_model_path, args.prompt, hf_config.vocab_size)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     groups = _init(args.tp, 1)
@@ -223,12 +223,10 @@ def check(args) -> int:
             ref = hf(ids).logits.float()
         diff = (logits - ref).abs().max().item()
         _log(f"prompt tokens: {ids.shape[1]}  max |logit diff|: {diff:.3e}  "
-             f"(max |logit| {ref.abs().max().item():.3e}, dtype {DTYPE_NAMES[dtype]})")
-    ok = [diff is None or diff <= args.tolerance]
-    if dist.is_initialized():
-        dist.broadcast_object_list(ok, src=0)
+             f"(max |logit| {ref.abs().max().item():.3e}, dtype {short_name(dtype)})")
+    ok = broadcast_object(diff is None or diff <= args.tolerance)
     _finish()
-    if not ok[0]:
+    if not ok:
         print(f"error: logit difference {diff:.3e} exceeds --tolerance {args.tolerance}", file=sys.stderr)
         return 1
     return 0
@@ -285,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--hf-model-path", required=True, help="HF model directory (output for megatron-to-hf)")
         s.add_argument("--megatron-path", required=True, help="Megatron checkpoint directory (output for hf-to-megatron)")
         s.add_argument("--tp", type=int, default=1, help="tensor parallel size (= ranks under torchrun with --pp)")
-        s.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+        s.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default=None,
                        help="weights dtype (default: the source's dtype; fp32 for check)")
     for s in (a, b):
         s.add_argument("--pp", type=int, default=1, help="pipeline parallel size")

@@ -7,6 +7,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from hapo_megatron.parallel.collectives import all_gather_objects
 from hapo_megatron.convert.base import TE_ALIASES, ModelAdapter, ParamMap, check_hf_state, split_dim
 
 
@@ -108,11 +109,7 @@ def _pipeline_plan(local: list[tuple[ParamMap, torch.Tensor]], tp_size: int, pp_
     """Every stage's (order, owner_pp_rank, map, gathered shape, dtype), sorted in HF order."""
     me = dist.get_rank(pp_group) if pp_group is not None else 0
     mine = [(pm.order, me, pm, _gathered_shape(p, pm.kind, tp_size), p.dtype) for pm, p in local]
-    if pp_group is None or dist.get_world_size(pp_group) == 1:
-        everyone = [mine]
-    else:
-        everyone = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(everyone, mine, group=pp_group)
+    everyone = all_gather_objects(mine, pp_group) if pp_group is not None else [mine]
     return sorted((e for rank_entries in everyone for e in rank_entries), key=lambda e: e[0])
 
 

@@ -51,11 +51,12 @@ class PromptDataset:
 
     Raises ValueError at construction for a malformed row or a prompt longer than
     ``max_prompt_length`` tokens (naming the file, the row and the lengths), so a bad dataset
-    fails before any rollout work.
+    fails before any rollout work; with ``filter_overlong`` such prompts are dropped instead and
+    counted in ``num_overlong_filtered`` (uids keep the row numbers of the file).
     """
 
     def __init__(self, files: Union[str, Sequence[str]], tokenizer, *, prompt_key: str = "prompt",
-                 max_prompt_length: int, apply_chat_template: bool = True):
+                 max_prompt_length: int, apply_chat_template: bool = True, filter_overlong: bool = False):
         if isinstance(files, str):
             files = [files]
         if not files:
@@ -64,6 +65,7 @@ class PromptDataset:
             raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
         self.files = list(files)
         self.max_prompt_length = int(max_prompt_length)
+        self.filter_overlong, self.num_overlong_filtered = bool(filter_overlong), 0
         self._records: list[PromptRecord] = []
         for file_index, path in enumerate(self.files):
             rows = load_prompt_rows(path, prompt_key=prompt_key)
@@ -76,17 +78,20 @@ class PromptDataset:
         # A template already contains its special tokens; plain text gets the tokenizer's own.
         ids_all = self._encode([t for t, _ in rendered], tokenizer, add_special=not any(c for _, c in rendered))
         too_long = [(i, len(ids)) for i, ids in enumerate(ids_all) if len(ids) > self.max_prompt_length]
-        if too_long:
+        if too_long and not self.filter_overlong:
             i, n = too_long[0]
             raise ValueError(f"{path}: row {i} has a prompt of {n} tokens > max_prompt_length="
                              f"{self.max_prompt_length} ({len(too_long)} of {len(rows)} rows in this "
-                             "file are too long; raise data.max_prompt_length or filter the data)")
+                             "file are too long; raise data.max_prompt_length, set "
+                             "data.filter_overlong_prompts=true to drop such rows, or filter the data)")
+        self.num_overlong_filtered += len(too_long)
+        kept = [i for i, ids in enumerate(ids_all) if len(ids) <= self.max_prompt_length]
         base = len(self._records)
         return [
-            PromptRecord(uid=f"{file_index}-{stem}-{i}", prompt_ids=list(ids), prompt_text=text,
-                         ground_truth=row["reward_model"]["ground_truth"], data_source=row["data_source"],
-                         messages=row[prompt_key], extra_info=row["extra_info"], index=base + i)
-            for i, (row, (text, _), ids) in enumerate(zip(rows, rendered, ids_all))
+            PromptRecord(uid=f"{file_index}-{stem}-{i}", prompt_ids=list(ids_all[i]), prompt_text=rendered[i][0],
+                         ground_truth=rows[i]["reward_model"]["ground_truth"], data_source=rows[i]["data_source"],
+                         messages=rows[i][prompt_key], extra_info=rows[i]["extra_info"], index=base + k)
+            for k, i in enumerate(kept)
         ]
 
     @staticmethod

@@ -25,8 +25,9 @@ class ParallelGroups:
     """Megatron's process groups and this rank's coordinates in them.
 
     `dp` is the pure data-parallel group; `dp_cp` is data x context parallel, the group over
-    which losses, token counts and entropy statistics are reduced (every rank of it holds
-    different tokens of the same model replica layout).
+    which losses and token counts are reduced (every rank of it holds different tokens of the
+    same model replica layout). Entropy statistics are reduced over `dp`: they are computed
+    after the old-log-prob pass has gathered the CP chunks, so CP ranks hold the same tokens.
     """
 
     tp: Any

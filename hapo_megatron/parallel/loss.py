@@ -61,7 +61,7 @@ class LossConfig:
 
     Attributes:
         clip_ratio_low / clip_ratio_high / clip_ratio_c: PPO clip ranges and dual-clip bound.
-        adaptive_clip, clip_alpha: asymmetric adaptive clipping (spec section 4).
+        adaptive_clip, clip_alpha: asymmetric adaptive clipping (docs/algorithm.md, section 3).
         adaptive_advantage, adv_beta: differential advantage redistribution (section 5).
         loss_agg_mode: one of `LOSS_AGG_MODES`, normalised over the whole mini-batch.
         h_hat_mode: "signed" (paper) or "reference" (the public code's sign defect).

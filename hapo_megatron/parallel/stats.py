@@ -173,7 +173,10 @@ def global_entropy_stats(entropy: torch.Tensor, mask: torch.Tensor, *, group=Non
         entropy: `[...]` this rank's per-token entropies (any float dtype).
         mask: same shape, bool or 0/1; nonzero = valid. A rank may have no valid token (it
             still participates and gets the same answer).
-        group: the data x context parallel group (`ParallelGroups.dp_cp`), None = this process.
+        group: the ranks whose token sets together make the statistics' token set, each token
+            held by exactly one rank: the trainer passes `ParallelGroups.dp` because its
+            old-log-prob pass gathers CP chunks (every CP rank holds whole sequences); a
+            caller whose ranks hold CP chunks passes `dp_cp`. None = this process.
         entropy_pivot: quantile `q` in (0, 1).
 
     Returns:

@@ -3,12 +3,20 @@
 The final answer is the content of the last ``\\boxed{...}`` (balanced braces; ``\\fbox`` too) or
 the text after the last ``Answer:`` (DAPO's "Answer: $Answer" line), whichever comes later in the
 response. It is compared with the ground truth by ``math_verify.parse`` + ``math_verify.verify``
-(so ``0.5`` == ``\\frac{1}{2}``, ``85`` == ``85.0``), after a fast exact-string check.
+(so ``0.5`` == ``\\frac{1}{2}``, ``85`` == ``85.0``).
 
-Thread safety: math-verify's default timeouts use ``signal.alarm``, which only works in the main
-thread. We pass ``parsing_timeout=None`` / ``timeout_seconds=None`` (no signals) so the reward can
-run in worker threads, and bound the work instead by refusing over-long answers
-(``MAX_ANSWER_CHARS``).
+Every call is bounded in time, in any thread (docs/algorithm.md, "Rewards"), cheapest test first:
+
+1. the same string after normalisation: correct, nothing else runs;
+2. an answer longer than ``MAX_ANSWER_CHARS``, or one whose exact value could exceed
+   ``magnitude.MAX_RESULT_DIGITS`` digits (``9^{9^{9}}``, ``1000000!``): wrong, sympy never sees it;
+3. math-verify in a killable worker process (`bounded.shared_pool`) with a hard limit of
+   ``verify_timeout_s``; a call that hits it is wrong with ``RewardResult.timed_out`` set. Inside a
+   bounded worker already (the trainer's reward pool) math-verify runs in place: that worker's own
+   limit bounds it.
+
+math-verify's own signal timeouts stay off (``None``): they only work in a main thread, and each
+parse / comparison would restart its own alarm; the worker's single timer covers the whole call.
 """
 
 from __future__ import annotations
@@ -18,11 +26,18 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["RewardResult", "compute_score", "extract_boxed", "extract_answer_line",
-           "extract_final_answer", "answers_equivalent", "MAX_ANSWER_CHARS"]
+from hapo_megatron.rewards.bounded import in_worker, shared_pool
+from hapo_megatron.rewards.magnitude import exceeds_digits
+
+__all__ = ["RewardResult", "compute_score", "extract_boxed", "extract_answer_line", "extract_final_answer",
+           "answers_equivalent", "equivalence", "verify_unbounded", "MAX_ANSWER_CHARS", "VERIFY_TIMEOUT_S"]
+
+logger = logging.getLogger(__name__)
 
 MAX_ANSWER_CHARS = 300
 """Extracted answers longer than this are scored wrong without calling sympy (bounded time)."""
+VERIFY_TIMEOUT_S = 5.0
+"""Hard limit (seconds) of one math-verify comparison run outside a bounded worker."""
 
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*")
 _ANSWER_RE = re.compile(r"answer\s*:", re.IGNORECASE)
@@ -33,12 +48,14 @@ class RewardResult:
     """Outcome of scoring one response.
 
     score: the reward (+1/-1 for "pm1", 1/0 for "01"); acc: the answer was verified correct;
-    pred: the extracted final answer (None when the response has none).
+    pred: the extracted final answer (None when the response has none); timed_out: below.
     """
 
     score: float
     acc: bool
     pred: Optional[str] = None
+    timed_out: bool = False
+    """The verification hit its time limit (scored wrong; counted in ``reward/timeouts``)."""
 
 
 def _boxed_spans(text: str) -> list[tuple[int, str]]:
@@ -111,8 +128,16 @@ def extract_final_answer(text: str) -> Optional[str]:
     return None
 
 
+_SAME_COMMANDS = [(re.compile(r"\\[dt]frac(?![a-zA-Z])"), r"\\frac"), (re.compile(r"\\[dt]binom(?![a-zA-Z])"), r"\\binom"),
+                  (re.compile(r"\\(?:left|right)(?![a-zA-Z])|\\[!,;]"), "")]
+
+
 def _normalize_str(s: str) -> str:
-    return re.sub(r"\s+", "", _clean(str(s))).replace("\\!", "")
+    """Whitespace, display-size and spacing commands removed: what stays equal is the same answer."""
+    out = re.sub(r"\s+", "", _clean(str(s)))
+    for command, same in _SAME_COMMANDS:
+        out = command.sub(same, out)
+    return out
 
 
 class _QuietTimeoutWarning(logging.Filter):
@@ -142,14 +167,8 @@ def _parse(mv, answer: str):
     return parsed or mv.parse(answer, parsing_timeout=None)
 
 
-def answers_equivalent(pred: str, ground_truth: str) -> bool:
-    """True when ``pred`` and ``ground_truth`` are the same answer (string or math-verify check)."""
-    if not pred or ground_truth is None:
-        return False
-    if _normalize_str(pred) == _normalize_str(ground_truth):
-        return True
-    if len(pred) > MAX_ANSWER_CHARS:
-        return False
+def verify_unbounded(pred: str, ground_truth: str) -> bool:
+    """math-verify's verdict, with no time limit of its own: call it through `equivalence`."""
     mv = _math_verify()
     try:
         gold = _parse(mv, _clean(str(ground_truth)))
@@ -161,15 +180,41 @@ def answers_equivalent(pred: str, ground_truth: str) -> bool:
         return False
 
 
-def compute_score(solution_str: str, ground_truth, *, score_format: str = "pm1", **_: object) -> RewardResult:
-    """Score one response against the ground truth.
+def equivalence(pred: str, ground_truth: str, *, timeout_s: float = VERIFY_TIMEOUT_S) -> tuple[bool, bool]:
+    """``(equivalent, timed_out)`` for two answers, the cheap checks first (module doc)."""
+    if not pred or ground_truth is None:
+        return False, False
+    ground_truth = str(ground_truth)
+    if _normalize_str(pred) == _normalize_str(ground_truth):
+        return True, False
+    if len(pred) > MAX_ANSWER_CHARS or exceeds_digits(pred) or exceeds_digits(ground_truth):
+        return False, False
+    if in_worker():
+        return verify_unbounded(pred, ground_truth), False
+    outcome = shared_pool().call(verify_unbounded, pred, ground_truth, timeout_s=timeout_s)
+    if not outcome.ok:
+        logger.warning("math reward: verifying %.80r against %.80r: %s (%s); scored wrong",
+                       pred, ground_truth, outcome.status, outcome.message)
+    return bool(outcome.ok and outcome.value), outcome.status == "timeout"
 
-    Returns RewardResult(score=+1/-1 ("pm1") or 1/0 ("01"), acc, pred). Extra keyword arguments
+
+def answers_equivalent(pred: str, ground_truth: str, *, timeout_s: float = VERIFY_TIMEOUT_S) -> bool:
+    """True when ``pred`` and ``ground_truth`` are the same answer (string or math-verify check)."""
+    return equivalence(pred, ground_truth, timeout_s=timeout_s)[0]
+
+
+def compute_score(solution_str: str, ground_truth, *, score_format: str = "pm1",
+                  verify_timeout_s: float = VERIFY_TIMEOUT_S, **_: object) -> RewardResult:
+    """Score one response against the ground truth, in bounded time (module doc).
+
+    Returns RewardResult(score=+1/-1 ("pm1") or 1/0 ("01"), acc, pred, timed_out); a verification
+    that hits ``verify_timeout_s`` scores wrong with ``timed_out=True``. Extra keyword arguments
     (data_source, extra_info, ...) are accepted and ignored.
     """
     if score_format not in ("pm1", "01"):
         raise ValueError(f"score_format must be 'pm1' or '01', got {score_format!r}")
     pred = extract_final_answer(solution_str or "")
-    acc = pred is not None and answers_equivalent(pred, str(ground_truth))
+    acc, timed_out = (False, False) if pred is None else equivalence(pred, str(ground_truth),
+                                                                     timeout_s=verify_timeout_s)
     wrong = -1.0 if score_format == "pm1" else 0.0
-    return RewardResult(score=1.0 if acc else wrong, acc=acc, pred=pred)
+    return RewardResult(score=1.0 if acc else wrong, acc=acc, pred=pred, timed_out=timed_out)

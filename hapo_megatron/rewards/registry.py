@@ -17,7 +17,8 @@ from typing import Callable
 
 from hapo_megatron.rewards.math import RewardResult, compute_score
 
-__all__ = ["register_reward", "get_reward_fn", "registered_rewards", "to_reward_result"]
+__all__ = ["register_reward", "get_reward_fn", "registered_rewards", "to_reward_result", "resolve_reward",
+           "wrap_reward"]
 
 _REGISTRY: dict[str, Callable] = {}
 
@@ -84,14 +85,15 @@ def _import_dotted(path: str) -> Callable:
     return fn
 
 
-def get_reward_fn(name_or_path: str) -> Callable[..., RewardResult]:
-    """A registered reward by name, or a function by dotted path (``pkg.mod:fn`` or ``pkg.mod.fn``).
-
-    The returned callable has the signature ``(solution_str, ground_truth, **kwargs) -> RewardResult``.
-    """
+def resolve_reward(name_or_path: str) -> Callable:
+    """The user's function behind a registered name or a dotted path (not wrapped)."""
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         raise ValueError(f"name_or_path must be a reward name or dotted path, got {name_or_path!r}")
-    fn = _REGISTRY.get(name_or_path) or _import_dotted(name_or_path)
+    return _REGISTRY.get(name_or_path) or _import_dotted(name_or_path)
+
+
+def wrap_reward(fn: Callable) -> Callable[..., RewardResult]:
+    """``fn`` called with only the keyword arguments it accepts, its return value a RewardResult."""
     params = inspect.signature(fn).parameters.values()
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
     accepted = {p.name for p in params}
@@ -103,6 +105,14 @@ def get_reward_fn(name_or_path: str) -> Callable[..., RewardResult]:
         return to_reward_result(fn(solution_str, ground_truth, **kwargs))
 
     return reward_fn
+
+
+def get_reward_fn(name_or_path: str) -> Callable[..., RewardResult]:
+    """A registered reward by name, or a function by dotted path (``pkg.mod:fn`` or ``pkg.mod.fn``).
+
+    The returned callable has the signature ``(solution_str, ground_truth, **kwargs) -> RewardResult``.
+    """
+    return wrap_reward(resolve_reward(name_or_path))
 
 
 register_reward("math")(compute_score)

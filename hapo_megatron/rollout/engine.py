@@ -6,8 +6,8 @@ returns, per prompt, ``n`` :class:`Sample` objects in prompt order. Each sample 
 response token ids, the log-prob of every sampled token under the distribution it was sampled
 from, and (where the engine can observe it) the temperature used at that token.
 
-Adaptive temperature (spec section 2): with ``params.adaptive`` and ``params.entropy_stats`` set,
-each decoding step samples row ``b`` at ``T_b = T_base * (1 + temperature_tau * h_hat_b)``, where
+Adaptive temperature (docs/algorithm.md, section 1): with ``params.adaptive`` and
+``params.entropy_stats`` set, each decoding step samples row ``b`` at ``T_b = T_base * (1 + temperature_tau * h_hat_b)``, where
 ``h_hat_b`` is the normalised entropy of that row's next-token distribution at ``T_base``
 (computed by :func:`hapo_megatron.algo.adaptive_temperature`).
 """
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from hapo_megatron.algo import H_HAT_MODES, EntropyStats
+from hapo_megatron.algo import EntropyStats, check_h_hat_mode, check_temperature_tau
 
 FINISH_REASONS = ("stop", "length")
 
@@ -73,10 +73,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
         if int(self.max_new_tokens) < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
-        if not (0.0 <= float(self.temperature_tau) < 1.0):
-            raise ValueError(f"temperature_tau must lie in [0, 1), got {self.temperature_tau!r}")
-        if self.h_hat_mode not in H_HAT_MODES:
-            raise ValueError(f"h_hat_mode must be one of {H_HAT_MODES}, got {self.h_hat_mode!r}")
+        check_temperature_tau(self.temperature_tau)
+        check_h_hat_mode(self.h_hat_mode)
         stats = self.entropy_stats
         if stats is not None and not isinstance(stats, EntropyStats):
             try:
@@ -110,8 +108,9 @@ class SamplingParams:
         Training: ``n``, ``temperature`` (T_base), ``top_p``, ``top_k``, and the adaptive
         temperature from ``algo_cfg`` (``adaptive_temperature``, ``temperature_tau``,
         ``h_hat_mode``) with ``entropy_stats``; ``algo_cfg`` is required. Validation: ``val_n``,
-        ``val_temperature``, ``val_top_p``, never adaptive (spec section 2). Every field is read
-        by name, so a missing or renamed one raises instead of falling back to a default.
+        ``val_temperature``, ``val_top_p``, never adaptive (docs/algorithm.md, section 1). Every
+        field is read by name, so a missing or renamed one raises instead of falling back to a
+        default.
         """
         max_new = int(max_new_tokens if max_new_tokens is not None else rollout_cfg.max_response_length)
         if validation:
@@ -176,8 +175,13 @@ class Sample:
 class RolloutEngine(Protocol):
     """What the trainer needs from a rollout engine."""
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
-        """``params.n`` samples per prompt; outer list in prompt order, inner in sample order."""
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                 on_samples: Optional[Callable[[list[Sample]], None]] = None) -> list[list[Sample]]:
+        """``params.n`` samples per prompt; outer list in prompt order, inner in sample order.
+
+        ``on_samples`` (when given) is called with each chunk of finished samples as soon as the
+        chunk is done (from any thread; every sample exactly once), so rewards can be scored while
+        the rest is generated (rewards.scoring)."""
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -189,12 +193,14 @@ class RolloutEngine(Protocol):
         others waiting in them; `drain_weights` reads the rest."""
         ...
 
-    def release_memory(self) -> None:
-        """Free accelerator memory while the trainer runs (colocated setups); no-op otherwise."""
+    def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Free the accelerator memory regions ``tags`` (of ``"weights"``, ``"kv_cache"``,
+        ``"cuda_graph"``; None = all) while the trainer runs (colocated setups); no-op otherwise.
+        `training.engine_memory.EngineMemory` makes these calls and tracks what is released."""
         ...
 
-    def resume_memory(self) -> None:
-        """Undo :meth:`release_memory` before the next weight update / generation."""
+    def resume_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Undo :meth:`release_memory` of ``tags`` (None = all) before an update / generation."""
         ...
 
     def shutdown(self) -> None:

@@ -17,7 +17,7 @@ Greedy (``temperature == 0``): argmax of ``z``, log-prob ``log_softmax(z)``, tem
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -161,8 +161,10 @@ class HFRolloutEngine:
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
-        """``params.n`` samples per prompt (see :class:`SamplingParams`), in prompt order.
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                 on_samples: Optional[Callable[[list[Sample]], None]] = None) -> list[list[Sample]]:
+        """``params.n`` samples per prompt (see :class:`SamplingParams`), in prompt order;
+        ``on_samples`` gets each batch of ``max_batch_size`` rows as it finishes.
 
         Deterministic for a fixed ``params.seed``, weights, prompts and ``max_batch_size``: one
         generator, seeded once, is consumed chunk by chunk in order.
@@ -184,9 +186,13 @@ class HFRolloutEngine:
         for start in range(0, len(rows), self.max_batch_size):
             chunk = rows[start:start + self.max_batch_size]
             results = self._decode([prompts[p] for p, _ in chunk], params, gen)
-            for (p, k), (resp, logps, temps, reason) in zip(chunk, results):
-                out[p].append(Sample(prompt_ids=list(prompts[p]), response_ids=resp, rollout_logprobs=logps,
-                                     temperatures=temps, finish_reason=reason, prompt_index=p, sample_index=k))
+            done = [Sample(prompt_ids=list(prompts[p]), response_ids=resp, rollout_logprobs=logps,
+                           temperatures=temps, finish_reason=reason, prompt_index=p, sample_index=k)
+                    for (p, k), (resp, logps, temps, reason) in zip(chunk, results)]
+            for smp in done:
+                out[smp.prompt_index].append(smp)
+            if on_samples is not None:
+                on_samples(done)
         return out
 
     def _prefill_inputs(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -285,15 +291,16 @@ class HFRolloutEngine:
         for name, t in items:
             sd[name].copy_(t.detach())
 
-    def release_memory(self) -> None:
-        """On CUDA, move the model to the CPU and empty the cache; a no-op on CPU."""
+    def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """On CUDA, move the model to the CPU and empty the cache; a no-op on CPU. The model is
+        this engine's one region (it keeps no KV cache between calls), so any ``tags`` release it."""
         if self.device.type == "cuda" and not self._released:
             self.model.to("cpu")
             torch.cuda.empty_cache()
             self._released = True
 
-    def resume_memory(self) -> None:
-        """Undo :meth:`release_memory`."""
+    def resume_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Undo :meth:`release_memory` (any ``tags``: the model is one region)."""
         if self._released:
             self.model.to(self.device)
             self._released = False

@@ -30,10 +30,11 @@ from __future__ import annotations
 import atexit
 import os
 import time
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
+from hapo_megatron.parallel.collectives import all_gather_objects, broadcast_object, rank_and_world
 from hapo_megatron.rollout import placement
 from hapo_megatron.rollout import sglang_launch as launcher
 from hapo_megatron.rollout.engine import Sample, SamplingParams, drain_weights
@@ -41,29 +42,6 @@ from hapo_megatron.rollout.sglang_client import SGLangError, SGLangHTTP, ServerH
 from hapo_megatron.rollout.sglang_engine import SGLangEngine, agree_on_api_key, resolve_weight_sync
 
 REACH_TIMEOUT_S = 60.0  # how long rank 0 tries to reach another node's healthy server
-
-
-def _dist() -> tuple[int, int]:
-    d = torch.distributed
-    if d.is_available() and d.is_initialized():
-        return d.get_rank(), d.get_world_size()
-    return 0, 1
-
-
-def _all_gather(obj: Any, world: int) -> list:
-    if world == 1:
-        return [obj]
-    out: list = [None] * world
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
-def _broadcast(obj: Any, world: int) -> Any:
-    if world == 1:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 class NodeServersEngine:
@@ -90,8 +68,9 @@ class NodeServersEngine:
             raise RuntimeError(f"{what} runs on global rank 0 (this is rank {self.ctx.rank})")
         return self.cluster
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
-        return self._rank0("generation").generate(prompt_ids, params)
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                 on_samples: Optional[Callable[[list[Sample]], None]] = None) -> list[list[Sample]]:
+        return self._rank0("generation").generate(prompt_ids, params, on_samples)
 
     def check_health(self) -> None:
         self._rank0("the health check").check_health()
@@ -172,7 +151,7 @@ def start_node_servers(cfg: Any, *, model_path: str, tokenizer: Any = None, dtyp
     ``api_key``, else ``$HAPO_ROLLOUT_API_KEY``, else ``key_file``'s, else a new one written to
     ``key_file``), which every request carries. ``engine_kwargs`` go to the ``SGLangEngine`` objects.
     """
-    rank, world = _dist()
+    rank, world = rank_and_world()
     ctx = placement.NodeContext.from_env(rank, world)
     device = launcher.resolve_device(device)
     slots = placement.plan_servers(
@@ -195,7 +174,7 @@ def start_node_servers(cfg: Any, *, model_path: str, tokenizer: Any = None, dtyp
         own, error = _launch_own(mine, ctx=ctx, host=placement.server_host(ctx.num_nodes), model_path=model_path,
                                  cfg=cfg, dtype=dtype, device=device, log_dir=log_dir, timeout_s=launch_timeout_s,
                                  http=http, api_key=key)
-    reports = [r for r in _all_gather({"urls": [h.url for h in own], "error": error}, world) if r]
+    reports = [r for r in all_gather_objects({"urls": [h.url for h in own], "error": error}) if r]
     errors = [r["error"] for r in reports if r["error"]]
     urls = [u for r in reports for u in r["urls"]]  # node by node: the plan's order
     if not errors and len(urls) != len(slots):
@@ -208,7 +187,7 @@ def start_node_servers(cfg: Any, *, model_path: str, tokenizer: Any = None, dtyp
             errors = [f"rank 0 cannot reach {far}: each node's servers bind the address in "
                       f"${placement.NODE_ADDR_ENV} or the node's address toward MASTER_ADDR; set "
                       f"{placement.NODE_ADDR_ENV} on every node to an address node 0 reaches (docs/multinode.md)"]
-    errors = _broadcast(errors, world)
+    errors = broadcast_object(errors)
     if errors:
         for h in own:
             launcher.stop_process(h)

@@ -59,18 +59,19 @@ import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
+from hapo_megatron.config.base import WEIGHT_SYNC_MODES
 from hapo_megatron.config.sections import ROUTER_REFUSED
+from hapo_megatron.parallel.collectives import all_gather_objects, broadcast_object, rank_and_world
 from hapo_megatron.rollout import sglang_launch as launcher
 from hapo_megatron.rollout.api_key import resolve_api_key
 from hapo_megatron.rollout.engine import Sample, SamplingParams, check_prompt_ids, drain_weights
 from hapo_megatron.rollout.sglang_client import EndpointNotFoundError, SGLangError, SGLangHTTP, ServerHandle
 from hapo_megatron.rollout import weight_sync as ws
 
-WEIGHT_SYNC_MODES = ("auto", "tensor", "distributed", "disk")
 _SEED_MOD = 2**63 - 1
 
 
@@ -159,13 +160,6 @@ def resolve_weight_sync(mode: str, *, colocate: bool) -> str:
     return mode
 
 
-def _dist_info() -> tuple[int, int]:
-    d = torch.distributed
-    if d.is_available() and d.is_initialized():
-        return d.get_rank(), d.get_world_size()
-    return 0, 1
-
-
 # --------------------------------------------------------------------------- the engine
 def agree_on_api_key(api_key: Optional[str], key_file: Optional[str], *, create: bool, rank: int,
                      world_size: int) -> Optional[str]:
@@ -180,9 +174,7 @@ def agree_on_api_key(api_key: Optional[str], key_file: Optional[str], *, create:
         except (OSError, ValueError) as e:
             found = (None, f"rollout API key: {type(e).__name__}: {e}")
     if world_size > 1:
-        box = [found]
-        torch.distributed.broadcast_object_list(box, src=0)
-        found = box[0]
+        found = broadcast_object(found)
     key, error = found
     if error:
         raise ValueError(error)
@@ -248,7 +240,7 @@ class SGLangEngine:
         self._has_update_session: dict[str, bool] = {}  # server url -> has /begin_weight_update
         self.dtype = dtype if isinstance(dtype, torch.dtype) else None  # export dtype for the trainer
         self.collective = bool(collective)
-        self.rank, self.world_size = _dist_info() if self.collective else (0, 1)
+        self.rank, self.world_size = rank_and_world() if self.collective else (0, 1)
         self._api_key = agree_on_api_key(api_key, key_file, create=launch and not server_urls,
                                          rank=self.rank, world_size=self.world_size)
         self.http = SGLangHTTP(timeout_s=request_timeout_s, max_retries=max_retries, session=session,
@@ -332,9 +324,7 @@ class SGLangEngine:
             raise
         urls = {s: h.url for s, h in mine}
         if self.world_size > 1:
-            gathered: list = [None] * self.world_size
-            torch.distributed.all_gather_object(gathered, urls)
-            urls = {k: v for d in gathered for k, v in d.items()}
+            urls = {k: v for d in all_gather_objects(urls) for k, v in d.items()}
         local = dict(mine)
         return [local.get(s, ServerHandle(url=urls[s], tp_size=self.tp)) for s in range(num_servers)]
 
@@ -344,18 +334,19 @@ class SGLangEngine:
             self.http.check_alive(s)
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
-        """``params.n`` samples per prompt, prompt order (collective under torch.distributed)."""
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                 on_samples: Optional[Callable[[list[Sample]], None]] = None) -> list[list[Sample]]:
+        """``params.n`` samples per prompt, prompt order (collective under torch.distributed);
+        rank 0 hands ``on_samples`` each ``/generate`` call's samples as the call returns."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        out = self._generate_local(check_prompt_ids(prompt_ids), params) if self.rank == 0 else None
+        out = self._generate_local(check_prompt_ids(prompt_ids), params, on_samples) if self.rank == 0 else None
         if self.world_size > 1:
-            box = [out]
-            torch.distributed.broadcast_object_list(box, src=0)
-            out = box[0]
+            out = broadcast_object(out)
         return out
 
-    def _generate_local(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+    def _generate_local(self, prompts: list[list[int]], params: SamplingParams,
+                        on_samples: Optional[Callable[[list[Sample]], None]] = None) -> list[list[Sample]]:
         rows = [(p, k) for p in range(len(prompts)) for k in range(params.n)]
         chunks = [list(range(i, min(i + self.requests_per_call, len(rows))))
                   for i in range(0, len(rows), self.requests_per_call)]
@@ -371,15 +362,19 @@ class SGLangEngine:
                 raise
             if not isinstance(answer, list) or len(answer) != len(idx):
                 raise SGLangError(f"/generate returned {type(answer).__name__} for {len(idx)} rows")
-            return [parse_generate_item(a) for a in answer]
+            done = [Sample(prompt_ids=list(prompts[rows[i][0]]), response_ids=ids, rollout_logprobs=logps,
+                           temperatures=[], finish_reason=reason, prompt_index=rows[i][0], sample_index=rows[i][1])
+                    for i, (ids, logps, reason) in zip(idx, map(parse_generate_item, answer))]
+            if on_samples is not None:
+                on_samples(done)
+            return done
 
         _, workers = generate_call_plan(len(rows), len(self.servers), self.requests_per_call)
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            results = [r for chunk in pool.map(run, range(len(chunks))) for r in chunk]
+            results = [smp for chunk in pool.map(run, range(len(chunks))) for smp in chunk]
         out: list[list[Sample]] = [[] for _ in prompts]
-        for (p, k), (ids, logps, reason) in zip(rows, results):
-            out[p].append(Sample(prompt_ids=list(prompts[p]), response_ids=ids, rollout_logprobs=logps,
-                                 temperatures=[], finish_reason=reason, prompt_index=p, sample_index=k))
+        for smp in results:  # rows are prompt-major, so each prompt's samples stay in order
+            out[smp.prompt_index].append(smp)
         return out
 
     # ------------------------------------------------------------------ weights

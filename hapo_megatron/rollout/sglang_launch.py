@@ -13,23 +13,14 @@ from typing import Optional, Sequence
 import torch
 
 from hapo_megatron.rollout.api_key import API_KEY_ENV, redact
+from hapo_megatron.dtypes import TORCH_DTYPES, long_name
 from hapo_megatron.rollout.sglang_client import ServerHandle
-
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
 
 def sglang_dtype(dtype: torch.dtype | str) -> str:
     """``torch.bfloat16`` / ``"bf16"`` -> ``"bfloat16"`` (SGLang's ``--dtype`` values)."""
-    if isinstance(dtype, str):
-        alias = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "auto"}
-        if dtype in alias:
-            return alias[dtype]
-        if dtype in _DTYPE_NAMES.values():
-            return dtype
-        raise ValueError(f"dtype must be bf16/fp16/fp32/auto or a torch dtype, got {dtype!r}")
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
-    return _DTYPE_NAMES[dtype]
+    if dtype == "auto" or (isinstance(dtype, str) and dtype in {long_name(d) for d in TORCH_DTYPES.values()}):
+        return dtype
+    return long_name(dtype)
 
 
 #: environment variable naming the directory of the import-only ``sgl_kernel`` / ``torchvision``

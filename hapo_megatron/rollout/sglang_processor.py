@@ -3,7 +3,7 @@
 SGLang's sampler (``sglang.srt.layers.sampler.Sampler``, checked on 0.5.23) calls custom logit
 processors on the RAW logits, before it divides each row by the request's ``temperature``. So a
 processor that returns ``z / (T / T_base)`` for a row, where ``T = adaptive_temperature(z, stats,
-T_base, tau, h_hat_mode)`` (``hapo_megatron.algo``, spec section 2), makes the sampler's
+T_base, tau, h_hat_mode)`` (``hapo_megatron.algo``, docs/algorithm.md, section 1), makes the sampler's
 ``softmax((z / (T / T_base)) / T_base)`` equal ``softmax(z / T)``: the adaptive temperature,
 with top-p / top-k applied after it as usual. The request's ``temperature`` MUST equal the
 ``base_temperature`` inside its ``custom_params`` (:class:`SGLangEngine` builds both from one
@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from hapo_megatron.algo import H_HAT_MODES, EntropyStats, adaptive_temperature
+from hapo_megatron.algo import EntropyStats, adaptive_temperature, check_h_hat_mode, check_temperature_tau
 
 try:  # the real base class when SGLang is installed (servers always have it)
     from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor as _ProcessorBase
@@ -75,8 +75,7 @@ def _parse_row(params: Optional[Dict[str, Any]]) -> Optional[tuple]:
         t_base, tau, mode = float(entry["base_temperature"]), float(entry["temperature_tau"]), str(entry["h_hat_mode"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"custom_params[{PARAM_KEY!r}] is malformed ({e!r}): {entry!r}") from None
-    if mode not in H_HAT_MODES:
-        raise ValueError(f"custom_params[{PARAM_KEY!r}]['h_hat_mode'] must be one of {H_HAT_MODES}, got {mode!r}")
+    check_h_hat_mode(mode)
     return stats + (t_base, tau, mode)
 
 
@@ -102,10 +101,8 @@ class AdaptiveTemperatureProcessor(_ProcessorBase):
         tb, tau = float(base_temperature), float(temperature_tau)
         if not (tb >= 0 and math.isfinite(tb)):
             raise ValueError(f"base_temperature must be a finite float >= 0, got {base_temperature!r}")
-        if not (0.0 <= tau < 1.0):
-            raise ValueError(f"temperature_tau must lie in [0, 1), got {temperature_tau!r}")
-        if h_hat_mode not in H_HAT_MODES:
-            raise ValueError(f"h_hat_mode must be one of {H_HAT_MODES}, got {h_hat_mode!r}")
+        check_temperature_tau(tau)
+        check_h_hat_mode(h_hat_mode)
         if stats is None or tb == 0.0:
             return {}
         if not isinstance(stats, EntropyStats):

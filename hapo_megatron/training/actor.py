@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 from hapo_megatron.compat.processes import children_allowed
+from hapo_megatron.dtypes import torch_dtype
 from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.training.checkpoint import OPTIMIZER_FORMAT, optimizer_sharding_metadata
-from hapo_megatron.training.optimizer_checkpoint import load_optimizer_state
+from hapo_megatron.training.optimizer_checkpoint import load_optimizer_state, ensure_adam_state
 
 LossFactory = Callable[[MicroBatch], Callable]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -68,9 +68,7 @@ class MegatronActor:
                  recompute_activations: bool = False, use_distributed_optimizer: bool = True,
                  init_hf_path: Optional[str] = None, init_megatron_path: Optional[str] = None,
                  fused_output_layer: bool = False):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        self.hf_config, self.groups, self.dtype = hf_config, groups, DTYPES[dtype]
+        self.hf_config, self.groups, self.dtype = hf_config, groups, torch_dtype(dtype)
         self.fused_output_layer = bool(fused_output_layer)
         self.model = self._build_model(use_te, sequence_parallel, recompute_activations,
                                        init_hf_path, init_megatron_path, use_distributed_optimizer)
@@ -301,6 +299,7 @@ class MegatronActor:
         """Model + optimizer with Megatron dist_checkpointing (collective). The default optimizer
         format is layout-free (see `hapo_megatron.training.checkpoint.OPTIMIZER_FORMAT`)."""
         from megatron.core import dist_checkpointing
+        ensure_adam_state(self.optimizer)  # a save before the first optimizer step (a run stopped early)
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
         dist.barrier()
@@ -312,51 +311,10 @@ class MegatronActor:
         from megatron.core import dist_checkpointing
 
         from hapo_megatron.convert import unwrap_model
-        self._ensure_adam_state()
+        ensure_adam_state(self.optimizer)
         state = dist_checkpointing.load(self._sharded_state_dict(True, optimizer_format), path)
         unwrap_model(self.model[0]).load_state_dict(state["model"])
-        load_optimizer_state(self.optimizer, state["optimizer"])  # no_grad: fp32 main params are views
-        self._fix_adam_steps(state["optimizer"])
-
-    def _torch_adams(self) -> list:
-        """The torch Adam(W) optimizers inside Megatron's wrappers (empty with Apex/TE optimizers)."""
-        from megatron.core.optimizer import distrib_optimizer
-        if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
-            return []
-        inner = [getattr(o, "optimizer", None) for o in getattr(self.optimizer, "chained_optimizers",
-                                                                  [self.optimizer])]
-        return [o for o in inner if isinstance(o, torch.optim.Adam | torch.optim.AdamW)]
-
-    def _ensure_adam_state(self) -> None:
-        """Give a fresh torch Adam zero state with a ``step`` before loading a checkpoint.
-
-        WHY: megatron-core's DistributedOptimizer.state_dict() (needed to build the sharded state
-        dict it loads into) asserts on the per-param ``step`` of torch optimizers, which a fresh
-        optimizer does not have yet; its init_state_fn creates exp_avg/exp_avg_sq only.
-        """
-        for opt in self._torch_adams():
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    if not opt.state[p]:
-                        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p.data),
-                                        "exp_avg_sq": torch.zeros_like(p.data)}
-
-    def _fix_adam_steps(self, opt_state: dict) -> None:
-        """Give every param its own Adam ``step`` tensor with the saved value.
-
-        WHY: without Apex/TE, megatron-core's DistributedOptimizer.load_state_dict gives all
-        params ONE shared ``step`` tensor and then overwrites it with the pre-load value, so
-        the bias correction after a resume would differ from an uninterrupted run.
-        """
-        groups = (opt_state.get("optimizer") or {}).get("param_groups") or []
-        steps = {g.get("step") for g in groups if g.get("step") is not None}
-        if len(steps) != 1:
-            return
-        step = float(steps.pop())
-        for opt in self._torch_adams():
-            for st in opt.state.values():
-                if "step" in st:
-                    st["step"] = torch.tensor(step, dtype=torch.float32)
+        load_optimizer_state(self.optimizer, state["optimizer"])
 
     def train_state_dict(self) -> dict[str, Any]:
         """The actor's part of ``rl_state.json``: skipped updates and the LR schedule."""
@@ -367,18 +325,3 @@ class MegatronActor:
         self.num_skipped = int(state.get("num_skipped_updates", 0))
         if state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
-
-
-def sum_metrics_across_ranks(local: dict[str, Any], *, contribute: bool) -> dict[str, float]:
-    """Sum metric dicts over all ranks; only ranks with ``contribute`` add theirs (e.g. TP rank 0
-    of the last pipeline stage, so TP replicas are not double counted). Same result everywhere."""
-    mine = {k: float(v) for k, v in local.items()} if contribute else {}
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return mine
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    out: dict[str, float] = {}
-    for d in everyone:
-        for k, v in d.items():
-            out[k] = out.get(k, 0.0) + v
-    return out

@@ -7,12 +7,15 @@ Layout under ``<run_dir>/checkpoints``::
         rl_state.json       step, data cursor, entropy statistics, scheduler, counters (rank 0)
         rng/rank_00000.pt   RNG states of each rank (torch, python, numpy, Megatron tracker)
         layout.json         parallel layout saved under (TP/PP/CP/DP) and the optimizer format (rank 0)
+        manifest.json       size and CRC32 of every file above (checkpoint_manifest.py), checked at load
         COMPLETE            marker, written last inside the directory
     latest                  text file naming the newest complete checkpoint, written last
 
 A checkpoint is written into ``.tmp-step_000010`` and renamed when every rank has finished, so a
 crash leaves either the previous state or a ``.tmp-*`` directory that `find_latest` ignores with a
-warning. The last ``keep_last_k`` complete checkpoints are kept.
+warning. The last ``keep_last_k`` complete checkpoints are kept. A complete checkpoint whose files
+were damaged afterwards fails verification at load (`CheckpointLoadError`); ``trainer.resume=auto``
+then resumes from the newest one that loads (`load_newest_loadable`).
 
 Layout changes: the model weights and the distributed optimizer's state are saved in model space
 (`OPTIMIZER_FORMAT`: each Adam moment and fp32 main weight is stored like the model parameter it
@@ -37,6 +40,9 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+from hapo_megatron.training.checkpoint_manifest import MANIFEST, checksum_share, write_manifest
+from hapo_megatron.training.checkpoint_manifest import verify as verify_manifest
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -268,15 +274,22 @@ class CheckpointManager:
     """
 
     def __init__(self, root: str, *, keep_last_k: int = 3, rank: int = 0,
-                 barrier: Callable[[], None] | None = None, layout: Layout = Layout()):
+                 barrier: Callable[[], None] | None = None, layout: Layout = Layout(),
+                 world_size: int = 1, gather: Callable[[Any], list] | None = None):
         if keep_last_k is not None and keep_last_k < 1:
             raise ValueError(f"keep_last_k must be >= 1, got {keep_last_k}")
+        if world_size > 1 and gather is None:
+            raise ValueError("CheckpointManager: world_size > 1 needs gather (an all-gather of a small object)")
         self.root, self.keep_last_k, self.rank, self.layout = root, keep_last_k, rank, layout
         self.barrier = barrier or (lambda: None)
+        # the ranks share the checksumming of a checkpoint's files (checkpoint_manifest.share)
+        self.world_size, self.gather = world_size, gather or (lambda obj: [obj])
 
     def save(self, step: int, *, rl_state: dict[str, Any],
-             save_model: Callable[[str], None] | None = None) -> str:
-        """Write checkpoint ``step`` atomically; returns its final path."""
+             save_model: Callable[[str], None] | None = None,
+             rng_state: dict[str, Any] | None = None) -> str:
+        """Write checkpoint ``step`` atomically; returns its final path. ``rng_state``: this rank's
+        RNG states to record (default: as they are now)."""
         name = step_dir_name(step)
         tmp, final = os.path.join(self.root, f".tmp-{name}"), os.path.join(self.root, name)
         if self.rank == 0:
@@ -286,13 +299,17 @@ class CheckpointManager:
         self.barrier()
         if save_model is not None:
             save_model(os.path.join(tmp, "model"))
-        torch.save(capture_rng_state(), os.path.join(tmp, "rng", f"rank_{self.rank:05d}.pt"))
-        self.barrier()  # every rank's files are on disk before the commit
+        torch.save(rng_state if rng_state is not None else capture_rng_state(),
+                   os.path.join(tmp, "rng", f"rank_{self.rank:05d}.pt"))
         if self.rank == 0:
             with open(os.path.join(tmp, "rl_state.json"), "w") as f:
                 json.dump({"step": int(step), **rl_state}, f, indent=1)
             with open(os.path.join(tmp, LAYOUT_FILE), "w") as f:
                 json.dump({"layout": asdict(self.layout), "optimizer_format": OPTIMIZER_FORMAT}, f)
+        self.barrier()  # every rank's files are on disk before they are checksummed and committed
+        shares = self.gather(checksum_share(tmp, self.rank, self.world_size))
+        if self.rank == 0:
+            write_manifest(tmp, shares)
             open(os.path.join(tmp, COMPLETE), "w").close()
             if os.path.exists(final):
                 shutil.rmtree(final)
@@ -313,16 +330,42 @@ class CheckpointManager:
         for _, path in done[: max(0, len(done) - self.keep_last_k)]:
             shutil.rmtree(path, ignore_errors=True)
 
+    def verify(self, ckpt_dir: str) -> list[str]:
+        """What any rank found wrong with the files of ``ckpt_dir`` against its manifest
+        (collective; empty when it verifies or has no manifest)."""
+        mine = verify_manifest(ckpt_dir, self.rank, self.world_size)
+        return sorted({p for part in self.gather(mine) for p in part})
+
     def load(self, ckpt_dir: str, *, load_model: Callable[[str, str], None] | None = None,
              restore_rng: bool = True) -> dict[str, Any]:
-        """Load model/optimizer (via ``load_model``) and the RNG state; returns the RL state.
+        """Verify, then load model/optimizer (via ``load_model``) and the RNG state; returns the RL
+        state (collective).
 
-        Under a different layout than the one saved under, the RNG streams are not restored
+        A checkpoint whose files do not match its manifest, or whose loading fails on any rank,
+        raises `CheckpointLoadError` naming it, the file (where known) and the error, on every
+        rank. Under a different layout than the one saved under, the RNG streams are not restored
         (a rank's streams belong to its place in the old layout); an old-format checkpoint under
         a different layout raises `LayoutChangeError`.
         """
         if not _is_complete(ckpt_dir):
             raise FileNotFoundError(f"checkpoint {ckpt_dir!r} is not complete (no {COMPLETE} marker)")
+        problems = self.verify(ckpt_dir)
+        if problems:
+            raise CheckpointLoadError(f"checkpoint {ckpt_dir} fails verification against its {MANIFEST}: "
+                                      + "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
+        error: Optional[BaseException] = None
+        try:
+            state = self._load_verified(ckpt_dir, load_model, restore_rng)
+        except LayoutChangeError:
+            raise
+        except (Exception, CheckpointException) as e:  # agreed below: no rank goes on alone
+            error = e
+        failures = [f for f in self.gather(_describe_failure(error)) if f]
+        if failures:
+            raise CheckpointLoadError(f"checkpoint {ckpt_dir}: loading failed: {failures[0]}") from error
+        return state
+
+    def _load_verified(self, ckpt_dir: str, load_model, restore_rng: bool) -> dict[str, Any]:
         info = read_checkpoint_info(ckpt_dir)
         if info.legacy and info.world_size != self.layout.world_size:
             raise legacy_layout_error(ckpt_dir, info, self.layout)
@@ -332,13 +375,63 @@ class CheckpointManager:
             except (Exception, CheckpointException) as e:  # re-raised, with the way out for old ones
                 if info.legacy:
                     raise legacy_layout_error(ckpt_dir, info, self.layout, cause=e) from e
-                raise
+                raise _FileError("model/ (dist_checkpointing)", e) from e
         # an old-format checkpoint that loaded was necessarily saved under this layout
         same_layout = info.legacy or info.layout == self.layout
         if restore_rng and same_layout:
             rng_path = os.path.join(ckpt_dir, "rng", f"rank_{self.rank:05d}.pt")
             if os.path.exists(rng_path):
-                restore_rng_state(torch.load(rng_path, weights_only=False))
+                try:
+                    rng = torch.load(rng_path, weights_only=False)
+                except Exception as e:  # noqa: BLE001 - named and agreed on in load
+                    raise _FileError(os.path.relpath(rng_path, ckpt_dir), e) from e
+                restore_rng_state(rng)
             else:
                 warnings.warn(f"no RNG state for rank {self.rank} in {ckpt_dir}: RNG streams are not restored")
-        return read_rl_state(ckpt_dir)
+        try:
+            return read_rl_state(ckpt_dir)
+        except (OSError, ValueError) as e:
+            raise _FileError("rl_state.json", e) from e
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint that fails verification or loading (the message names it, the file, the error)."""
+
+
+class _FileError(RuntimeError):
+    """Loading one file of a checkpoint failed (``file`` relative to the checkpoint)."""
+
+    def __init__(self, file: str, cause: BaseException):
+        super().__init__(f"{file}: {type(cause).__name__}: {str(cause)[:500]}")
+
+
+def _describe_failure(error: Optional[BaseException]) -> Optional[str]:
+    if error is None:
+        return None
+    text = str(error) if isinstance(error, _FileError) else f"{type(error).__name__}: {str(error)[:500]}"
+    return f"rank {_rank_of_process()}: {text}"
+
+
+def _rank_of_process() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def load_newest_loadable(mgr: CheckpointManager, candidates: list[str], *,
+                         load_model: Callable[[str, str], None] | None = None,
+                         log: Callable[[str], None] = print) -> tuple[str, dict[str, Any]]:
+    """``trainer.resume=auto``: load the first of ``candidates`` (newest first) that verifies and
+    loads; each one skipped is logged with the reason. Returns (its path, its RL state); raises
+    `CheckpointLoadError` listing every failure when none loads (a fresh start would silently
+    discard the run)."""
+    failures = []
+    for path in candidates:
+        try:
+            return path, mgr.load(path, load_model=load_model)
+        except CheckpointLoadError as e:
+            failures.append(str(e))
+            log(f"resume: skipping {os.path.basename(os.path.normpath(path))}: {e}")
+    raise CheckpointLoadError(f"trainer.resume=auto: none of the {len(candidates)} complete checkpoint(s) under "
+                              f"{mgr.root} loads: " + " | ".join(failures)
+                              + ". Remove or repair them, or start fresh with trainer.resume=none "
+                              "(previous checkpoints are then moved aside)")

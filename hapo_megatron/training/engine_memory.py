@@ -1,23 +1,28 @@
 """Who holds the accelerator when: the trainer's state offloaded while colocated rollout servers
 work, and the servers' memory regions released while the trainer works.
 
-`release_engine` / `resume_engine` remember in ``rt.engine_released`` which regions are released,
-because SGLang refuses to resume a region that is not.
+`EngineMemory` owns that state (the engine, the actor's offloader, the regions released now)
+and offers named moves, in the order a step makes them (docs/architecture.md):
+
+    start:       release_all()            the first weight sync resumes the weights
+    weight sync: resume_weights()         update in place, then
+    rollout:     resume_generation()      KV cache and CUDA graphs back, generate, then
+                 release_all()            or release_generation() when no update follows
+    evaluation:  resume_generation() ... release_generation()
+
+It remembers what is released because SGLang refuses to resume a region that is not.
 """
 
 from __future__ import annotations
 
-import inspect
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:  # type only: runtime imports this module to start the engine
-    from hapo_megatron.training.runtime import Runtime
-
 ENGINE_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's memory-saver regions
+GENERATION_TAGS = ("kv_cache", "cuda_graph")  # what generating needs beyond the weights
 
 
 def empty_cache() -> None:
@@ -25,56 +30,61 @@ def empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
-@contextmanager
-def trainer_offloaded(rt: Runtime) -> Iterator[None]:
-    """Every rank: the actor's state in host memory (when `rt.offloader` is set) and the caching
-    allocator emptied, so the colocated servers can use the GPU; reloaded on exit."""
-    off = rt.offloader
-    if off is not None:
-        off.offload()
-    empty_cache()
-    if off is not None and dist.is_initialized():
-        dist.barrier()  # every GPU is free before rank 0 resumes the servers' memory
-    try:
-        yield
-    finally:
-        if off is not None:
-            off.reload()
+class EngineMemory:
+    """The rollout engine's memory regions and the actor's offloader (None: nothing to offload).
+
+    ``engine`` may be None (ranks without an engine): every move is then a no-op, except the
+    offload, which every rank makes."""
+
+    def __init__(self, engine: Any = None, offloader: Any = None) -> None:
+        self.engine = engine
+        self.offloader = offloader
+        self.released: set[str] = set()
+
+    @contextmanager
+    def trainer_offloaded(self) -> Iterator[None]:
+        """Every rank: the actor's state in host memory (with an offloader) and the caching
+        allocator emptied, so the colocated servers can use the GPU; reloaded on exit."""
+        if self.offloader is not None:
+            self.offloader.offload()
+        empty_cache()
+        if self.offloader is not None and dist.is_initialized():
+            dist.barrier()  # every GPU is free before rank 0 resumes the servers' memory
+        try:
+            yield
+        finally:
+            if self.offloader is not None:
+                self.offloader.reload()
+
+    # ------------------------------------------------------------------ named moves
+    def release_all(self) -> None:
+        """Weights, KV cache and CUDA graphs go: the trainer gets the accelerator."""
+        self._release(ENGINE_MEMORY_TAGS)
+
+    def release_generation(self) -> None:
+        """KV cache and CUDA graphs go, the weights stay (no weight update follows)."""
+        self._release(GENERATION_TAGS)
+
+    def resume_weights(self) -> None:
+        """The weights come back (before an update in place); the KV cache stays released."""
+        self._resume(("weights",))
+
+    def resume_generation(self) -> None:
+        """Everything released comes back, ready to generate."""
+        self._resume(ENGINE_MEMORY_TAGS)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _release(self, tags: Sequence[str]) -> None:
+        todo = [t for t in tags if t not in self.released]
+        if self.engine is not None and todo:
+            self.engine.release_memory(tags=todo)
+            self.released |= set(todo)
+
+    def _resume(self, tags: Sequence[str]) -> None:
+        todo = [t for t in ENGINE_MEMORY_TAGS if t in tags and t in self.released]
+        if self.engine is not None and todo:
+            self.engine.resume_memory(tags=todo)
+            self.released -= set(todo)
 
 
-def _takes_tags(method) -> bool:
-    try:
-        return "tags" in inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def release_engine(rt: Runtime, tags: Optional[Sequence[str]] = None) -> None:
-    """``engine.release_memory`` of ``tags`` (all when None or when the engine takes no tags),
-    remembered in ``rt.engine_released`` so that `resume_engine` resumes exactly those."""
-    tags = tuple(tags or ENGINE_MEMORY_TAGS)
-    if not _takes_tags(rt.engine.release_memory) or set(tags) == set(ENGINE_MEMORY_TAGS):
-        rt.engine.release_memory()
-        rt.engine_released = set(ENGINE_MEMORY_TAGS)
-        return
-    todo = [t for t in tags if t not in rt.engine_released]
-    if todo:
-        rt.engine.release_memory(tags=todo)
-        rt.engine_released |= set(todo)
-
-
-def resume_engine(rt: Runtime, tags: Optional[Sequence[str]] = None) -> None:
-    """Resume the released regions among ``tags`` (None = all released ones); an engine without
-    tags resumes everything at once."""
-    want = set(ENGINE_MEMORY_TAGS if tags is None else tags) & rt.engine_released
-    if not want:
-        return
-    if not _takes_tags(rt.engine.resume_memory):
-        rt.engine.resume_memory()
-        rt.engine_released = set()
-        return
-    rt.engine.resume_memory(tags=[t for t in ENGINE_MEMORY_TAGS if t in want])
-    rt.engine_released -= want
-
-
-__all__ = ["ENGINE_MEMORY_TAGS", "empty_cache", "release_engine", "resume_engine", "trainer_offloaded"]
+__all__ = ["ENGINE_MEMORY_TAGS", "GENERATION_TAGS", "EngineMemory", "empty_cache"]

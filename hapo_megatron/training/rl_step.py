@@ -98,7 +98,8 @@ def score_samples(samples: Sequence[Sequence[Any]], records: Sequence[Any], *,
                   reward_fn: Callable[..., Any], decode: Callable[[list[int]], str],
                   score_format: str = "pm1", group_offset: int = 0,
                   reward_kwargs: dict | None = None) -> RolloutBatch:
-    """Score the engine's ``samples[prompt][k]`` (`Sample`) against ``records[prompt]`` (`PromptRecord`).
+    """Score the engine's ``samples[prompt][k]`` (`Sample`) against ``records[prompt]`` (`PromptRecord`)
+    in this thread.
 
     ``reward_fn(solution_str, ground_truth, score_format=..., data_source=..., extra_info=...,
     **reward_kwargs)`` returns an object with ``score`` and ``acc``; prompt ``p`` gets group id
@@ -106,12 +107,25 @@ def score_samples(samples: Sequence[Sequence[Any]], records: Sequence[Any], *,
     """
     if len(samples) != len(records):
         raise ValueError(f"samples has {len(samples)} prompts but records has {len(records)}")
+    results = [[reward_fn(decode(list(smp.response_ids)), rec.ground_truth, score_format=score_format,
+                          data_source=getattr(rec, "data_source", None),
+                          extra_info=getattr(rec, "extra_info", None), **(reward_kwargs or {}))
+                for smp in group] for group, rec in zip(samples, records)]
+    return build_batch(samples, records, results, group_offset=group_offset)
+
+
+def build_batch(samples: Sequence[Sequence[Any]], records: Sequence[Any], results: Sequence[Sequence[Any]], *,
+                group_offset: int = 0) -> RolloutBatch:
+    """The `RolloutBatch` of ``samples[prompt][k]`` with their rewards ``results[prompt][k]``
+    (objects with ``score`` and ``acc``); prompt ``p`` gets group id ``group_offset + p``."""
+    if not len(samples) == len(records) == len(results):
+        raise ValueError(f"samples, records and results cover {len(samples)}, {len(records)} and "
+                         f"{len(results)} prompts")
     out = RolloutBatch()
-    for p, (group, rec) in enumerate(zip(samples, records)):
-        for smp in group:
-            res = reward_fn(decode(list(smp.response_ids)), rec.ground_truth, score_format=score_format,
-                            data_source=getattr(rec, "data_source", None),
-                            extra_info=getattr(rec, "extra_info", None), **(reward_kwargs or {}))
+    for p, (group, rec, scored) in enumerate(zip(samples, records, results)):
+        if len(group) != len(scored):
+            raise ValueError(f"prompt {p} has {len(group)} samples but {len(scored)} rewards")
+        for smp, res in zip(group, scored):
             out.prompt_ids.append(list(smp.prompt_ids))
             out.response_ids.append(list(smp.response_ids))
             out.rollout_logprobs.append([float(x) for x in smp.rollout_logprobs])

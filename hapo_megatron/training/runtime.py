@@ -8,6 +8,7 @@ datasets and the per-step metadata (broadcast from rank 0). The checkpointed RL 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -17,16 +18,19 @@ import torch
 import torch.distributed as dist
 
 from hapo_megatron.config import HapoConfig
+from hapo_megatron.dtypes import torch_dtype
 from hapo_megatron.data import PromptDataset
-from hapo_megatron.parallel.collectives import broadcast_object  # noqa: F401 - re-exported (stages, tests)
+from hapo_megatron.parallel.collectives import all_gather_objects
 from hapo_megatron.parallel.groups import ParallelGroups
 from hapo_megatron.rewards import RewardResult
+from hapo_megatron.rewards.scoring import RewardScorer
 from hapo_megatron.rollout.engine import RolloutEngine
 from hapo_megatron.training.actor import MegatronActor
-from hapo_megatron.training.checkpoint import (CheckpointManager, Layout, read_checkpoint_info,
+from hapo_megatron.training.checkpoint import (CheckpointManager, Layout, capture_rng_state,
+                                               list_checkpoints, load_newest_loadable, read_checkpoint_info,
                                                resume_message)
 from hapo_megatron.training.metrics import MetricsLogger, Timer
-from hapo_megatron.training.offload import StorageOffloader
+from hapo_megatron.training.engine_memory import EngineMemory
 from hapo_megatron.training.rl_state import RLState
 from hapo_megatron.training.rl_step import DynamicSampler
 
@@ -74,7 +78,7 @@ def build_datasets(cfg, tokenizer):
     """(train, val or None) PromptDatasets; malformed rows / long prompts raise ValueError here."""
     from hapo_megatron.data import PromptDataset
     kw = dict(prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
-              apply_chat_template=cfg.data.apply_chat_template)
+              apply_chat_template=cfg.data.apply_chat_template, filter_overlong=cfg.data.filter_overlong_prompts)
     if not cfg.data.train_files:
         raise ValueError("data.train_files is empty: name at least one .parquet or .jsonl file")
     train = PromptDataset(cfg.data.train_files, tokenizer, **kw)
@@ -107,8 +111,8 @@ class Runtime:
     timer: Timer = field(default_factory=Timer)
     start_step: int = 0
     reference: Optional[list[torch.nn.Module]] = None  # frozen KL reference chunks (algo.kl_loss_coef > 0)
-    offloader: Optional[StorageOffloader] = None  # colocated SGLang on CUDA, else None
-    engine_released: set[str] = field(default_factory=set)  # engine memory regions released (engine_memory)
+    memory: EngineMemory = field(default_factory=EngineMemory)  # engine regions + actor offloader (named moves)
+    scorer: Optional[RewardScorer] = None  # rank 0: the reward with its worker pool (rewards.scoring)
     control: Any = None  # rollout_protocol.Rank0Channel: rank 0's messages while it alone works (CPU group)
 
     @property
@@ -118,6 +122,14 @@ class Runtime:
     @property
     def run_dir(self) -> str:
         return self.cfg.trainer.run_dir
+
+    def data_metrics(self) -> dict[str, float]:
+        """Prompts dropped by data.filter_overlong_prompts (only when it is on)."""
+        if not self.cfg.data.filter_overlong_prompts:
+            return {}
+        val = self.val_ds.num_overlong_filtered if self.val_ds is not None else 0
+        return {"data/train_overlong_filtered": float(self.train_ds.num_overlong_filtered),
+                "data/val_overlong_filtered": float(val)}
 
     @property
     def contributes_metrics(self) -> bool:
@@ -139,9 +151,28 @@ class Runtime:
         self.start_step = self.rl.step
         self.actor.load_train_state_dict(state)
 
-    def save_checkpoint(self) -> str:
-        state = self.checkpoint_state()
-        return self.ckpt.save(state.pop("step"), rl_state=state, save_model=self.actor.save)
+    def snapshot(self) -> "StepSnapshot":
+        """The checkpointed state as it is now (a copy): what a stop before the next update saves,
+        since until then the model and optimizer are unchanged (training/preemption.py)."""
+        return StepSnapshot(json.loads(json.dumps(self.checkpoint_state())), capture_rng_state())
+
+    def save_checkpoint(self, snapshot: Optional["StepSnapshot"] = None) -> str:
+        """Save the current state, or ``snapshot``'s RL and RNG state with the current model."""
+        state = dict(snapshot.rl_state) if snapshot else self.checkpoint_state()
+        return self.ckpt.save(state.pop("step"), rl_state=state, save_model=self.actor.save,
+                              rng_state=snapshot.rng_state if snapshot else None)
+
+
+@dataclass(frozen=True)
+class StepSnapshot:
+    """`Runtime.checkpoint_state` (JSON copy) and this rank's RNG states at one point in time."""
+
+    rl_state: dict[str, Any]
+    rng_state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.rl_state["step"])
 
 
 def setup_reference(rt: Runtime) -> None:
@@ -200,8 +231,7 @@ def build_engine(cfg, hf_config, tokenizer):
     if not launches_node_servers(cfg) and dist.get_rank() != 0:
         return None
     on_gpu = torch.cuda.is_available()
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.model.dtype, torch.float32) \
-        if on_gpu else torch.float32
+    dtype = torch_dtype(cfg.model.dtype) if on_gpu else torch.float32
     rollout, keys = cfg.rollout, {}
     if rollout.engine == "sglang":  # launched servers get model.max_position_embeddings too
         from dataclasses import replace
@@ -228,13 +258,12 @@ def _start_engine(rt: Runtime) -> None:
     """Build the engine (collective: servers start on every node). Colocated on CUDA, every rank
     offloads its trainer state first, so the servers size their memory pool from a free GPU, and
     reloads it after."""
-    from hapo_megatron.training.engine_memory import release_engine, trainer_offloaded
     from hapo_megatron.training.offload import make_actor_offloader
-    rt.offloader = make_actor_offloader(rt.cfg, rt.actor)
-    with trainer_offloaded(rt):
-        rt.engine = build_engine(rt.cfg, rt.hf_config, rt.tokenizer)
+    rt.memory = EngineMemory(offloader=make_actor_offloader(rt.cfg, rt.actor))
+    with rt.memory.trainer_offloaded():
+        rt.engine = rt.memory.engine = build_engine(rt.cfg, rt.hf_config, rt.tokenizer)
         if rt.is_main:
-            release_engine(rt)  # every server's memory; the first weight sync resumes the weights
+            rt.memory.release_all()  # every server's memory; the first weight sync resumes the weights
         dist.barrier()
 
 
@@ -280,19 +309,30 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
         train_ds=train_ds, val_ds=val_ds, actor=actor, engine=None,
         reward_fn=get_reward_fn(cfg.reward.reward_fn), logger=logger,
         ckpt=CheckpointManager(ckpt_root, keep_last_k=cfg.trainer.keep_last_k or 10**9, rank=rank,
-                               barrier=dist.barrier, layout=Layout.from_groups(groups)),
+                               barrier=dist.barrier, layout=Layout.from_groups(groups), world_size=world,
+                               gather=all_gather_objects),
         rl=RLState(
             sampler=PromptSampler(train_ds, cfg.data.train_batch_size if cfg.rollout.generate_batch_size is None
                                   else cfg.rollout.generate_batch_size, seed=cfg.data.seed,
                                   shuffle=cfg.data.shuffle),
             dyn=DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
-                               max_num_gen_batches=cfg.algo.max_num_gen_batches)))
+                               max_num_gen_batches=cfg.algo.max_num_gen_batches)),
+        scorer=RewardScorer.from_config(cfg.reward) if rank == 0 else None)
     from hapo_megatron.training.rollout_protocol import Rank0Channel
     rt.control = Rank0Channel.create(timeout_minutes=cfg.trainer.dist_timeout_minutes)  # collective
+    for name, n in rt.data_metrics().items():
+        logger.write(f"{name}: dropped {n:.0f} prompt(s) longer than data.max_prompt_length="
+                     f"{cfg.data.max_prompt_length} (data.filter_overlong_prompts)")
     _start_engine(rt)
     if resume_from:
+        if str(cfg.trainer.resume).lower() == "auto":  # a damaged newest checkpoint: an older one
+            newest_first = [path for _, path in reversed(list_checkpoints(ckpt_root, warn=False))]
+            resume_from, state = load_newest_loadable(rt.ckpt, newest_first, load_model=actor.load,
+                                                      log=logger.write)
+        else:  # the checkpoint asked for, or an error naming it
+            state = rt.ckpt.load(resume_from, load_model=actor.load)
         logger.write(resume_message(resume_from, read_checkpoint_info(resume_from), rt.ckpt.layout))
-        rt.restore(rt.ckpt.load(resume_from, load_model=actor.load))
+        rt.restore(state)
         logger.resume(rt.rl.step)
         logger.write(f"resumed from {resume_from} at step {rt.rl.step}")
     return rt

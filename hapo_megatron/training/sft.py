@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from hapo_megatron.parallel.micro_batch import MicroBatch
-from hapo_megatron.training.actor import sum_metrics_across_ranks
+from hapo_megatron.parallel.collectives import sum_metrics
 from hapo_megatron.training.batching import SequenceData, build_rank_micro_batches
 
 
@@ -75,7 +75,7 @@ def run_sft(rt) -> dict[str, float]:
                                        micro_batch_size=cfg.parallel.micro_batch_size,
                                        max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch)
         res = rt.actor.train_step(mbs, make_loss)
-        tot = sum_metrics_across_ranks({k: float(v) for k, v in res.metrics.items()},
+        tot = sum_metrics({k: float(v) for k, v in res.metrics.items()},
                                        contribute=rt.contributes_metrics)
         last = {"step": step, "sft/loss": tot.get("sft/loss_sum", 0.0) / max(tot.get("sft/num_tokens", 0.0), 1.0),
                 "sft/grad_norm": res.grad_norm, "sft/lr": res.lr, "sft/skipped": float(res.skipped)}

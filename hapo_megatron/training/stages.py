@@ -16,18 +16,19 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hapo_megatron.algo import EntropyStats, PolicyTokenFields
+from hapo_megatron.algo import EntropyStats, PolicyTokenFields, temperature_from_entropy
+from hapo_megatron.parallel.collectives import broadcast_object, sum_metrics
 from hapo_megatron.parallel.loss import LossConfig, TokenSink
 from hapo_megatron.parallel.micro_batch import MicroBatch
+from hapo_megatron.rewards.counts import RewardCounts
 from hapo_megatron.rollout.engine import SamplingParams, drain_weights
-from hapo_megatron.training.actor import LossFactory, sum_metrics_across_ranks
+from hapo_megatron.training.actor import LossFactory
 from hapo_megatron.training.batching import build_rank_micro_batches, split_mini_batches
-from hapo_megatron.training.engine_memory import (ENGINE_MEMORY_TAGS, empty_cache, release_engine,
-                                                  resume_engine, trainer_offloaded)
-from hapo_megatron.training.rl_step import (RolloutBatch, rollout_metrics, score_samples, sequence_advantages,
+from hapo_megatron.training.engine_memory import empty_cache
+from hapo_megatron.training.rl_step import (RolloutBatch, build_batch, rollout_metrics, sequence_advantages,
                                             shape_rewards, to_sequences)
 from hapo_megatron.training.rollout_protocol import DONE, ERROR, PROGRESS
-from hapo_megatron.training.runtime import Runtime, broadcast_object
+from hapo_megatron.training.runtime import Runtime
 
 Minis = list[list[MicroBatch]]  # this rank's micro-batches of each PPO mini-batch, in training order
 
@@ -37,17 +38,17 @@ def _stop_ids(rt: Runtime) -> list[int]:
     return [int(eos)] if eos is not None else []
 
 
-def _generate_round(rt: Runtime, step: int, gen_index: int, group_offset: int) -> RolloutBatch:
-    """One generation batch on rank 0: sample, score, shape."""
+def _generate_round(rt: Runtime, step: int, gen_index: int, group_offset: int,
+                    counts: RewardCounts) -> RolloutBatch:
+    """One generation batch on rank 0: sample while the reward workers score what is done
+    (failures and waiting into ``counts``), shape."""
     cfg = rt.cfg
     records = rt.rl.sampler.next_batch()
     params = SamplingParams.from_config(cfg.rollout, cfg.algo, entropy_stats=rt.rl.entropy_stats,
                                         seed=rt.sampling_seed(step, gen_index), stop_token_ids=_stop_ids(rt))
-    samples = rt.engine.generate([r.prompt_ids for r in records], params)
-    batch = score_samples(samples, records, reward_fn=rt.reward_fn,
-                          decode=lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True),
-                          score_format=cfg.reward.score_format, group_offset=group_offset,
-                          reward_kwargs=cfg.reward.reward_kwargs)
+    scoring = rt.scorer.start(records, decode=lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True))
+    samples = rt.engine.generate([r.prompt_ids for r in records], params, on_samples=scoring.add)
+    batch = build_batch(samples, records, scoring.results(samples, counts), group_offset=group_offset)
     return shape_rewards(batch, max_response_length=cfg.rollout.max_response_length,
                          overlong_buffer_enable=cfg.reward.overlong_buffer_enable,
                          overlong_buffer_len=cfg.reward.overlong_buffer_len,
@@ -61,7 +62,7 @@ def rollout(rt: Runtime, step: int) -> tuple[RolloutBatch, dict[str, float]]:
     Colocated, every rank first offloads its trainer state (`training.offload`) and reloads it
     after. The other ranks wait on ``rt.control`` (training/rollout_protocol.py: a CPU group,
     heartbeats from rank 0 during every round), never in a collective of the trainer's groups."""
-    with trainer_offloaded(rt):
+    with rt.memory.trainer_offloaded():
         if not rt.is_main:
             packed, metrics, sampler_state = rt.control.wait()
         else:
@@ -78,12 +79,12 @@ def rollout(rt: Runtime, step: int) -> tuple[RolloutBatch, dict[str, float]]:
 
 def _rollout_rank0(rt: Runtime, step: int) -> tuple[dict, dict[str, float], dict]:
     target = rt.cfg.data.train_batch_size
-    resume_engine(rt)  # the KV cache (the weights came back in sync_weights)
+    rt.memory.resume_generation()  # the KV cache (the weights came back in sync_weights)
     dyn = rt.rl.dyn
     dyn.reset()
-    generated, offset = [], 0
+    generated, offset, counts = [], 0, RewardCounts()
     while True:
-        b = _generate_round(rt, step, dyn.num_gen_batches, offset)
+        b = _generate_round(rt, step, dyn.num_gen_batches, offset, counts)
         generated.append(b)
         offset += len(set(b.group_ids))
         dyn.add(b)
@@ -93,10 +94,13 @@ def _rollout_rank0(rt: Runtime, step: int) -> tuple[dict, dict[str, float], dict
     kept = dyn.take(target)
     # colocated engines give the accelerator back to the actor; the weights go too unless the step
     # is skipped (no weight sync follows then, and released weights are not kept)
-    release_engine(rt, None if len(kept) else [t for t in ENGINE_MEMORY_TAGS if t != "weights"])
+    if len(kept):
+        rt.memory.release_all()
+    else:
+        rt.memory.release_generation()
     metrics = {**rollout_metrics(RolloutBatch.concat(generated),
                                  max_response_length=rt.cfg.rollout.max_response_length),
-               **dyn.metrics(),
+               **dyn.metrics(), **counts.metrics(),
                "batch/reward_mean": sum(kept.rewards) / max(len(kept), 1),
                "batch/acc": sum(kept.accs) / max(len(kept), 1),
                "batch/num_groups": float(len(set(kept.group_ids)))}
@@ -153,7 +157,6 @@ def recompute_temperatures(rt: Runtime,
     where it reported them (what was really used; HF engine) and the recomputed ones elsewhere
     (SGLang), and token sums for the metrics, including the absolute difference between the two
     where both exist."""
-    from hapo_megatron.algo import normalize_entropy
     params = SamplingParams.from_config(rt.cfg.rollout, rt.cfg.algo, entropy_stats=rt.rl.entropy_stats)
     t_base = float(params.temperature)
     sums = {"t_n": 0.0, "t_sum": 0.0, "t_sq": 0.0, "t_diff": 0.0, "t_diff_n": 0.0}
@@ -163,8 +166,8 @@ def recompute_temperatures(rt: Runtime,
         ent = mb.old_entropy.float()
         temps = torch.full_like(ent, t_base)
         if params.uses_adaptive:
-            h_hat = normalize_entropy(ent, params.entropy_stats, params.h_hat_mode)
-            temps = t_base * (1.0 + params.temperature_tau * h_hat.float())
+            temps = temperature_from_entropy(ent, params.entropy_stats, t_base, params.temperature_tau,
+                                             params.h_hat_mode)
         temps = torch.where(mask, temps, torch.ones_like(temps))
         if mb.engine_temperatures is not None:
             both = mask & mb.engine_temperatures.unsqueeze(-1)
@@ -231,7 +234,7 @@ def old_logprob_pass(rt: Runtime, minis: Minis) -> tuple[Minis, EntropyStats, di
         last = dist.get_global_rank(g.pp, g.pp_size - 1)
         stats = broadcast_object(stats.to_dict() if stats is not None else None, src=last, group=g.pp)
         stats = EntropyStats.from_dict(stats)
-    tot = sum_metrics_across_ranks(sums, contribute=rt.contributes_metrics and g.is_pipeline_last)
+    tot = sum_metrics(sums, contribute=rt.contributes_metrics and g.is_pipeline_last)
     n = max(tot.get("n", 0.0), 1.0)
     metrics = {"entropy/mean": tot.get("ent", 0.0) / n, "rollout/logprob_abs_diff": tot.get("diff", 0.0) / n,
                **{f"entropy/{k}": float(v) for k, v in stats.to_dict().items()}, **_temperature_metrics(tot)}
@@ -275,7 +278,7 @@ def ppo_update(rt: Runtime, minis: Minis, stats: EntropyStats) -> tuple[Minis, d
             lr = res.lr
             if not res.skipped:
                 norms.append(res.grad_norm)
-    tot = sum_metrics_across_ranks(sums, contribute=rt.contributes_metrics)
+    tot = sum_metrics(sums, contribute=rt.contributes_metrics)
     metrics = {**finalize_loss_metrics(tot), "actor/grad_norm": sum(norms) / max(len(norms), 1),
                "actor/lr": lr, "actor/skipped_updates": float(skipped),
                "actor/num_updates": float(len(minis) * rt.cfg.trainer.ppo_epochs)}
@@ -314,7 +317,7 @@ def sync_weights(rt: Runtime) -> None:
     if rt.engine is None:
         drain_weights(named)
         return
-    resume_engine(rt, tags=["weights"])  # the KV cache comes back in rollout, after the offload
+    rt.memory.resume_weights()  # the KV cache comes back in rollout, after the offload
     rt.engine.update_weights(named)
     left = drain_weights(named)
     if left:
@@ -328,17 +331,17 @@ def evaluate(rt: Runtime, step: int) -> dict[str, float]:
     span every GPU), waiting for it like during a rollout."""
     if rt.val_ds is None:
         return {}
-    with trainer_offloaded(rt):
+    with rt.memory.trainer_offloaded():
         if not rt.is_main:
             rt.control.wait()
             return {}
         try:
             with rt.control.heartbeats({"evaluation": True}):
-                resume_engine(rt)
+                rt.memory.resume_generation()
                 try:
                     out = _evaluate_rank0(rt)
                 finally:  # keep the synced weights: only the rest goes
-                    release_engine(rt, tags=[t for t in ENGINE_MEMORY_TAGS if t != "weights"])
+                    rt.memory.release_generation()
         except BaseException as e:
             rt.control.send(ERROR, f"{type(e).__name__}: {e}")
             raise

@@ -1,4 +1,4 @@
-"""`fit(cfg)`: the RL loop, one line per stage of the data path (see shared/spec/architecture.md).
+"""`fit(cfg)`: the RL loop, one line per stage of the data path (see docs/architecture.md).
 
 Every rank runs `fit`; rank 0 also drives the rollout engine, the metric sinks and the summary.
 """
@@ -8,13 +8,16 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Optional
 
 from hapo_megatron.config import HapoConfig
 from hapo_megatron.training import stages
 from hapo_megatron.training.diagnostics import token_diagnostics
 from hapo_megatron.training.metrics import read_jsonl
-from hapo_megatron.training.runtime import Runtime, build_runtime, setup_reference
+from hapo_megatron.training.checkpoint import step_dir_name
+from hapo_megatron.training.preemption import (RunStopped, StopRequest, cpu_group_over_world,
+                                                shield_checkpoint_writer)
+from hapo_megatron.training.runtime import Runtime, StepSnapshot, build_runtime, setup_reference
 from hapo_megatron.training.sft import run_sft
 
 
@@ -29,7 +32,20 @@ def fit(cfg: HapoConfig, *, tokenizer=None, datasets=None) -> dict[str, Any]:
     groups = initialize_parallel(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                                  cp=p.context_parallel_size, seed=cfg.trainer.seed,
                                  timeout_minutes=cfg.trainer.dist_timeout_minutes)
-    rt = build_runtime(cfg, groups, tokenizer=tokenizer, datasets=datasets)
+    t = cfg.trainer
+    shield_checkpoint_writer(t.exit_signals)
+    stop = StopRequest(signals=t.exit_signals, grace_s=t.exit_grace_s, exit_after_minutes=t.exit_after_minutes,
+                       group=cpu_group_over_world(t.dist_timeout_minutes)).install()
+    try:
+        return _fit(cfg, build_runtime(cfg, groups, tokenizer=tokenizer, datasets=datasets), stop)
+    finally:
+        stop.uninstall()
+
+
+def _fit(cfg: HapoConfig, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
+    """The loop. ``stop.agreed()`` marks the safe points: before a step (the previous one is
+    finished), and after the rollout and the old-log-prob pass (the step is abandoned: the model
+    is unchanged until the update, the state of the last finished step is ``before``)."""
     rl, t0, timer, start_eval, sft_s = rt.rl, time.time(), rt.timer, {}, 0.0
     if not rl.sft_done and rl.step == 0 and cfg.trainer.sft_warmup_steps > 0:
         sft = run_sft(rt)
@@ -42,15 +58,19 @@ def fit(cfg: HapoConfig, *, tokenizer=None, datasets=None) -> dict[str, Any]:
         start_eval = stages.evaluate(rt, 0)
         rt.logger.log(0, start_eval, advance=False)
     for step in range(rl.step + 1, cfg.trainer.total_steps + 1):
+        _stop_if_agreed(rt, stop)
+        before = rt.snapshot()
         rl.step, t_step = step, time.time()
         with timer("rollout"):
             batch, metrics = stages.rollout(rt, step)
+        _stop_if_agreed(rt, stop, before)
         if len(batch) == 0:
             _skip(rt, step, metrics, "dynamic sampling kept no group")
             continue
         with timer("old_logprob"):
             minis, adv_metrics = stages.layout(rt, batch)
             minis, stats, ent_metrics = stages.old_logprob_pass(rt, minis)
+        _stop_if_agreed(rt, stop, before)
         with timer("update"):
             minis, upd_metrics = stages.ppo_update(rt, minis, stats)
         with timer("diagnostics"):  # diag/* metrics; rollouts/ every logging.save_rollouts_interval
@@ -68,13 +88,40 @@ def fit(cfg: HapoConfig, *, tokenizer=None, datasets=None) -> dict[str, Any]:
                 metrics.update(stages.evaluate(rt, step))
         tokens = sum(len(a) + len(b) for a, b in zip(batch.prompt_ids, batch.response_ids))
         elapsed = time.time() - t_step
-        metrics.update({**timer.pop(), "perf/step_time_s": elapsed, "perf/tokens_per_s": tokens / max(elapsed, 1e-9),
+        metrics.update({**timer.pop(), **rt.data_metrics(), "perf/step_time_s": elapsed,
+                        "perf/tokens_per_s": tokens / max(elapsed, 1e-9),
                         "actor/consecutive_skips": float(rl.consecutive_skips)})
         rt.logger.log(step, metrics)
         _check_skips(rt)
         if cfg.trainer.save_interval and step % cfg.trainer.save_interval == 0:
             rt.save_checkpoint()
+    _stop_if_agreed(rt, stop)  # a stop during the last step: no final evaluation
     return _finish(rt, t0, start_eval, sft_s)
+
+
+def _stop_if_agreed(rt: Runtime, stop: StopRequest, before: Optional[StepSnapshot] = None) -> None:
+    """At a safe point: when the ranks agree to stop, save the last finished step (``before``
+    when the current step is abandoned, else the current state) unless it is saved, shut the
+    rollout engine down and raise `RunStopped` (collective: every rank calls it here)."""
+    why = stop.agreed()
+    if why is None:
+        return
+    step = before.step if before is not None else rt.rl.step
+    saved = _saved_path(rt, step)
+    if step > rt.start_step and saved is None:
+        saved = rt.save_checkpoint(before)
+    rt.logger.write(f"stopping: {why}; " + (f"step {step} is saved in {saved}" if saved else
+                                            "no step finished since the start, nothing to save"))
+    rt.logger.close()
+    if rt.engine is not None:
+        rt.engine.shutdown()
+    raise RunStopped(f"{why}: stopped after step {step}" + (f", saved in {saved}; continue with --resume auto"
+                                                            if saved else " (nothing to save)"))
+
+
+def _saved_path(rt: Runtime, step: int) -> Optional[str]:
+    path = os.path.join(rt.ckpt.root, step_dir_name(step)) if rt.ckpt.root else None
+    return path if path and os.path.isdir(path) else None
 
 
 def _skip(rt: Runtime, step: int, metrics: dict, why: str, logged: bool = True) -> None:
@@ -98,8 +145,7 @@ def _finish(rt: Runtime, t0: float, start_eval: dict, sft_s: float) -> dict[str,
     """Final checkpoint and evaluation, then the summary (printed and saved by rank 0)."""
     cfg = rt.cfg
     step = rt.rl.step
-    last_saved = rt.ckpt.root and os.path.isdir(os.path.join(rt.ckpt.root, f"step_{step:06d}"))
-    if step > rt.start_step and not last_saved:
+    if step > rt.start_step and _saved_path(rt, step) is None:
         rt.save_checkpoint()
     end_eval = stages.evaluate(rt, step) if cfg.trainer.val_at_end else {}
     if end_eval:
@@ -112,6 +158,8 @@ def _finish(rt: Runtime, t0: float, start_eval: dict, sft_s: float) -> dict[str,
         print(format_summary(summary), flush=True)
     if rt.engine is not None:
         rt.engine.shutdown()
+    if rt.scorer is not None:
+        rt.scorer.close()
     return summary
 
 

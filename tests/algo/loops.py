@@ -1,5 +1,5 @@
 """Slow, obviously-correct reference implementations (Python loops over floats), written from the
-spec (shared/spec/algorithm.md) independently of hapo_megatron.algo."""
+math in docs/algorithm.md independently of hapo_megatron.algo."""
 
 import math
 

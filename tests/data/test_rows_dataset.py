@@ -136,6 +136,21 @@ def test_long_prompt_fails_at_construction(tmp_path, tok):
         PromptDataset(path, tok, max_prompt_length=40)
     msg = str(info.value)
     assert f"{path}: row 1 has a prompt of {n1} tokens > max_prompt_length=40" in msg
-    assert "2 of 3 rows" in msg
+    assert "2 of 3 rows" in msg and "data.filter_overlong_prompts=true" in msg
     with pytest.raises(ValueError, match="max_prompt_length must be >= 1"):
         PromptDataset(path, tok, max_prompt_length=0)
+
+
+def test_long_prompts_filtered_and_counted(tmp_path, tok):
+    long_a = write_rows([good_row(0, "short"), good_row(1, "x" * 50), good_row(2, "y" * 60), good_row(3, "ok")],
+                        str(tmp_path / "a.jsonl"))
+    b = write_rows([good_row(0, "z" * 45), good_row(1, "fine")], str(tmp_path / "b.jsonl"))
+    ds = PromptDataset([long_a, b], tok, max_prompt_length=40, filter_overlong=True)
+    assert ds.num_overlong_filtered == 3
+    assert [r.uid for r in ds] == ["0-a-0", "0-a-3", "1-b-1"]  # uids keep the file's row numbers
+    assert [r.index for r in ds] == [0, 1, 2] and [ds[i].index for i in range(3)] == [0, 1, 2]
+    assert [r.prompt_text for r in ds] == [r.prompt_text for r in PromptDataset(
+        write_rows([good_row(0, "short"), good_row(3, "ok"), good_row(1, "fine")], str(tmp_path / "c.jsonl")),
+        tok, max_prompt_length=40)]
+    assert max(len(r.prompt_ids) for r in ds) <= 40
+    assert PromptDataset(b, tok, max_prompt_length=64, filter_overlong=True).num_overlong_filtered == 0

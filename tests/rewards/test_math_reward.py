@@ -99,3 +99,85 @@ def test_thread_safe():
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(score, cases))
     assert not errors and all(results)
+
+
+# --- bounded time (issue 29): every call returns, with a defined score and a counted timeout ---
+
+from math import comb  # noqa: E402
+
+from hapo_megatron.rewards import get_reward_fn  # noqa: E402
+from hapo_megatron.rewards import math as math_reward  # noqa: E402
+from hapo_megatron.rewards.bounded import shared_pool  # noqa: E402
+
+EXPLOSIVE = ["9^{9^{9}}", "10^{10^{100}}", "2^{2^{2^{2^{2^{2}}}}}", "99999999999^{99999999}", "9^{9^{9^{9}}}",
+             "1000000!"]
+PATHOLOGICAL = [
+    "\\sqrt{2+" * 25 + "2" + "}" * 25,                       # nested radicals
+    "\\frac{1}{1+" * 25 + "1" + "}" * 25,                    # a deep continued fraction
+    "9" * 290,                                               # a huge integer
+    "2^{3^{4^{5}}}", "7^{7^{7^{7^{7}}}}", "10^{10^{10^{10}}}",  # tall towers
+    "((((((3!)!)!)!)!)!)!", "(10!)!", "\\binom{10^{7}}{5\\cdot10^{6}}", "\\left(10^{5}\\right)!",
+    "\\sqrt{\\frac{1}{9^{9^{9}}}}", "\\frac{9^{9^{9}}}{9^{9^{9}}+1}",
+]
+
+
+def _pool_timeouts():
+    return shared_pool().timeouts
+
+
+@pytest.mark.parametrize("answer", EXPLOSIVE)
+def test_explosive_answers_are_wrong_without_sympy(answer):
+    before = _pool_timeouts()
+    for fmt, wrong in (("pm1", -1.0), ("01", 0.0)):
+        res = compute_score(f"so \\boxed{{{answer}}}", "1", score_format=fmt)
+        assert res == RewardResult(score=wrong, acc=False, pred=answer, timed_out=False)
+    assert get_reward_fn("math")(f"\\boxed{{{answer}}}", "1").score == -1.0
+    assert _pool_timeouts() == before  # the guard decided: no worker was asked
+
+
+@pytest.mark.parametrize("answer", PATHOLOGICAL)
+def test_pathological_corpus_returns_with_a_defined_score(answer):
+    before = _pool_timeouts()
+    res = compute_score(f"\\boxed{{{answer}}}", "1", verify_timeout_s=2.0)
+    assert res.score == -1.0 and not res.acc
+    assert _pool_timeouts() - before == int(res.timed_out)  # a timeout is flagged and counted, once
+
+
+@pytest.mark.parametrize("thread", [False, True])
+def test_hard_limit_when_the_guard_misses(monkeypatch, thread):
+    monkeypatch.setattr(math_reward, "exceeds_digits", lambda *a, **k: False)  # sympy gets 9^(9^9)
+    before = _pool_timeouts()
+    out = []
+    run = lambda: out.append(compute_score("\\boxed{9^{9^{9}}}", "1", score_format="01", verify_timeout_s=0.5))
+    if thread:
+        worker = threading.Thread(target=run)
+        worker.start()
+        worker.join()
+    else:
+        run()
+    assert out == [RewardResult(score=0.0, acc=False, pred="9^{9^{9}}", timed_out=True)]
+    assert _pool_timeouts() == before + 1
+    assert compute_score("\\boxed{2^{10}}", "1024").acc  # the pool still answers
+
+
+@pytest.mark.parametrize("pred, truth", [
+    ("2^{100}", str(2 ** 100)), (str(2 ** 100), "2^{100}"), ("\\binom{100}{50}", str(comb(100, 50))),
+    ("\\dbinom{100}{50}", str(comb(100, 50))), ("2^{2^{2^{2}}}", "65536"), ("20!", str(2432902008176640000)),
+    ("9^{9^{9}}", "9^{9^{9}}"), ("\\dfrac{1}{9^{9^{9}}}", "\\frac{1}{9^{9^{9}}}"),  # same string: no sympy needed
+    ("\\left(10^{10^{100}}\\right)", "(10^{10^{100}})"),
+    ("\\sqrt{5+\\sqrt{24}}-\\sqrt{3}-\\sqrt{2}+" * 6 + "1", "1"),  # nested radicals that simplify
+])
+def test_large_but_cheap_forms_still_verify(pred, truth):
+    before = _pool_timeouts()
+    res = compute_score(f"\\boxed{{{pred}}}", truth)
+    assert res == RewardResult(score=1.0, acc=True, pred=pred, timed_out=False)
+    assert _pool_timeouts() == before
+
+
+def test_bounded_from_worker_threads():
+    answers = EXPLOSIVE + ["\\frac{1}{2}", "2^{100}"]
+    truths = ["1"] * len(EXPLOSIVE) + ["0.5", str(2 ** 100)]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda a, t: compute_score(f"\\boxed{{{a}}}", t), answers, truths))
+    assert [r.acc for r in results] == [False] * len(EXPLOSIVE) + [True, True]
+    assert not any(r.timed_out for r in results)

@@ -61,18 +61,18 @@ def main(out_dir: str, port_base: int) -> None:
         "rollout": {"engine": "sglang", "sglang": {"num_servers": 0, "server_tp_size": 1, "colocate": True,
                                                    "port_base": port_base}}})
     rt = SimpleNamespace(cfg=cfg, hf_config=None, tokenizer=None, is_main=rank == 0, engine=None,
-                         engine_released=set(), offloader=None, actor=NodeLocalExport(node_groups[node]))
+                         actor=NodeLocalExport(node_groups[node]))
     runtime._start_engine(rt)
     out = {"rank": rank, "node": node, "pid": os.getpid(), "has_engine": rt.engine is not None}
     prompts = [[100 * p] for p in range(32)]  # 32 x n=8 rows = 4 calls of 64: one per server
     if rank == 0:
         out["urls"] = [s.url for s in rt.engine.servers]
-        stages.resume_engine(rt)
+        rt.memory.resume_generation()
         rt.engine.generate(prompts, SamplingParams(n=8, max_new_tokens=2))
-        stages.release_engine(rt)
+        rt.memory.release_all()
     stages.sync_weights(rt)
     if rank == 0:
-        stages.resume_engine(rt)
+        rt.memory.resume_generation()
         groups = rt.engine.generate(prompts, SamplingParams(n=8, max_new_tokens=2))
         out["first_response"] = groups[1][0].response_ids
     dist.barrier()  # as in the trainer: rank 0 is done with every server before a node stops its own

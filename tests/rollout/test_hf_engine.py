@@ -251,3 +251,14 @@ def test_make_engine_and_from_config():
     assert len(out[0]) == 4 and all(len(s.response_ids) <= 16 for s in out[0])
     with pytest.raises(ValueError, match="engine"):
         make_engine(type("C", (), {"engine": "vllm"})(), hf_config_or_path=tiny_config())
+
+
+def test_on_samples_gets_each_batch_as_it_finishes(engine):
+    small = make(max_batch_size=5)
+    small.model.load_state_dict(engine.model.state_dict())
+    chunks = []
+    out = small.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=3, seed=1), on_samples=chunks.append)
+    assert [len(c) for c in chunks] == [5, 5, 2]  # 12 rows in batches of max_batch_size
+    assert [(s.prompt_index, s.sample_index) for c in chunks for s in c] == \
+        [(p, k) for p in range(len(PROMPTS)) for k in range(3)]
+    assert [s for c in chunks for s in c] == [s for g in out for s in g]

@@ -420,3 +420,15 @@ def test_launched_servers_bind_loopback_on_one_node(monkeypatch, tmp_path):
         assert env["SGLANG_USE_CPU_ENGINE"] == "1" and "--device" in cmd and "torch_native" in cmd
         assert "RANK" not in env and "MASTER_PORT" not in env
     assert server_command("/m", port=1)[server_command("/m", port=1).index("--host") + 1] == "127.0.0.1"
+
+
+def test_generate_hands_each_call_to_on_samples():
+    eng = engine(FakeSession(), requests_per_call=3)
+    prompts = [[10], [20, 1], [30], [40]]
+    chunks = []
+    out = eng.generate(prompts, SamplingParams(n=2, max_new_tokens=4), on_samples=chunks.append)
+    assert sorted(len(c) for c in chunks) == [2, 3, 3]  # one hand-over per /generate call
+    handed = sorted(((s.prompt_index, s.sample_index), s.response_ids) for c in chunks for s in c)
+    assert handed == sorted(((s.prompt_index, s.sample_index), s.response_ids) for g in out for s in g)
+    assert [[s is t for s, t in zip(g, [x for c in chunks for x in c if x.prompt_index == p])]
+            for p, g in enumerate(out)] == [[True, True]] * 4  # the very samples returned, in order

@@ -11,6 +11,7 @@ import torch
 from hapo_megatron.rollout import sglang_engine as se
 from hapo_megatron.rollout.sglang_client import SGLangError
 from hapo_megatron.training import stages
+from hapo_megatron.training.engine_memory import EngineMemory
 
 from .collective_worker import URLS, named_weights
 from .fake_sglang import FakeSession
@@ -101,7 +102,8 @@ def test_sync_weights_drains_without_an_engine_and_refuses_an_engine_that_stops_
     stages.sync_weights(SimpleNamespace(engine=None, actor=_Actor(stream)))  # ranks 1..n-1
     assert stream.left == 0
     stream = Stream(named_weights())
-    rt = SimpleNamespace(engine=_HalfReader(), actor=_Actor(stream), engine_released=set())
+    engine = _HalfReader()
+    rt = SimpleNamespace(engine=engine, actor=_Actor(stream), memory=EngineMemory(engine))
     with pytest.raises(RuntimeError, match="_HalfReader.update_weights left 2 exported tensors unread"):
         stages.sync_weights(rt)
     assert stream.left == 0  # read before raising: no rank is left waiting in the export

@@ -49,6 +49,7 @@ def _actor_checks(rank, world, data, ckpt_dir):
             logits = hf(input_ids=mb.input_ids).logits.float()
         ref = torch.log_softmax(logits, -1).gather(-1, mb.labels.unsqueeze(-1)).squeeze(-1) * mb.loss_mask
         max_err = max(max_err, float((ref - lp).abs().max()))
+    actor.save(ckpt_dir + "_before_any_step")  # a run stopped before its first update saves too
     before = [p.detach().clone() for p in actor.model[0].parameters()]
     res = actor.train_step(mbs, cross_entropy_loss_factory(g.tp))
     moved = any(not torch.equal(a, b) for a, b in zip(before, actor.model[0].parameters()))

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from hapo_megatron.training.checkpoint_manifest import MANIFEST
 from hapo_megatron.training.checkpoint import (LAYOUT_FILE, LEGACY_OPTIMIZER_FORMAT, OPTIMIZER_FORMAT,
                                                CheckpointManager, Layout, LayoutChangeError,
                                                capture_rng_state, find_latest, list_checkpoints,
@@ -137,9 +138,11 @@ def test_rng_restored_only_under_the_saved_layout(tmp_path, resume_layout, resto
 
 
 def _legacy_checkpoint(root, world_size):
-    """A checkpoint as written before the layout record: no layout.json, one RNG file per rank."""
+    """A checkpoint as written before the layout record: no layout.json (nor manifest.json, which
+    came later), one RNG file per rank."""
     path = CheckpointManager(root).save(2, rl_state={"cursor": 1})
     os.remove(os.path.join(path, LAYOUT_FILE))
+    os.remove(os.path.join(path, MANIFEST))
     for r in range(1, world_size):
         torch.save(capture_rng_state(), os.path.join(path, "rng", f"rank_{r:05d}.pt"))
     return path

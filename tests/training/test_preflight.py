@@ -43,3 +43,8 @@ def test_missing_checkpoint_path(tiny, tmp_path, capsys):
 
 def test_missing_model_path(tiny, tmp_path, capsys):
     _fails(capsys, tiny, tmp_path / "run", f"model.hf_model_path={tmp_path}/nope", match="does not exist")
+
+
+def test_config_that_cannot_learn_is_refused(tiny, tmp_path, capsys):
+    """rollout.n=1: every group-relative advantage is 0 (the run would complete and learn nothing)."""
+    _fails(capsys, tiny, tmp_path / "run", "rollout.n=1", match="nothing is learned; use rollout.n >= 2")

@@ -85,7 +85,7 @@ def test_runtime_writes_and_restores_the_whole_file():
     rt.restore(OLD_LAYOUT)
     assert rt.start_step == rt.rl.step == 3 and actor.state is OLD_LAYOUT
     saved = []
-    rt.ckpt = SimpleNamespace(save=lambda step, rl_state, save_model: saved.append((step, rl_state)))
+    rt.ckpt = SimpleNamespace(save=lambda step, rl_state, save_model, rng_state: saved.append((step, rl_state)))
     rt.save_checkpoint()
     (step, written), = saved
     assert step == 3 and "step" not in written and set(written) | {"step"} == set(OLD_LAYOUT)

@@ -34,8 +34,9 @@ def _rollout_protocol(rank, world, fail):
 
     from hapo_megatron.training import rollout_protocol, stages
     from hapo_megatron.training.rl_step import RolloutBatch
+    from hapo_megatron.parallel.collectives import broadcast_object
+    from hapo_megatron.training.engine_memory import EngineMemory
     from hapo_megatron.training.rollout_protocol import Rank0Channel
-    from hapo_megatron.training.runtime import broadcast_object
 
     channel = Rank0Channel.create(timeout_minutes=5, heartbeat_s=0.02)
     kinds, beats = [], threading.Event()
@@ -62,7 +63,7 @@ def _rollout_protocol(rank, world, fail):
         return batch.pack(), {"m": 1.0}, {"epoch": 7}
     stages._rollout_rank0 = fake_rank0
     sampler = SimpleNamespace(state=None, load_state_dict=lambda s: setattr(sampler, "state", s))
-    rt = SimpleNamespace(is_main=rank == 0, offloader=None, rl=SimpleNamespace(sampler=sampler), control=channel)
+    rt = SimpleNamespace(is_main=rank == 0, memory=EngineMemory(), rl=SimpleNamespace(sampler=sampler), control=channel)
     calls = []
     _record_collectives(calls)
     try:
