@@ -17,7 +17,10 @@ over HTTP. Weight sync:
 - ``tensor`` (colocated): CUDA-IPC handles only open on their own node, so every node's leader
   sends its own copy of the weights (the export yields every tensor on every rank) to its node's
   servers, between two barriers of the leaders (after rank 0 resumed the servers' weights; before
-  rank 0 generates again);
+  rank 0 generates again). Each bucket is serialised once per server TP rank (each rank's own
+  CUDA-IPC reference, ``weight_sync.serialize_bucket_for_sglang``), all from the leader's GPU: the
+  other local ranks hold no engine here, so a server's TP ranks on other GPUs map the bucket from
+  the leader's GPU (peer access on the node; it lives until the server has answered);
 - ``disk`` / ``distributed``: rank 0 updates every server, the other leaders only keep pace with
   the collective export (disk needs a directory every node sees: ``disk_sync_dir``).
 """

@@ -324,11 +324,11 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
             dyn=DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
                                max_num_gen_batches=cfg.algo.max_num_gen_batches)),
         scorer=RewardScorer.from_config(cfg.reward) if rank == 0 else None)
+    from hapo_megatron.training.rollout_protocol import Rank0Channel
+    rt.control = Rank0Channel.create(timeout_minutes=cfg.trainer.dist_timeout_minutes)  # collective
     for name, n in rt.data_metrics().items():
         logger.write(f"{name}: dropped {n:.0f} prompt(s) longer than data.max_prompt_length="
                      f"{cfg.data.max_prompt_length} (data.filter_overlong_prompts)")
-    from hapo_megatron.training.rollout_protocol import Rank0Channel
-    rt.control = Rank0Channel.create(timeout_minutes=cfg.trainer.dist_timeout_minutes)  # collective
     _start_engine(rt)
     if resume_from:
         if str(cfg.trainer.resume).lower() == "auto":  # a damaged newest checkpoint: an older one
