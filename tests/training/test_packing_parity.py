@@ -9,7 +9,6 @@ packed row must not merge), its metrics, the gradients of every parameter shard,
 diagnostics. The weights are the same in both, so only float32 rounding may differ (see TOL).
 """
 
-import os
 
 import numpy as np
 import pytest
