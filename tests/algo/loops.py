@@ -37,7 +37,11 @@ def entropy_stats(entropies, q):
 
 def h_hat(entropy, stats, mode):
     pivot, std, pos_max, neg_min = stats
-    z = (math.log(max(entropy, 1e-8)) - pivot) / std
+    return h_hat_from_z((math.log(max(entropy, 1e-8)) - pivot) / std, stats, mode)
+
+
+def h_hat_from_z(z, stats, mode):
+    _, _, pos_max, neg_min = stats
     if z > 0:
         h = z / pos_max
     elif mode == "signed":

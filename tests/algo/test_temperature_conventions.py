@@ -16,15 +16,9 @@ from tests.algo import loops
 
 def _sampler_h_hat(logits_row, stats, mode):
     """The authors' sampler: entropy of softmax(z) at T = 1, floor 1e-6, z over (std + 1e-6)."""
-    pivot, std, pos_max, neg_min = stats
-    z = (math.log(max(loops.entropy_row(logits_row, 1.0), 1e-6)) - pivot) / (std + 1e-6)
-    if z > 0:
-        h = z / pos_max
-    elif mode == "signed":
-        h = z / abs(neg_min)
-    else:
-        h = z * (1.0 / neg_min)
-    return min(1.0, max(-1.0, h))
+    pivot, std = stats[0], stats[1]
+    return loops.h_hat_from_z((math.log(max(loops.entropy_row(logits_row, 1.0), 1e-6)) - pivot) / (std + 1e-6),
+                              stats, mode)
 
 
 def _case(seed):
