@@ -141,6 +141,7 @@ def _save_at_tp2(rank, world, data, root, legacy_root):
     import torch.distributed as dist
 
     from hapo_megatron.training.checkpoint import LAYOUT_FILE, LEGACY_OPTIMIZER_FORMAT
+    from hapo_megatron.training.checkpoint_manifest import MANIFEST
     g, actor = _build(data, tp=2)
     _train(g, actor, STEPS_BEFORE)
     saved = _model_space_optimizer_state(g, actor)
@@ -148,8 +149,9 @@ def _save_at_tp2(rank, world, data, root, legacy_root):
     mgr.save(STEPS_BEFORE, rl_state={"cursor": 7}, save_model=actor.save)
     legacy = _manager(legacy_root, g).save(
         STEPS_BEFORE, rl_state={}, save_model=lambda d: actor.save(d, LEGACY_OPTIMIZER_FORMAT))
-    if rank == 0:  # what a checkpoint from before the layout record looks like
+    if rank == 0:  # what a checkpoint from before the layout record (and the manifest) looks like
         os.remove(os.path.join(legacy, LAYOUT_FILE))
+        os.remove(os.path.join(legacy, MANIFEST))
     dist.barrier()
     after = _train(g, actor, STEPS_AFTER)
     final = _weights(g, actor)
