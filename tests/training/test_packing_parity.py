@@ -68,7 +68,7 @@ def _run_layout(actor, g, seqs, pack: bool, ref_model):
     from hapo_megatron.config import AlgoConfig
     from hapo_megatron.parallel.loss import LossConfig, make_loss_func
     from hapo_megatron.parallel.stats import global_entropy_stats
-    from hapo_megatron.training.actor import sum_metrics_across_ranks
+    from hapo_megatron.parallel.collectives import sum_metrics
     from hapo_megatron.training.batching import build_rank_micro_batches, pack_multiples
     from hapo_megatron.training.diagnostics import accumulate_token_diagnostics
     from hapo_megatron.training.stages import with_old_policy
@@ -109,7 +109,7 @@ def _run_layout(actor, g, seqs, pack: bool, ref_model):
         for m in metrics:
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
-        out[f"metrics/{mode}"] = sum_metrics_across_ranks(sums, contribute=contribute)
+        out[f"metrics/{mode}"] = sum_metrics(sums, contribute=contribute)
         out[f"grads/{mode}"] = _grads(actor)
         if mode == "token-mean" and last:
             mbs = [mb.with_(updates=(u.apply(lambda t: t.cpu()),)) for mb, u in zip(mbs, recorded)]
@@ -129,7 +129,7 @@ def _broadcast_stats(stats, g):
     import torch.distributed as dist
 
     from hapo_megatron.algo import EntropyStats
-    from hapo_megatron.training.runtime import broadcast_object
+    from hapo_megatron.parallel.collectives import broadcast_object
     last = dist.get_global_rank(g.pp, g.pp_size - 1)
     return EntropyStats.from_dict(broadcast_object(stats.to_dict() if stats is not None else None, src=last,
                                                    group=g.pp))
