@@ -210,6 +210,11 @@ class SGLangConfig(_Section):
     """Extra command-line arguments for launched servers."""
     port_base: int = 30000
     """First port of launched servers (server i of the whole job listens on port_base + i)."""
+    max_restarts: int = 3
+    """Restarts of launched servers that stop answering (process gone, connection refused, no answer
+    within request_timeout_s), per run; their requests go to the other servers meanwhile and a
+    restarted server is used again after the next weight sync. One more failure stops the run,
+    as does having no server left (docs/multinode.md, "Fault tolerance of the rollout servers")."""
 
     def _validate(self) -> None:
         p = self._path
@@ -220,6 +225,7 @@ class SGLangConfig(_Section):
         _check_choice(f"{p}.weight_sync", self.weight_sync, WEIGHT_SYNC_MODES)
         _check_min(f"{p}.request_timeout_s", self.request_timeout_s, 0.0, strict=True)
         _check_min(f"{p}.max_retries", self.max_retries, 0)
+        _check_min(f"{p}.max_restarts", self.max_restarts, 0)
         if self.use_router:
             _fail(ROUTER_REFUSED.format(field=f"{p}.use_router"))
         if not 1 <= self.port_base <= 65535 - self.num_servers:

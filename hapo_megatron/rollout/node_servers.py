@@ -23,6 +23,11 @@ over HTTP. Weight sync:
   the leader's GPU (peer access on the node; it lives until the server has answered);
 - ``disk`` / ``distributed``: rank 0 updates every server, the other leaders only keep pace with
   the collective export (disk needs a directory every node sees: ``disk_sync_dir``).
+
+A server that stops answering (``rollout/server_supervisor.py``): on one node, rank 0's engines
+share one supervisor, which restarts it at once; it rejoins after a weight sync. On several
+nodes, rank 0 only stops using it; in tensor mode its node's leader finds it failed at the next
+sync and restarts it, and after each sync rank 0 learns which servers every node has in use.
 """
 
 from __future__ import annotations
@@ -75,6 +80,10 @@ class NodeServersEngine:
     def check_health(self) -> None:
         self._rank0("the health check").check_health()
 
+    def fault_metrics(self) -> dict[str, float]:
+        """Rank 0: restarts and retried requests so far (restarts made on other nodes not included)."""
+        return self._rank0("fault metrics").fault_metrics()
+
     def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
         """Rank 0: every server's memory (HTTP reaches every node); no-op on the other leaders."""
         if self.cluster is not None:
@@ -94,6 +103,16 @@ class NodeServersEngine:
             self.cluster.update_weights(named)
         drain_weights(named)  # the export runs collectives: keep pace with the ranks that send
         self._leaders_barrier()  # every node's servers hold the new weights before rank 0 generates
+        if self.weight_sync == "tensor" and self.leaders_group is not None:
+            self._gather_servers_in_use()
+
+    def _gather_servers_in_use(self) -> None:
+        """Rank 0 uses again the servers that their node restarted and synced (several nodes)."""
+        mine = [] if self.node_sync is None else [self.own[i].url for i in self.node_sync.supervisor.in_use()]
+        in_use = {u for urls in all_gather_objects(mine, group=self.leaders_group) for u in urls}
+        if self.cluster is not None:
+            sup = self.cluster.supervisor
+            sup.rejoined([i for i, h in enumerate(self.cluster.servers) if h.url in in_use])
 
     def _leaders_barrier(self) -> None:
         if self.leaders_group is not None:
@@ -200,8 +219,11 @@ def start_node_servers(cfg: Any, *, model_path: str, tokenizer: Any = None, dtyp
     if rank == 0:
         cluster = SGLangEngine.from_config(cfg, server_urls=handles, log_dir=log_dir, disk_sync_dir=disk_sync_dir,
                                            **common)
-    if mode == "tensor" and own:
-        node_sync = SGLangEngine.from_config(cfg, server_urls=own, weight_sync="tensor", **common)
+        if ctx.num_nodes > 1:  # each node's leader restarts its own servers (in its sync), never rank 0
+            cluster.supervisor.restart = None
+    if mode == "tensor" and own:  # one node: the same handles, one supervisor for both engines
+        shared = cluster.supervisor if cluster is not None and ctx.num_nodes == 1 else None
+        node_sync = SGLangEngine.from_config(cfg, server_urls=own, weight_sync="tensor", supervisor=shared, **common)
     return NodeServersEngine(ctx=ctx, slots=slots, own=own, cluster=cluster, node_sync=node_sync, weight_sync=mode,
                              leaders_group=leaders_group, dtype=dtype)
 

@@ -26,6 +26,19 @@ class EndpointNotFoundError(SGLangError):
     """The server answered 404: it has no such endpoint (an older or newer SGLang version)."""
 
 
+class RequestRefusedError(SGLangError):
+    """The server answered a non-retryable 4xx: the request (or its API key) is wrong, the
+    server is fine."""
+
+
+class ServerUnreachableError(SGLangError):
+    """No answer from the server: connection refused or reset, or no answer within the timeout."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
 def _log_tail(path: Optional[str], n_chars: int = 3000) -> str:
     if not path:
         return ""
@@ -46,6 +59,7 @@ class ServerHandle:
     log_path: Optional[str] = None
     tp_size: int = 1
     log_copier: Any = None  # the thread writing the process's output to log_path, if any
+    launch: Any = None  # how the process was started (sglang_launch.LaunchSpec): what a restart repeats
 
     def exit_code(self) -> Optional[int]:
         """The process's exit code when it has exited, else ``None`` (also for attached servers)."""
@@ -100,6 +114,17 @@ class SGLangHTTP:
         self._auth = {"headers": auth_headers(api_key)} if api_key else {}
 
     @staticmethod
+    def _is_timeout(e: BaseException) -> bool:
+        try:
+            import requests
+
+            if isinstance(e, requests.Timeout):
+                return True
+        except ImportError:  # pragma: no cover
+            pass
+        return isinstance(e, TimeoutError)
+
+    @staticmethod
     def _is_transport_error(e: BaseException) -> bool:
         try:
             import requests
@@ -112,16 +137,20 @@ class SGLangHTTP:
 
     def request(self, server: ServerHandle, path: str, payload: Optional[dict] = None, *,
                 method: str = "POST", retries: Optional[int] = None,
-                timeout_s: Optional[float] = None) -> Any:
+                timeout_s: Optional[float] = None, retry_timeouts: bool = True) -> Any:
         """Send one request; returns the decoded JSON body (``None`` for an empty body).
 
         Raises :class:`ServerDiedError` when the launched process has exited (checked before each
-        attempt and after each failure) and :class:`SGLangError` after the last retry or on a
-        non-retryable HTTP error (4xx), with the server's message.
+        attempt and after each failure), :class:`ServerUnreachableError` when the last attempt got
+        no answer (with ``retry_timeouts=False`` at once after a timeout: a wedged server is
+        found within one timeout, and the caller sends the request elsewhere),
+        :class:`RequestRefusedError` on a non-retryable HTTP error (4xx)
+        and :class:`SGLangError` after the last retry, with the server's message.
         """
         retries = self.max_retries if retries is None else int(retries)
         url = server.url.rstrip("/") + path
         last: str = ""
+        unreachable: Optional[ServerUnreachableError] = None
         for attempt in range(retries + 1):
             if server.exit_code() is not None:
                 raise server.died_error(f"{method} {path}")
@@ -133,21 +162,30 @@ class SGLangHTTP:
             except Exception as e:  # noqa: BLE001 - classified below
                 if not self._is_transport_error(e):
                     raise
-                last = f"{type(e).__name__}: {e}"
+                timed_out = self._is_timeout(e)
+                last = (f"no answer within {timeout_s or self.timeout_s:g} s" if timed_out else "no answer") + \
+                    f" ({type(e).__name__}: {e})"
+                unreachable = ServerUnreachableError(
+                    f"SGLang server {server.url}: {method} {path}: {last}", timed_out=timed_out)
+                if timed_out and not retry_timeouts and server.exit_code() is None:
+                    raise unreachable
             else:
+                unreachable = None
                 if resp.status_code == 200:
                     return self._json(resp)
                 last = f"HTTP {resp.status_code}: {getattr(resp, 'text', '')[:2000]}"
                 if resp.status_code == 404:
                     raise EndpointNotFoundError(f"SGLang server {server.url} has no endpoint {method} {path}: {last}")
                 if resp.status_code in (401, 403):
-                    raise SGLangError(f"SGLang server {server.url} refused {method} {path}: {last} ({AUTH_HINT})")
+                    raise RequestRefusedError(f"SGLang server {server.url} refused {method} {path}: {last} ({AUTH_HINT})")
                 if resp.status_code not in RETRYABLE_STATUS:
-                    raise SGLangError(f"SGLang server {server.url} refused {method} {path}: {last}")
+                    raise RequestRefusedError(f"SGLang server {server.url} refused {method} {path}: {last}")
             if server.exit_code() is not None:
                 raise server.died_error(f"{method} {path}")
             if attempt < retries:
                 self.sleep(min(self.backoff_s * (2 ** attempt), self.max_backoff_s))
+        if unreachable is not None:
+            raise unreachable
         raise SGLangError(f"SGLang server {server.url}: {method} {path} failed after {retries + 1} attempt(s): {last}")
 
     @staticmethod
@@ -188,4 +226,4 @@ class SGLangHTTP:
             raise server.died_error("health check")
 
 
-__all__ = ["SGLangError", "ServerDiedError", "EndpointNotFoundError", "ServerHandle", "SGLangHTTP", "RETRYABLE_STATUS"]
+__all__ = ["SGLangError", "ServerDiedError", "EndpointNotFoundError", "RequestRefusedError", "ServerUnreachableError", "ServerHandle", "SGLangHTTP", "RETRYABLE_STATUS"]

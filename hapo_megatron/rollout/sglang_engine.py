@@ -69,7 +69,9 @@ from hapo_megatron.parallel.collectives import all_gather_objects, broadcast_obj
 from hapo_megatron.rollout import sglang_launch as launcher
 from hapo_megatron.rollout.api_key import resolve_api_key
 from hapo_megatron.rollout.engine import Sample, SamplingParams, check_prompt_ids, drain_weights
-from hapo_megatron.rollout.sglang_client import EndpointNotFoundError, SGLangError, SGLangHTTP, ServerHandle
+from hapo_megatron.rollout.server_supervisor import ServerSupervisor, first_line
+from hapo_megatron.rollout.sglang_client import (EndpointNotFoundError, RequestRefusedError, SGLangError, SGLangHTTP,
+                                                 ServerHandle)
 from hapo_megatron.rollout import weight_sync as ws
 
 _SEED_MOD = 2**63 - 1
@@ -214,6 +216,13 @@ class SGLangEngine:
             ``$HAPO_ROLLOUT_API_KEY``, else the one in ``key_file`` (the trainer's:
             ``<run_dir>/rollout_api_key``); launching without one makes a new key (written to
             ``key_file`` when given). Every request carries it; launched servers require it.
+        max_restarts: restarts of dead servers this engine may make (``rollout/server_supervisor.py``).
+        supervisor: the servers' :class:`ServerSupervisor`, shared by engines over the same
+            handles (node_servers: rank 0's generating engine and its node's syncing one).
+
+    A server that stops answering is taken out of use, restarted when this process launched it,
+    and used again after a weight sync (``rollout/server_supervisor.py``); its requests go to
+    the others. One process only: with ``collective=True`` a failure raises as before.
     """
 
     def __init__(self, *, model_path: Optional[str] = None, server_urls: Sequence[str] = (),
@@ -225,7 +234,8 @@ class SGLangEngine:
                  send_sampling_seed: bool = False, disk_sync_dir: Optional[str] = None,
                  log_dir: Optional[str] = None, collective: bool = False, wait_for_servers: bool = True,
                  session: Any = None, launch: bool = True, group_name: str = "hapo_weight_sync",
-                 device: str = "auto", api_key: Optional[str] = None, key_file: Optional[str] = None) -> None:
+                 device: str = "auto", api_key: Optional[str] = None, key_file: Optional[str] = None,
+                 max_restarts: int = 3, supervisor: Optional[ServerSupervisor] = None) -> None:
         if int(bucket_size_mb) < 1 or int(requests_per_call) < 1 or int(server_tp_size) < 1:
             raise ValueError("bucket_size_mb, requests_per_call and server_tp_size must be >= 1")
         self.model_path, self.tokenizer, self.colocate = model_path, tokenizer, bool(colocate)
@@ -262,6 +272,9 @@ class SGLangEngine:
             self.servers = self._launch_servers(int(num_servers), mem_fraction_static, dtype,
                                                 list(extra_server_args), int(port_base),
                                                 float(launch_timeout_s), log_dir)
+        self.supervisor = supervisor if supervisor is not None else ServerSupervisor(
+            self.servers, http=self.http, max_restarts=max_restarts)
+        self._failed_in_sync: set[int] = set()
         atexit.register(self.shutdown)  # launched servers run in their own sessions: never leave them behind
         if self.weight_sync == "tensor" and self.world_size > 1 and self.world_size != len(self.servers) * self.tp:
             raise ValueError(f"weight_sync='tensor' needs one trainer rank per server GPU: world size "
@@ -273,7 +286,7 @@ class SGLangEngine:
         """Build from an ``SGLangConfig`` (``rollout.sglang``)."""
         names = ("server_urls", "num_servers", "server_tp_size", "mem_fraction_static", "weight_sync",
                  "bucket_size_mb", "request_timeout_s", "max_retries", "colocate", "use_router",
-                 "extra_server_args", "port_base")
+                 "extra_server_args", "port_base", "max_restarts")
         missing = [n for n in names if not hasattr(cfg, n)]
         if missing:  # strict wiring: a dropped field must not fall back to a default silently
             raise TypeError(f"SGLangEngine.from_config: {type(cfg).__name__} lacks {missing}")
@@ -329,9 +342,13 @@ class SGLangEngine:
         return [local.get(s, ServerHandle(url=urls[s], tp_size=self.tp)) for s in range(num_servers)]
 
     def check_health(self) -> None:
-        """Raise :class:`~hapo_megatron.rollout.sglang_client.ServerDiedError` naming a dead server."""
-        for s in self.servers:
-            self.http.check_alive(s)
+        """Raise :class:`~hapo_megatron.rollout.sglang_client.ServerDiedError` naming a dead server in use."""
+        for i in self.supervisor.in_use():
+            self.http.check_alive(self.servers[i])
+
+    def fault_metrics(self) -> dict[str, float]:
+        """``rollout/server_restarts`` and ``rollout/requests_retried`` of the run so far."""
+        return self.supervisor.metrics()
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
@@ -355,11 +372,8 @@ class SGLangEngine:
         def run(ci: int) -> list:
             idx = chunks[ci]
             body = generate_payload([prompts[rows[i][0]] for i in idx], params, seeds=[seeds[i] for i in idx])
-            try:
-                answer = self.http.request(self.servers[ci % len(self.servers)], "/generate", body)
-            except SGLangError:
-                self.check_health()  # a dead server gives the clearer error
-                raise
+            # a server that fails hands the same body (same sampling seeds) to another
+            answer = self.supervisor.request(ci, "/generate", body, rows=len(idx))
             if not isinstance(answer, list) or len(answer) != len(idx):
                 raise SGLangError(f"/generate returned {type(answer).__name__} for {len(idx)} rows")
             done = [Sample(prompt_ids=list(prompts[rows[i][0]]), response_ids=ids, rollout_logprobs=logps,
@@ -383,11 +397,38 @@ class SGLangEngine:
         Every rank reads ``named_tensors`` to the end, also when the update fails."""
         sync = {"tensor": self._sync_tensor, "distributed": self._sync_distributed, "disk": self._sync_disk}
         named = iter(named_tensors)
+        joining: list[int] = []
+        self._failed_in_sync = set()
         try:
-            sync[self.weight_sync](named)
+            if self.world_size == 1:  # restarted (or returned) servers that answer take this sync
+                joining = self.supervisor.rejoin_candidates()
+                targets = sorted(set(self.supervisor.in_use()) | set(joining))
+            else:
+                targets = list(range(len(self.servers)))
+            sync[self.weight_sync](named, targets)
         finally:
             drain_weights(named)  # ranks without a part in this mode, and any rank after an error
         self._barrier()
+        # only now: a server that failed during the sync is out of use (and restarting), one
+        # that joined is used once it holds the whole new policy, never with stale weights
+        self.supervisor.rejoined([i for i in joining if i not in self._failed_in_sync])
+
+    def _post_update(self, s: int, path: str, body: dict) -> None:
+        """One weight-update request to server ``s``. In one process, a server that fails here
+        is taken out of use (restarted) and skipped for the rest of this sync; the others go on."""
+        if s in self._failed_in_sync:
+            return
+        srv = self.servers[s]
+        try:
+            _check_success(self.http.request(srv, path, body, retries=0), f"{srv.url} {path.lstrip('/')}")
+        except EndpointNotFoundError:
+            raise
+        except SGLangError as e:
+            if (self.world_size > 1 or self.weight_sync == "distributed" or isinstance(e, RequestRefusedError)
+                    or not self.supervisor.is_failure_of_server(s, e)):
+                raise
+            self._failed_in_sync.add(s)
+            self.supervisor.mark_unhealthy(s, f"{path} failed: {first_line(e)}")
 
     def _barrier(self, group: Any = None) -> None:
         if self.world_size > 1:
@@ -407,39 +448,40 @@ class SGLangEngine:
         return self._server_groups
 
     @contextmanager
-    def _update_session(self, servers: Sequence[ServerHandle]):
-        """Open a weight-update session on each of ``servers`` that supports one, close it after
-        (also when the update fails; then a failing close does not hide the first error)."""
-        opened = [srv for srv in servers if self._begin_weight_update(srv)]
+    def _update_session(self, indices: Sequence[int]):
+        """Open a weight-update session on each server of ``indices`` that supports one, close it
+        after (also when the update fails; then a failing close does not hide the first error)."""
+        opened = [s for s in indices if self._begin_weight_update(s)]
         ok = False
         try:
             yield
             ok = True
         finally:
-            for srv in opened:
+            for s in opened:
                 try:
-                    _check_success(self.http.request(srv, "/end_weight_update", {}, retries=0),
-                                   f"{srv.url} end_weight_update")
+                    self._post_update(s, "/end_weight_update", {})
                 except SGLangError:
                     if ok:
                         raise
 
-    def _begin_weight_update(self, srv: ServerHandle) -> bool:
+    def _begin_weight_update(self, s: int) -> bool:
         """``POST /begin_weight_update``; False (remembered) when the server has no such endpoint."""
-        if self._has_update_session.get(srv.url) is False:
+        url = self.servers[s].url
+        if self._has_update_session.get(url) is False:
             return False
         try:
-            answer = self.http.request(srv, "/begin_weight_update", {}, retries=0)
+            self._post_update(s, "/begin_weight_update", {})
         except EndpointNotFoundError:
-            self._has_update_session[srv.url] = False
+            self._has_update_session[url] = False
             return False
-        _check_success(answer, f"{srv.url} begin_weight_update")
-        self._has_update_session[srv.url] = True
+        if s in self._failed_in_sync:
+            return False
+        self._has_update_session[url] = True
         return True
 
-    def _sync_tensor(self, named: Iterable) -> None:
-        groups = self._groups_for_tensor_sync()
-        mine = [self.servers[s] for s, (leader, _) in groups.items() if self.rank == leader]
+    def _sync_tensor(self, named: Iterable, targets: Sequence[int]) -> None:
+        groups = {s: g for s, g in self._groups_for_tensor_sync().items() if s in targets}
+        mine = [s for s, (leader, _) in groups.items() if self.rank == leader]
         with self._update_session(mine):
             self._send_tensor_buckets(named, groups)
 
@@ -465,9 +507,8 @@ class SGLangEngine:
                     per_rank = [None] * self.tp if self.rank == leader else None
                     torch.distributed.gather_object(blobs[0], per_rank, dst=leader, group=pg)
                 if self.rank == leader:
-                    _check_success(self.http.request(self.servers[s], "/update_weights_from_tensor",
-                                                     ws.tensor_update_payload(per_rank, flush_cache=last), retries=0),
-                                   f"{self.servers[s].url} update_weights_from_tensor")
+                    self._post_update(s, "/update_weights_from_tensor",
+                                      ws.tensor_update_payload(per_rank, flush_cache=last))
                 self._barrier(pg)  # the server has read our IPC handle before we free it
             del keepalive
 
@@ -487,12 +528,16 @@ class SGLangEngine:
             for f in futs:
                 _check_success(f.result(), "init_weights_update_group")
 
-    def _sync_distributed(self, named: Iterable) -> None:
+    def _sync_distributed(self, named: Iterable, targets: Sequence[int]) -> None:
         if self.rank != 0:
             return  # update_weights reads the rest
+        if len(targets) != len(self.servers):
+            raise SGLangError(f"weight_sync='distributed' cannot leave a server out of its NCCL group "
+                              f"({self.supervisor.summary()}): use weight_sync tensor or disk to replace "
+                              "failed servers (docs/multinode.md, fault tolerance)")
         if self._nccl_group is None:
             self._init_nccl_group()
-        with self._update_session(self.servers):
+        with self._update_session(range(len(self.servers))):
             self._broadcast_buckets(named)
 
     def _broadcast_buckets(self, named: Iterable) -> None:
@@ -506,7 +551,7 @@ class SGLangEngine:
                 for f in futs:
                     _check_success(f.result(), "update_weights_from_distributed")
 
-    def _sync_disk(self, named: Iterable) -> None:
+    def _sync_disk(self, named: Iterable, targets: Sequence[int]) -> None:
         if self.rank != 0:
             return  # update_weights reads the rest
         path = self.disk_sync_dir or os.path.join(tempfile.gettempdir(), f"hapo_sglang_weights_{os.getpid()}")
@@ -520,16 +565,15 @@ class SGLangEngine:
                 transformers.AutoConfig.from_pretrained(self.model_path, local_files_only=True).save_pretrained(path)
             except Exception as e:  # noqa: BLE001 - SGLang keeps its own config; only a warning
                 warnings.warn(f"disk weight sync: no config.json for {self.model_path!r} in {path} ({e})")
-        for srv in self.servers:
-            _check_success(self.http.request(srv, "/update_weights_from_disk",
-                                             {"model_path": path, "flush_cache": True}, retries=0),
-                           "update_weights_from_disk")
+        for s in targets:
+            self._post_update(s, "/update_weights_from_disk", {"model_path": path, "flush_cache": True})
 
     # ------------------------------------------------------------------ memory and shutdown
     def _post_to_own_servers(self, path: str, body: dict) -> None:
+        in_use = set(self.supervisor.in_use()) if self.world_size == 1 else set(range(len(self.servers)))
         for s, srv in enumerate(self.servers):
             leader = 0 if self.world_size == 1 or not self.colocate else s * self.tp
-            if self.rank == leader:
+            if self.rank == leader and s in in_use:  # a restarting server never released its memory
                 self.http.request(srv, path, body, retries=0)
         self._barrier()
 

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -166,12 +168,33 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How :func:`start_process` started a server: :func:`restart_process` repeats it exactly
+    (same command line, so the same GPUs, port and flags; same environment and API key)."""
+
+    cmd: tuple[str, ...]
+    env: Optional[dict]
+    api_key: Optional[str]
+
+    def __repr__(self) -> str:  # the key stays out of logs and tracebacks
+        return f"LaunchSpec(cmd={list(self.cmd)!r})"
+
+
 def start_process(cmd: list[str], url: str, *, log_path: Optional[str], tp_size: int = 1,
                   env: Optional[dict] = None, api_key: Optional[str] = None) -> ServerHandle:
     """Start ``cmd`` in its own session (so :func:`stop_process` can end its whole tree),
     logging to ``log_path``. ``api_key`` reaches the process as ``$HAPO_ROLLOUT_API_KEY`` (see
     :func:`module_argv`); SGLang prints its arguments, key included, so its output then passes
     through a thread of ours that writes it to ``log_path`` with the key replaced."""
+    spec = LaunchSpec(cmd=tuple(cmd), env=None if env is None else dict(env), api_key=api_key)
+    handle = _popen(cmd, url, log_path=log_path, tp_size=tp_size, env=env, api_key=api_key)
+    handle.launch = spec
+    return handle
+
+
+def _popen(cmd: list[str], url: str, *, log_path: Optional[str], tp_size: int, env: Optional[dict],
+           api_key: Optional[str]) -> ServerHandle:
     env = dict(env if env is not None else os.environ)
     env.pop(API_KEY_ENV, None)  # only the key we mean to hand over
     if api_key:
@@ -190,6 +213,51 @@ def start_process(cmd: list[str], url: str, *, log_path: Optional[str], tp_size:
         if log_path:
             log.close()
     return ServerHandle(url=url, process=proc, log_path=log_path, tp_size=tp_size)
+
+
+def restart_process(handle: ServerHandle, *, port_free_timeout_s: float = 60.0) -> None:
+    """Replace ``handle``'s process by a new one started exactly as the first (``handle.launch``),
+    in place: every list holding the handle sees the new process. The old process group is
+    killed first (SIGKILL: a stopped or wedged server ignores SIGTERM) and its port awaited.
+    Does not wait for the new server to answer."""
+    spec = handle.launch
+    if spec is None:
+        raise ValueError(f"SGLang server {handle.url} was not started by this process: it cannot be restarted here")
+    kill_process(handle)
+    _wait_port_free(handle.url, port_free_timeout_s)
+    new = _popen(list(spec.cmd), handle.url, log_path=handle.log_path, tp_size=handle.tp_size, env=spec.env,
+                 api_key=spec.api_key)
+    handle.process, handle.log_copier = new.process, new.log_copier
+
+
+def kill_process(handle: ServerHandle) -> None:
+    """SIGKILL the process group we started (a no-op when it has exited) and reap it."""
+    proc = handle.process
+    if proc is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    if handle.log_copier is not None:
+        handle.log_copier.join(timeout=5.0)
+        handle.log_copier = None
+
+
+def _wait_port_free(url: str, timeout_s: float) -> None:
+    """Until nothing accepts connections on ``url``'s port (the killed server's children may
+    hold its socket a moment longer), at most ``timeout_s``."""
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.settimeout(1.0)
+            if s.connect_ex((parsed.hostname, parsed.port)) != 0:
+                return
+        time.sleep(0.2)
 
 
 def _copy_redacted(stream, log_path: str, key: str) -> None:
@@ -216,5 +284,6 @@ def stop_process(handle: ServerHandle, timeout_s: float = 30.0) -> None:
 
 
 __all__ = ["sglang_dtype", "server_command", "resolve_device", "server_env", "cpu_stubs_dir", "CPU_STUBS_ENV", "node_ip",
-           "free_port", "start_process", "launch_server", "stop_process"]
+           "free_port", "start_process", "launch_server", "stop_process", "LaunchSpec", "restart_process",
+           "kill_process"]
 __all__ += ["module_argv", "SERVER_KEY_FLAGS"]  # the API key (issue 15)

@@ -102,6 +102,7 @@ def _rollout_rank0(rt: Runtime, step: int) -> tuple[dict, dict[str, float], dict
     metrics = {**rollout_metrics(RolloutBatch.concat(generated),
                                  max_response_length=rt.cfg.rollout.max_response_length),
                **dyn.metrics(), **counts.metrics(),
+               **(rt.engine.fault_metrics() if hasattr(rt.engine, "fault_metrics") else {}),  # SGLang: restarts
                "batch/reward_mean": sum(kept.rewards) / max(len(kept), 1),
                "batch/acc": sum(kept.accs) / max(len(kept), 1),
                "batch/num_groups": float(len(set(kept.group_ids)))}

@@ -19,14 +19,17 @@ class FakeSession:
     ``/generate``: row ``r`` (prompt ids ``p``) answers ``max_new_tokens`` tokens
     ``p[0] + 1, p[0] + 2, ...`` with log-prob ``-0.1 * (i + 1)``; a stop token ends it early.
     ``failures``: ``{path: [status_code or Exception, ...]}`` consumed before the normal answer.
-    ``dead``: URLs whose /health fails.
+    ``dead``: URLs whose /health fails; ``down``: URLs where every request fails (connection refused);
+    ``hung``: URLs whose POSTs time out while /health answers (a wedged scheduler).
     """
 
-    def __init__(self, failures=None, dead=()):
+    def __init__(self, failures=None, dead=(), down=(), hung=()):
         self.calls = []  # (method, url, json)
         self.headers = []  # the headers of each call (None when the client sent none)
         self.failures = {k: list(v) for k, v in (failures or {}).items()}
         self.dead = set(dead)
+        self.down = set(down)
+        self.hung = set(hung)
 
     def _fail(self, path):
         queue = self.failures.get(path)
@@ -41,6 +44,8 @@ class FakeSession:
         self.calls.append(("GET", url, None))
         self.headers.append(headers)
         base, path = url.rsplit("/", 1)
+        if base in self.down:
+            raise ConnectionError("connection refused")
         if path == "health":
             if base in self.dead:
                 raise ConnectionError("connection refused")
@@ -51,6 +56,10 @@ class FakeSession:
         self.calls.append(("POST", url, json))
         self.headers.append(headers)
         path = "/" + url.split("/", 3)[-1]
+        if url[:-len(path)] in self.down:
+            raise ConnectionError("connection refused")
+        if url[:-len(path)] in self.hung:
+            raise TimeoutError(f"read timed out (timeout={timeout})")
         failed = self._fail(path)
         if failed is not None:
             return failed

@@ -139,11 +139,13 @@ def test_dead_launched_server_raises_with_log_tail(tmp_path):
         http.wait_healthy(dead, timeout_s=10)
 
 
-def test_dead_attached_server_is_named_during_generate():
-    sess = FakeSession(failures={"/generate": [requests.ConnectionError("refused")] * 10}, dead={URLS[1]})
+def test_dead_attached_servers_are_named_when_none_is_left():
+    """Every server refuses connections: each is taken out of use in turn (attached: nothing to
+    restart), and the error names them all (rollout/server_supervisor.py)."""
+    sess = FakeSession(down=set(URLS))
     eng = engine(sess, max_retries=1, wait_for_servers=False)
     eng.http.sleep = lambda s: None
-    with pytest.raises(ServerDiedError, match="http://b:2 is not answering"):
+    with pytest.raises(ServerDiedError, match="no SGLang server left in use.*http://a:1: lost, http://b:2: lost"):
         eng.generate([[1]] * 4, SamplingParams(n=1, max_new_tokens=2))
 
 
