@@ -1,0 +1,82 @@
+"""What a failed rollout server costs (docs/multinode.md, "Fault tolerance of the rollout servers"):
+two CPU SGLang servers on the tiny model, one SIGKILLed in the middle of a seeded round.
+
+Prints: the rows retried, how many rows of that round differ from the same round without a
+failure (same weights, same per-row seeds), the restart time (kill -> answering /health) and the
+time until the server is back in use (kill -> after the next weight sync). With
+``--deterministic`` the servers get ``--enable-deterministic-inference``, without which SGLang
+0.5.23 ignores ``sampling_seed`` (every round then draws fresh randomness, failure or not).
+
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python tools/bench/server_recovery.py --deterministic
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from hapo_megatron.rollout import sglang_engine as se  # noqa: E402
+from hapo_megatron.rollout import sglang_launch as launcher  # noqa: E402
+from hapo_megatron.rollout.api_key import new_api_key  # noqa: E402
+from hapo_megatron.rollout.engine import SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--deterministic", action="store_true", help="servers honour sampling_seed")
+    ap.add_argument("--prompts", type=int, default=12)
+    args = ap.parse_args()
+    from tests.rollout.real_sglang import tiny_model_dir
+    from tests.rollout.test_server_recovery_real import perturbed
+
+    root = tempfile.mkdtemp(prefix="hapo_recovery_")
+    model = tiny_model_dir(root)
+    key, extra = new_api_key(), (["--enable-deterministic-inference"] if args.deterministic else [])
+    handles = []
+    for i in range(2):
+        port = launcher.free_port()
+        cmd = launcher.server_command(model, port=port, device="cpu", dtype="float32", max_total_tokens=4096,
+                                      extra_args=extra)
+        handles.append(launcher.start_process(cmd, f"http://127.0.0.1:{port}", log_path=os.path.join(root, f"s{i}.log"),
+                                              env=launcher.server_env(cpu=True), api_key=key))
+    try:
+        eng = se.SGLangEngine(server_urls=handles, launch=False, colocate=True, weight_sync="tensor", max_retries=0,
+                              request_timeout_s=120, send_sampling_seed=True, requests_per_call=4, api_key=key,
+                              model_path=model, launch_timeout_s=900)
+        eng.update_weights(iter(perturbed(model, 1)))
+        prompts = [[1, 10 + p, 11, 12 + p] for p in range(args.prompts)]
+        params = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=11)
+        flat = lambda out: [(s.response_ids, s.rollout_logprobs) for g in out for s in g]  # noqa: E731
+        ref, again = flat(eng.generate(prompts, params)), flat(eng.generate(prompts, params))
+        killed = []
+
+        def kill(_):
+            if not killed:
+                killed.append(time.monotonic())
+                os.killpg(handles[1].process.pid, signal.SIGKILL)
+
+        out = flat(eng.generate(prompts, params, on_samples=kill))
+        ids_diff = sum(a[0] != b[0] for a, b in zip(out, ref))
+        lp_diff = max(abs(x - y) for a, b in zip(out, ref) if a[0] == b[0] for x, y in zip(a[1], b[1]))
+        print(f"rows: {len(ref)}; retried: {eng.fault_metrics()['rollout/requests_retried']:.0f}")
+        print(f"no failure, run twice: {sum(a[0] != b[0] for a, b in zip(again, ref))} rows with other tokens")
+        print(f"with the kill: {ids_diff} rows with other tokens than without it; "
+              f"max |logprob diff| on the others {lp_diff:.2e}")
+        eng.http.wait_healthy(handles[1], 900, poll_s=0.5)
+        healthy = time.monotonic() - killed[0]
+        eng.update_weights(iter(perturbed(model, 2)))
+        print(f"restarted server answering {healthy:.1f} s after the kill; back in use after the next sync at "
+              f"{time.monotonic() - killed[0]:.1f} s (state {eng.supervisor.state})")
+    finally:
+        for h in handles:
+            launcher.stop_process(h)
+
+
+if __name__ == "__main__":
+    main()
