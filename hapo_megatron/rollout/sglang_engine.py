@@ -383,7 +383,8 @@ class SGLangEngine:
                 on_samples(done)
             return done
 
-        _, workers = generate_call_plan(len(rows), len(self.servers), self.requests_per_call)
+        # as many calls at once as the servers in use take: the survivors of a failure get no more
+        _, workers = generate_call_plan(len(rows), len(self.supervisor.in_use()), self.requests_per_call)
         with ThreadPoolExecutor(max_workers=workers) as pool:
             results = [smp for chunk in pool.map(run, range(len(chunks))) for smp in chunk]
         out: list[list[Sample]] = [[] for _ in prompts]
