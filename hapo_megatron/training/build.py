@@ -11,20 +11,27 @@ import torch
 import torch.distributed as dist
 
 from hapo_megatron.config import HapoConfig
+from hapo_megatron.data import PromptSampler
 from hapo_megatron.dtypes import torch_dtype
 from hapo_megatron.models.moe import check_moe_training_layout
 from hapo_megatron.parallel.collectives import all_gather_objects
-from hapo_megatron.data import PromptSampler
 from hapo_megatron.parallel.groups import ParallelGroups
 from hapo_megatron.rewards import get_reward_fn
 from hapo_megatron.rewards.scoring import RewardScorer
+from hapo_megatron.rollout.api_key import KEY_FILE_NAME
+from hapo_megatron.rollout.factory import make_engine
+from hapo_megatron.rollout.node_servers import start_node_servers
 from hapo_megatron.training.actor import MegatronActor
-from hapo_megatron.training.checkpoint import (CheckpointManager, Layout, list_checkpoints, load_newest_loadable,
-                                               read_checkpoint_info, resolve_resume, resume_message)
+from hapo_megatron.training.checkpoint import (COMPLETE, CheckpointManager, Layout, list_checkpoints,
+                                               load_newest_loadable, read_checkpoint_info, resolve_resume,
+                                               resume_message)
+from hapo_megatron.training.context import sglang_context_args
 from hapo_megatron.training.engine_memory import EngineMemory
 from hapo_megatron.training.metrics import MetricsLogger
+from hapo_megatron.training.offload import make_actor_offloader
 from hapo_megatron.training.rl_state import RLState
 from hapo_megatron.training.rl_step import DynamicSampler
+from hapo_megatron.training.rollout_protocol import Rank0Channel
 from hapo_megatron.training.runtime import Runtime
 from hapo_megatron.training.sources import build_datasets, initial_hf_weights, load_hf_config, load_tokenizer
 
@@ -39,7 +46,6 @@ def setup_reference(rt: Runtime) -> None:
     After a warm start it is saved to ``<run_dir>/reference`` so a resumed run gets the same
     one; without a warm start it is the initial weights (rebuilt from the model paths on resume).
     """
-    from hapo_megatron.training.checkpoint import COMPLETE
     if rt.cfg.algo.kl_loss_coef <= 0:
         return
     ref_dir = os.path.join(rt.run_dir, "reference")
@@ -84,7 +90,6 @@ def build_engine(cfg, hf_config, tokenizer):
     generates. Launched SGLang servers start on every node, each node's first rank starting its
     own (`rollout.node_servers`); those ranks get an engine too (weight sync of their node's
     servers, shutdown). Every other rank: None."""
-    from hapo_megatron.rollout.factory import make_engine
     if not launches_node_servers(cfg) and dist.get_rank() != 0:
         return None
     on_gpu = torch.cuda.is_available()
@@ -93,13 +98,10 @@ def build_engine(cfg, hf_config, tokenizer):
     if rollout.engine == "sglang":  # launched servers get model.max_position_embeddings too
         from dataclasses import replace
 
-        from hapo_megatron.rollout.api_key import KEY_FILE_NAME
-        from hapo_megatron.training.context import sglang_context_args
         extra = sglang_context_args(cfg, rollout.sglang.extra_server_args)
         rollout = replace(rollout, sglang=replace(rollout.sglang, extra_server_args=extra))
         keys["key_file"] = os.path.join(cfg.trainer.run_dir, KEY_FILE_NAME)  # the servers' API key
     if launches_node_servers(cfg):
-        from hapo_megatron.rollout.node_servers import start_node_servers
         sync_dir = os.environ.get("HAPO_SGLANG_SYNC_DIR")  # disk sync across nodes: run_dir is shared
         if not sync_dir and int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) < dist.get_world_size():
             sync_dir = os.path.join(cfg.trainer.run_dir, "sglang_weights")
@@ -115,7 +117,6 @@ def start_engine(rt: Runtime) -> None:
     """Build the engine (collective: servers start on every node). Colocated on CUDA, every rank
     offloads its trainer state first, so the servers size their memory pool from a free GPU, and
     reloads it after."""
-    from hapo_megatron.training.offload import make_actor_offloader
     rt.memory = EngineMemory(offloader=make_actor_offloader(rt.cfg, rt.actor))
     with rt.memory.trainer_offloaded():
         rt.engine = rt.memory.engine = build_engine(rt.cfg, rt.hf_config, rt.tokenizer)
@@ -177,7 +178,6 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
             dyn=DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
                                max_num_gen_batches=cfg.algo.max_num_gen_batches)),
         scorer=RewardScorer.from_config(cfg.reward) if rank == 0 else None)
-    from hapo_megatron.training.rollout_protocol import Rank0Channel
     rt.control = Rank0Channel.create(timeout_minutes=cfg.trainer.dist_timeout_minutes)  # collective
     for name, n in rt.data_metrics().items():
         logger.write(f"{name}: dropped {n:.0f} prompt(s) longer than data.max_prompt_length="
