@@ -95,7 +95,7 @@ def check_server_placement(cfg, world_size: int, env=None) -> None:
 
 
 def _load_model_config(path: Optional[str]):
-    from hapo_megatron.training.runtime import load_hf_config
+    from hapo_megatron.training.sources import load_hf_config
     if not path:
         raise ValueError("model.hf_model_path must name an HF model directory (config.json + tokenizer)")
     try:
@@ -126,7 +126,7 @@ def preflight(cfg, world_size: int):
     Returns ``(tokenizer, (train_dataset, val_dataset))``. Raises ValueError / FileNotFoundError
     with a message naming the config field or the file/row.
     """
-    from hapo_megatron.training.runtime import build_datasets, initial_hf_weights, load_tokenizer
+    from hapo_megatron.training.sources import build_datasets, initial_hf_weights, load_tokenizer
     from hapo_megatron.training.context import check_sequence_fits, sglang_context_args
     resolve_model_sources(cfg)
     hf_config = _load_model_config(cfg.model.hf_model_path)
@@ -181,7 +181,7 @@ def print_memory_plan(cfg, world_size: int) -> None:
     if not torch.cuda.is_available():
         return
     from hapo_megatron.training.memory_plan import format_plan, plan_from_config
-    from hapo_megatron.training.runtime import load_hf_config
+    from hapo_megatron.training.sources import load_hf_config
     hf_config = load_hf_config(cfg.model.hf_model_path, cfg.model.max_position_embeddings)
     device = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     plan = plan_from_config(cfg, hf_config, world_size=world_size, device_bytes=device)

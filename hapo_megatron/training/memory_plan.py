@@ -141,6 +141,7 @@ def _add_warnings(plan: MemoryPlan, colocated: bool) -> None:
 
 
 def shape_from_hf_config(hf_config) -> ModelShape:
+    # models/ and offload import torch; the planner itself stays torch-free for `hapo train`'s preflight
     from hapo_megatron.models.hf_config import (has_qk_norm, has_qkv_bias, head_dim_of, is_moe, moe_layer_pattern,
                                                 num_kv_heads_of)
     moe = dict(experts=int(hf_config.num_experts), moe_intermediate=int(hf_config.moe_intermediate_size),
