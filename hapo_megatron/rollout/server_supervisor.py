@@ -117,11 +117,12 @@ class ServerSupervisor:
         return not self.http.healthy(srv, timeout_s=HEALTH_PROBE_TIMEOUT_S)
 
     # ------------------------------------------------------------------ state changes
-    def mark_unhealthy(self, i: int, reason: str) -> None:
-        """Take server ``i`` out of use and restart it (when this process launched it). Raises
+    def mark_unhealthy(self, i: int, reason: str, *, joining: bool = False) -> None:
+        """Take server ``i`` out of use and restart it (when this process launched it); also a
+        ``joining`` server (one that failed the sync meant to bring it back). Raises
         :class:`ServerPoolError` past ``max_restarts`` or when no server is left in use."""
         with self._lock:
-            if self.state[i] != IN_USE:
+            if self.state[i] != IN_USE and not joining:
                 return  # another request found it first
             srv = self.servers[i]
             self._enter(i, LOST, reason)

@@ -274,7 +274,8 @@ class SGLangEngine:
                                                 float(launch_timeout_s), log_dir)
         self.supervisor = supervisor if supervisor is not None else ServerSupervisor(
             self.servers, http=self.http, max_restarts=max_restarts)
-        self._failed_in_sync: set[int] = set()
+        self._failed_in_sync: set[int] = set()  # servers of the current weight sync that failed it
+        self._joining: list[int] = []  # servers the current weight sync brings back into use
         atexit.register(self.shutdown)  # launched servers run in their own sessions: never leave them behind
         if self.weight_sync == "tensor" and self.world_size > 1 and self.world_size != len(self.servers) * self.tp:
             raise ValueError(f"weight_sync='tensor' needs one trainer rank per server GPU: world size "
@@ -399,10 +400,10 @@ class SGLangEngine:
         sync = {"tensor": self._sync_tensor, "distributed": self._sync_distributed, "disk": self._sync_disk}
         named = iter(named_tensors)
         joining: list[int] = []
-        self._failed_in_sync = set()
+        self._failed_in_sync, self._joining = set(), joining
         try:
             if self.world_size == 1:  # restarted (or returned) servers that answer take this sync
-                joining = self.supervisor.rejoin_candidates()
+                joining[:] = self.supervisor.rejoin_candidates()
                 targets = sorted(set(self.supervisor.in_use()) | set(joining))
             else:
                 targets = list(range(len(self.servers)))
@@ -429,7 +430,7 @@ class SGLangEngine:
                     or not self.supervisor.is_failure_of_server(s, e)):
                 raise
             self._failed_in_sync.add(s)
-            self.supervisor.mark_unhealthy(s, f"{path} failed: {first_line(e)}")
+            self.supervisor.mark_unhealthy(s, f"{path} failed: {first_line(e)}", joining=s in self._joining)
 
     def _barrier(self, group: Any = None) -> None:
         if self.world_size > 1:

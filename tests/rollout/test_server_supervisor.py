@@ -176,3 +176,17 @@ def test_timeout_is_not_retried_on_the_same_server_only_with_retry_timeouts_fals
     with pytest.raises(ServerUnreachableError) as e:  # refused connections are retried as before
         http.request(ServerHandle(URLS[0]), "/generate", {}, retry_timeouts=False)
     assert not e.value.timed_out and len(sess.posts("/generate")) == 3
+
+
+def test_a_rejoining_server_that_fails_its_sync_stays_out_of_use(tmp_path):
+    """Mutation: rejoining every candidate after the sync, failed or not -> b would serve with
+    weights it never fully received."""
+    sess = FakeSession(down={URLS[1]}, dead={URLS[1]})
+    eng = engine(sess, disk_sync_dir=str(tmp_path / "w"))
+    eng.generate(PROMPTS, PARAMS)  # b restarted (and answering: the fake restart brings it back)
+    assert eng.supervisor.state[1] == RESTARTING
+    sess.dead.clear()
+    sess.failures["/update_weights_from_disk"] = [200, TimeoutError("read timed out")]  # a's fine, b's hangs
+    eng.update_weights(iter(named_weights()))
+    assert eng.supervisor.state == {0: IN_USE, 1: RESTARTING}
+    assert eng.supervisor.restart.urls == [URLS[1], URLS[1]]
