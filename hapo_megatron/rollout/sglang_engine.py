@@ -204,7 +204,9 @@ class SGLangEngine:
         launch_timeout_s: how long a launched server may take to become healthy.
         requests_per_call: rows per ``/generate`` call; calls run concurrently.
         send_sampling_seed: pass per-row ``sampling_seed`` (needs a sampling backend that supports
-            it, e.g. ``--sampling-backend pytorch``).
+            it, e.g. ``--sampling-backend pytorch``; SGLang 0.5.23 uses it only on servers started
+            with ``--enable-deterministic-inference``, ``sampling_batch_info.py``, and ignores it
+            otherwise).
         disk_sync_dir: directory for ``weight_sync="disk"`` (default: ``$HAPO_SGLANG_SYNC_DIR``, else a
             temporary directory on rank 0's node).
         log_dir: where launched servers write ``sglang_server_<i>.log``.
