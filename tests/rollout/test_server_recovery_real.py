@@ -127,7 +127,7 @@ def _server_group(port: int) -> int:
 
 @pytest.mark.slow
 def test_trainer_goes_on_after_a_server_dies_and_stops_past_max_restarts(real_model_dir, tmp_path):
-    """`hapo train` with two servers it launched itself (CPU, loopback), max_restarts=1: server 1
+    """`hapo train` with two servers it launched itself (CPU, loopback, disk sync), max_restarts=1: server 1
     is SIGKILLed after checkpoint 1; every later step completes (its requests go to server 0), the
     restarted server is used again after a weight sync; killed a second time, the run stops with
     the reason and its latest checkpoint is intact."""
@@ -145,6 +145,7 @@ def test_trainer_goes_on_after_a_server_dies_and_stops_past_max_restarts(real_mo
            *tiny_overrides(data, run_dir, **{
                "trainer.total_steps": 200, "trainer.save_interval": 1, "trainer.keep_last_k": 2,
                "parallel.tensor_model_parallel_size": 1, "rollout.engine": "sglang", "rollout.sglang.num_servers": 2,
+               "rollout.sglang.colocate": "false", "rollout.sglang.weight_sync": "disk",  # 2 servers, 1 CPU rank
                "rollout.sglang.port_base": port, "rollout.sglang.max_restarts": 1,
                "rollout.sglang.request_timeout_s": TIMEOUT_S, "trainer.val_at_end": "false"})]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",

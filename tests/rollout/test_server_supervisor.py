@@ -190,3 +190,51 @@ def test_a_rejoining_server_that_fails_its_sync_stays_out_of_use(tmp_path):
     eng.update_weights(iter(named_weights()))
     assert eng.supervisor.state == {0: IN_USE, 1: RESTARTING}
     assert eng.supervisor.restart.urls == [URLS[1], URLS[1]]
+
+
+# ---------------------------------------------------------------- real processes (stand-in servers)
+def test_standin_servers_killed_and_stopped_are_restarted_as_they_were_started(tmp_path):
+    """Two stand-in server processes (tests/rollout/standin_sglang_server.py: starts in a
+    fraction of a second, requires its API key): SIGKILL one, then SIGSTOP it; each time every row
+    is answered, the process is started again with the same command line and environment (its
+    start record), and it serves again after a weight sync."""
+    import json
+    import os
+    import signal
+    import sys
+
+    from hapo_megatron.rollout.sglang_launch import free_port, start_process, stop_process
+
+    standin = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standin_sglang_server.py")
+    key, handles = "k" * 32, []
+    env = {**os.environ, "HAPO_TEST_STANDIN_DIR": str(tmp_path)}
+    for i in range(2):
+        port = free_port()
+        handles.append(start_process([sys.executable, standin, "--host", "127.0.0.1", "--port", str(port),
+                                      "--api-key", key], f"http://127.0.0.1:{port}",
+                                     log_path=str(tmp_path / f"s{i}.log"), env=env, api_key=key))
+    starts = lambda h: [r for r in map(json.loads, open(tmp_path / f"server_{h.url.rsplit(':', 1)[1]}.jsonl"))  # noqa: E731
+                        if r["path"] == "start"]
+    lines = []
+    try:
+        eng = se.SGLangEngine(server_urls=handles, launch=False, colocate=False, weight_sync="disk", max_retries=0,
+                              request_timeout_s=15.0, requests_per_call=4, api_key=key, max_restarts=2,
+                              disk_sync_dir=str(tmp_path / "w"), launch_timeout_s=60)
+        eng.supervisor._log = lines.append
+        want = responses(eng.generate(PROMPTS, PARAMS))
+        for sig in (signal.SIGKILL, signal.SIGSTOP):
+            first_pid = handles[1].process.pid
+            os.killpg(first_pid, sig)
+            assert responses(eng.generate(PROMPTS, PARAMS)) == want
+            assert eng.supervisor.state[1] == RESTARTING and handles[1].process.pid != first_pid
+            eng.http.wait_healthy(handles[1], 60, poll_s=0.1)
+            eng.update_weights(iter(named_weights()))
+            assert eng.supervisor.state == {0: IN_USE, 1: IN_USE}
+        runs = starts(handles[1])
+        assert len(runs) == 3 and runs[0]["argv"] == runs[1]["argv"] == runs[2]["argv"]
+        assert len({r["pid"] for r in runs}) == 3
+        assert any("no answer within 15 s" in m for m in lines)  # the stopped one: found by its timeout
+        assert eng.fault_metrics()["rollout/server_restarts"] == 2
+    finally:
+        for h in handles:
+            stop_process(h, timeout_s=10)
