@@ -143,7 +143,7 @@ def test_trainer_goes_on_after_a_server_dies_and_stops_past_max_restarts(real_mo
     data, run_dir, port = os.path.dirname(real_model_dir), str(tmp_path / "run"), free_port()
     cmd = [sys.executable, "-m", "hapo_megatron.train", "--config", os.path.join(ROOT, "examples/cpu_tiny/config.yaml"),
            *tiny_overrides(data, run_dir, **{
-               "trainer.total_steps": 200, "trainer.save_interval": 1, "trainer.keep_last_k": 2,
+               "trainer.total_steps": 1000, "trainer.save_interval": 1, "trainer.keep_last_k": 2,
                "parallel.tensor_model_parallel_size": 1, "rollout.engine": "sglang", "rollout.sglang.num_servers": 2,
                "rollout.sglang.colocate": "false", "rollout.sglang.weight_sync": "disk",  # 2 servers, 1 CPU rank
                "rollout.sglang.port_base": port, "rollout.sglang.max_restarts": 1,
