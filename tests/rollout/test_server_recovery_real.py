@@ -22,7 +22,7 @@ from hapo_megatron.rollout.sglang_launch import stop_process
 
 from .real_sglang import hf_greedy, hf_model, start_server
 
-PROMPTS = [[1, 10 + p, 11, 12 + p] for p in range(12)]  # x n=2: 24 rows, 6 calls of 4 rows
+PROMPTS = [[1, 10 + p, 11, 12 + p] for p in range(12)]  # x n=2: 24 rows, 6 calls of 4 rows, 3 per server
 SAMPLED = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=11)
 GREEDY = SamplingParams(n=1, temperature=0.0, max_new_tokens=8, ignore_eos=True)
 TIMEOUT_S = 60.0  # request timeout: how long a stopped server may take to be found
@@ -46,17 +46,25 @@ def greedy_on(eng, i):
     return [se.parse_generate_item(item)[0] for item in eng.http.request(eng.servers[i], "/generate", body)]
 
 
-def generate_with_fault(eng, sig, handle):
-    """One sampled round; ``sig`` hits ``handle``'s process group once the first call has returned
-    (others are in flight or queued). Returns (samples, time of the signal)."""
-    sent = []
+def generate_with_fault(eng, sig, handle, nth=2):
+    """One sampled round in which ``sig`` hits ``handle``'s process group just before the ``nth``
+    /generate call to it is sent (earlier calls answered: the middle of a round). Returns
+    (samples, time of the signal)."""
+    sent, calls, request = [], [], eng.http.request
 
-    def on_samples(_):
-        if not sent:
-            sent.append(time.monotonic())
-            os.killpg(handle.process.pid, sig)
+    def faulty(server, path, *args, **kwargs):
+        if server is handle and path == "/generate":
+            calls.append(1)
+            if len(calls) == nth:
+                sent.append(time.monotonic())
+                os.killpg(handle.process.pid, sig)
+        return request(server, path, *args, **kwargs)
 
-    return eng.generate(PROMPTS, SAMPLED, on_samples=on_samples), sent[0]
+    eng.http.request = faulty
+    try:
+        return eng.generate(PROMPTS, SAMPLED), sent[0]
+    finally:
+        eng.http.request = request
 
 
 def rows(out):

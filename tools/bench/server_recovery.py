@@ -56,14 +56,19 @@ def main() -> None:
         params = SamplingParams(n=2, temperature=args.temperature, max_new_tokens=24, ignore_eos=True, seed=11)
         flat = lambda out: [(s.response_ids, s.rollout_logprobs) for g in out for s in g]  # noqa: E731
         ref, again = flat(eng.generate(prompts, params)), flat(eng.generate(prompts, params))
-        killed = []
+        killed, request, calls = [], eng.http.request, []
 
-        def kill(_):
-            if not killed:
-                killed.append(time.monotonic())
-                os.killpg(handles[1].process.pid, signal.SIGKILL)
+        def faulty(server, path, *a, **kw):  # kill server 1 before its second call: mid-round
+            if server is handles[1] and path == "/generate":
+                calls.append(1)
+                if len(calls) == 2:
+                    killed.append(time.monotonic())
+                    os.killpg(handles[1].process.pid, signal.SIGKILL)
+            return request(server, path, *a, **kw)
 
-        out = flat(eng.generate(prompts, params, on_samples=kill))
+        eng.http.request = faulty
+        out = flat(eng.generate(prompts, params))
+        eng.http.request = request
         ids_diff = sum(a[0] != b[0] for a, b in zip(out, ref))
         lp_diff = max((abs(x - y) for a, b in zip(out, ref) if a[0] == b[0] for x, y in zip(a[1], b[1])), default=0.0)
         print(f"rows: {len(ref)}; retried: {eng.fault_metrics()['rollout/requests_retried']:.0f}")
