@@ -69,7 +69,7 @@ from hapo_megatron.parallel.collectives import all_gather_objects, broadcast_obj
 from hapo_megatron.rollout import sglang_launch as launcher
 from hapo_megatron.rollout.api_key import resolve_api_key
 from hapo_megatron.rollout.engine import Sample, SamplingParams, check_prompt_ids, drain_weights
-from hapo_megatron.rollout.server_supervisor import ServerSupervisor, first_line
+from hapo_megatron.rollout.server_supervisor import ServerPoolError, ServerSupervisor, first_line
 from hapo_megatron.rollout.sglang_client import (EndpointNotFoundError, RequestRefusedError, SGLangError, SGLangHTTP,
                                                  ServerHandle)
 from hapo_megatron.rollout import weight_sync as ws
@@ -407,6 +407,8 @@ class SGLangEngine:
             if self.world_size == 1:  # restarted (or returned) servers that answer take this sync
                 joining[:] = self.supervisor.rejoin_candidates()
                 targets = sorted(set(self.supervisor.in_use()) | set(joining))
+                if not targets:  # nothing would hold the new weights: never a silent no-op
+                    raise ServerPoolError(f"weight sync: no SGLang server left in use ({self.supervisor.summary()})")
             else:
                 targets = list(range(len(self.servers)))
             sync[self.weight_sync](named, targets)

@@ -149,6 +149,8 @@ def test_no_server_left_stops_the_run_even_with_restarts_left():
     with pytest.raises(ServerPoolError, match="no SGLang server left in use"):
         eng.generate(PROMPTS, PARAMS)
     assert eng.supervisor.restart.urls == URLS
+    with pytest.raises(ServerPoolError, match="weight sync: no SGLang server left in use"):  # not a silent no-op
+        eng.update_weights(iter(named_weights()))
 
 
 def test_max_restarts_comes_from_the_config():
