@@ -31,13 +31,17 @@ class SequenceMeta:
     data_sources: list[str] = field(default_factory=list)
     prompt_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     response_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # [B, 2]: the first prompt and the first response token (-1: none), what a rank's all-masked
+    # filler copies (`batching.dummy_sequence`) without holding the sequence
+    head_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
 
     @staticmethod
     def of(batch: RolloutBatch) -> "SequenceMeta":
         return SequenceMeta(group_ids=list(batch.group_ids), scores=list(batch.scores), accs=list(batch.accs),
                             rewards=list(batch.rewards), finish_reasons=list(batch.finish_reasons),
                             data_sources=list(batch.data_sources), prompt_lengths=batch.prompt_lengths.copy(),
-                            response_lengths=batch.response_lengths.copy())
+                            response_lengths=batch.response_lengths.copy(),
+                            head_ids=np.stack([_first(batch.prompt_ids), _first(batch.response_ids)], axis=1))
 
     def __len__(self) -> int:
         return len(self.group_ids)
@@ -46,6 +50,19 @@ class SequenceMeta:
     def num_tokens(self) -> np.ndarray:
         """Prompt + response tokens of each sequence."""
         return self.prompt_lengths + self.response_lengths
+
+    def head(self, i: int) -> SequenceData:
+        """Sequence ``i`` cut to its first prompt and first response token: enough for a filler."""
+        p, r = (int(x) for x in self.head_ids[i])
+        return SequenceData(prompt_ids=[p] if p >= 0 else [], response_ids=[r] if r >= 0 else [], index=int(i))
+
+
+def _first(rows) -> np.ndarray:
+    """Each row's first value, -1 for an empty row."""
+    lengths = rows.lengths
+    out = np.full(len(lengths), -1, np.int64)
+    out[lengths > 0] = rows.flat[rows.offsets[:-1][lengths > 0]]
+    return out
 
 
 @dataclass
@@ -91,14 +108,9 @@ def step_plan(meta: SequenceMeta, *, ppo_mini_batch_size: int, dp_size: int, mic
 
 
 def held_sequences(plans: Sequence[MiniPlan], dp_rank: int) -> np.ndarray:
-    """Global indices (ascending) of the sequences DP rank ``dp_rank`` reads: those it trains on,
-    and a mini-batch's first sequence where it trains on none (its all-masked filler copies
-    that sequence's first tokens, `batching.dummy_sequence`)."""
-    out: set[int] = set()
-    for idx, plan in plans:
-        mine = [idx[j] for b in plan[dp_rank] for j in b]
-        out.update(mine if mine else idx[:1])
-    return np.asarray(sorted(out), dtype=np.int64)
+    """Global indices (ascending) of the sequences DP rank ``dp_rank`` trains on."""
+    out = sorted(idx[j] for idx, plan in plans for b in plan[dp_rank] for j in b)
+    return np.asarray(out, dtype=np.int64)
 
 
 def split_for_ranks(batch: RolloutBatch, plans: Sequence[MiniPlan], dp_size: int) -> list[RolloutBatch]:

@@ -167,7 +167,7 @@ def layout(rt: Runtime, batch: RankBatch, adv: torch.Tensor) -> tuple[Minis, dic
     mbs = []
     for idx, plan in plans:
         mine = [[batch.sequence(idx[j], float(adv[idx[j]])) for j in b] for b in plan[g.dp_rank]]
-        template = None if mine else batch.sequence(idx[0])
+        template = None if mine else batch.meta.head(idx[0])  # a filler copies the mini-batch's first tokens
         mbs.append(collate_micro_batches(mine, template, pack=p.pack_sequences, **pads))
     real = computed = 0.0
     tokens = batch.meta.num_tokens

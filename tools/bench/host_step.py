@@ -146,7 +146,10 @@ def legacy_rollout_metrics(b: dict, *, max_response_length: int) -> dict:
     n = max(len(b["response_ids"]), 1)
     lengths = [len(r) for r in b["response_ids"]] or [0]
     temps = [t for ts in b["temperatures"] for t in ts]
-    return {"rollout/reward_mean": sum(b["rewards"]) / n, "rollout/score_mean": sum(b["scores"]) / n,
+    per_source: dict = {}
+    for src, a in zip(b["data_sources"], b["accs"]):
+        per_source.setdefault(src or "default", []).append(a)
+    out = {"rollout/reward_mean": sum(b["rewards"]) / n, "rollout/score_mean": sum(b["scores"]) / n,
             "rollout/acc": sum(b["accs"]) / n, "rollout/response_length_mean": sum(lengths) / len(lengths),
             "rollout/response_length_max": float(max(lengths)), "rollout/response_length_min": float(min(lengths)),
             "rollout/clip_ratio": sum(f == "length" or L >= max_response_length
@@ -154,6 +157,10 @@ def legacy_rollout_metrics(b: dict, *, max_response_length: int) -> dict:
             "rollout/temperature_mean": sum(temps) / len(temps) if temps else 0.0,
             "rollout/num_sequences": float(len(b["response_ids"])),
             "rollout/num_groups": float(len(set(b["group_ids"])))}
+    if len(per_source) > 1:
+        for src, accs in sorted(per_source.items()):
+            out[f"rollout/acc/{src}"] = sum(accs) / len(accs)
+    return out
 
 
 def legacy_pack(b: dict) -> dict:
