@@ -103,7 +103,7 @@ def score_samples(samples: Sequence[Sequence[Any]], records: Sequence[Any], *,
     """
     if len(samples) != len(records):
         raise ValueError(f"samples has {len(samples)} prompts but records has {len(records)}")
-    results = [[reward_fn(decode(list(smp.response_ids)), rec.ground_truth, score_format=score_format,
+    results = [[reward_fn(decode(np.asarray(smp.response_ids).tolist()), rec.ground_truth, score_format=score_format,
                           data_source=getattr(rec, "data_source", None),
                           extra_info=getattr(rec, "extra_info", None), **(reward_kwargs or {}))
                 for smp in group] for group, rec in zip(samples, records)]
