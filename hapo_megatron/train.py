@@ -76,7 +76,8 @@ def check_dist_timeout(cfg, world_size: int = 1) -> None:
         raise ValueError(
             f"trainer.dist_timeout_minutes={cfg.trainer.dist_timeout_minutes:g} ({timeout_s:.0f} s) is not longer than "
             f"one generation round may take ({bound:.0f} s = {waves} waves of /generate calls for {rows} rows x "
-            f"rollout.sglang.request_timeout_s={s.request_timeout_s:g} x (rollout.sglang.max_retries={s.max_retries} + 1)"
+            f"rollout.sglang.request_timeout_s={s.request_timeout_s:g} x "
+            f"(rollout.sglang.max_retries={s.max_retries} + 1)"
             "): raise trainer.dist_timeout_minutes, lower rollout.sglang.request_timeout_s or add servers")
 
 
@@ -95,7 +96,7 @@ def check_server_placement(cfg, world_size: int, env=None) -> None:
 
 
 def _load_model_config(path: Optional[str]):
-    from hapo_megatron.training.runtime import load_hf_config
+    from hapo_megatron.training.sources import load_hf_config
     if not path:
         raise ValueError("model.hf_model_path must name an HF model directory (config.json + tokenizer)")
     try:
@@ -126,7 +127,7 @@ def preflight(cfg, world_size: int):
     Returns ``(tokenizer, (train_dataset, val_dataset))``. Raises ValueError / FileNotFoundError
     with a message naming the config field or the file/row.
     """
-    from hapo_megatron.training.runtime import build_datasets, initial_hf_weights, load_tokenizer
+    from hapo_megatron.training.sources import build_datasets, initial_hf_weights, load_tokenizer
     from hapo_megatron.training.context import check_sequence_fits, sglang_context_args
     resolve_model_sources(cfg)
     hf_config = _load_model_config(cfg.model.hf_model_path)
@@ -146,7 +147,8 @@ def preflight(cfg, world_size: int):
     try:
         tokenizer = load_tokenizer(cfg.data.tokenizer_path)
     except Exception as e:  # noqa: BLE001
-        raise ValueError(f"data.tokenizer_path: cannot load a tokenizer from {cfg.data.tokenizer_path!r}: {e}") from None
+        raise ValueError(f"data.tokenizer_path: cannot load a tokenizer from {cfg.data.tokenizer_path!r}: "
+                         f"{e}") from None
     train, val = build_datasets(cfg, tokenizer)
     per_round = cfg.rollout.generate_batch_size or cfg.data.train_batch_size
     if per_round > len(train):
@@ -181,7 +183,7 @@ def print_memory_plan(cfg, world_size: int) -> None:
     if not torch.cuda.is_available():
         return
     from hapo_megatron.training.memory_plan import format_plan, plan_from_config
-    from hapo_megatron.training.runtime import load_hf_config
+    from hapo_megatron.training.sources import load_hf_config
     hf_config = load_hf_config(cfg.model.hf_model_path, cfg.model.max_position_embeddings)
     device = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     plan = plan_from_config(cfg, hf_config, world_size=world_size, device_bytes=device)

@@ -7,8 +7,10 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from hapo_megatron.parallel.collectives import all_gather_objects
+from hapo_megatron.convert.adapters import get_adapter
 from hapo_megatron.convert.base import TE_ALIASES, ModelAdapter, ParamMap, check_hf_state, split_dim
+from hapo_megatron.convert.hf_io import HFCheckpointReader
+from hapo_megatron.parallel.collectives import all_gather_objects
 
 
 def unwrap_model(model):
@@ -73,8 +75,6 @@ def load_hf_weights_into_mcore(model, hf_model_path_or_state, hf_config, *, tp_r
     experts are located the same way (each MoE layer's `local_expert_indices`); each expert's FFN
     is split over the expert-TP group: `etp_rank`/`etp_size` (None: the same as TP).
     """
-    from hapo_megatron.convert.adapters import get_adapter
-    from hapo_megatron.convert.hf_io import HFCheckpointReader
 
     adapter = get_adapter(hf_config)
     adapter.check_tp(tp_size)
@@ -180,7 +180,6 @@ def export_hf_weights(model_chunks, hf_config, *, tp_group=None, pp_group=None, 
     removed; the tied `lm_head.weight` is not yielded (HF omits it too). Groups left None have
     size 1; a MoE model split over EP / ETP without its group raises ValueError.
     """
-    from hapo_megatron.convert.adapters import get_adapter
 
     adapter = get_adapter(hf_config)
     chunks = _as_chunks(model_chunks)

@@ -16,7 +16,7 @@ def check_memory_plan(config: str, overrides=(), *, world_size: int | None = Non
     unless ``world_size`` is given (at least TP x PP x CP)."""
     from hapo_megatron.config import load_config
     from hapo_megatron.training.memory_plan import format_plan, plan_from_config
-    from hapo_megatron.training.runtime import load_hf_config
+    from hapo_megatron.training.sources import load_hf_config
     cfg = load_config(config, list(overrides))
     try:
         hf_config = load_hf_config(cfg.model.hf_model_path, cfg.model.max_position_embeddings)

@@ -7,9 +7,10 @@ response token ids, the log-prob of every sampled token under the distribution i
 from, and (where the engine can observe it) the temperature used at that token.
 
 Adaptive temperature (docs/algorithm.md, section 1): with ``params.adaptive`` and
-``params.entropy_stats`` set, each decoding step samples row ``b`` at ``T_b = T_base * (1 + temperature_tau * h_hat_b)``, where
-``h_hat_b`` is the normalised entropy of that row's next-token distribution at ``T_base``
-(computed by :func:`hapo_megatron.algo.adaptive_temperature`).
+``params.entropy_stats`` set, each decoding step samples row ``b`` at
+``T_b = T_base * (1 + temperature_tau * h_hat_b)``, where ``h_hat_b`` is the normalised entropy
+of that row's next-token distribution at ``T_base`` (computed by
+:func:`hapo_megatron.algo.adaptive_temperature`).
 """
 
 from __future__ import annotations

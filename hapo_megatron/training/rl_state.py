@@ -1,9 +1,9 @@
 """The RL loop's checkpointed state as one typed value (`RLState`).
 
 A checkpoint's ``rl_state.json`` holds it next to the model, optimizer and RNG states:
-``step``, ``sampler`` (the prompt cursor), ``entropy_stats`` (the statistics the next rollout's
-adaptive temperature uses), ``consecutive_skips``, ``sft_done`` and ``dynamic_sampling`` (the
-refill buffer), plus the actor's own ``num_skipped_updates`` and ``scheduler``
+``step``, ``sampler`` (the prompt cursor), ``entropy_stats`` (`RLState.rollout_entropy_stats`: the
+statistics the next rollout's adaptive temperature uses), ``consecutive_skips``, ``sft_done`` and
+``dynamic_sampling`` (the refill buffer), plus the actor's own ``num_skipped_updates`` and ``scheduler``
 (`MegatronActor.train_state_dict`). The key names are the ones checkpoints have always used;
 keys that older checkpoints lack get the value a run of that time behaved as if it had.
 """
@@ -26,7 +26,9 @@ class RLState:
         sampler: the training prompts' sampler (its cursor is checkpointed).
         dyn: the dynamic-sampling filter and its refill buffer.
         step: the last finished training step (0 before the first).
-        entropy_stats: the last step's global entropy statistics (None before the first step).
+        rollout_entropy_stats: the global entropy statistics the next rollout's adaptive
+            temperature uses: measured in the last finished step's old-log-prob pass (None before
+            the first step). Checkpoint key ``entropy_stats``.
         consecutive_skips: steps skipped in a row (no usable group, non-finite update).
         sft_done: the supervised warm start has run (or was not asked for).
     """
@@ -34,7 +36,7 @@ class RLState:
     sampler: PromptSampler
     dyn: DynamicSampler
     step: int = 0
-    entropy_stats: Optional[EntropyStats] = None
+    rollout_entropy_stats: Optional[EntropyStats] = None
     consecutive_skips: int = 0
     sft_done: bool = False
 
@@ -43,7 +45,8 @@ class RLState:
         return {
             "step": int(self.step),
             "sampler": self.sampler.state_dict(),
-            "entropy_stats": self.entropy_stats.to_dict() if self.entropy_stats is not None else None,
+            "entropy_stats": (self.rollout_entropy_stats.to_dict() if self.rollout_entropy_stats is not None
+                              else None),
             "consecutive_skips": int(self.consecutive_skips),
             "sft_done": bool(self.sft_done),
             "dynamic_sampling": self.dyn.state_dict(),
@@ -56,7 +59,7 @@ class RLState:
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         es = state.get("entropy_stats")
-        self.entropy_stats = EntropyStats.from_dict(es) if es else None
+        self.rollout_entropy_stats = EntropyStats.from_dict(es) if es else None
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
         self.sft_done = bool(state.get("sft_done", True))
         self.dyn.load_state_dict(state.get("dynamic_sampling", {}))

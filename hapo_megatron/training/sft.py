@@ -14,8 +14,10 @@ from typing import Any, Sequence
 
 import torch
 
-from hapo_megatron.parallel.micro_batch import MicroBatch
+from hapo_megatron.data import PromptSampler
 from hapo_megatron.parallel.collectives import sum_metrics
+from hapo_megatron.parallel.loss import DEFAULT_LOGPROB_CHUNK, logprobs_entropy_from_logits
+from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.training.batching import SequenceData, build_rank_micro_batches
 
 
@@ -37,7 +39,6 @@ def sft_sequences(records: Sequence[Any], tokenizer) -> list[SequenceData]:
 def cross_entropy_loss_factory(tp_group):
     """``make_loss(mb)``: summed token cross-entropy over ``loss_mask`` (per-token normalised by
     Megatron). Metrics ``sft/loss_sum``, ``sft/num_tokens``, ``sft/correct`` (argmax hits)."""
-    from hapo_megatron.parallel.loss import DEFAULT_LOGPROB_CHUNK, logprobs_entropy_from_logits
 
     def make_loss(mb: MicroBatch):
         def loss_func(output):  # logits, or HiddenStates with the fused output layer
@@ -57,7 +58,6 @@ def run_sft(rt) -> dict[str, float]:
     Prompts come from their own sampler (seeded apart from the RL one, whose cursor is left
     untouched). Per-step metrics go to ``<run_dir>/sft_metrics.jsonl``; returns the last ones.
     """
-    from hapo_megatron.data import PromptSampler
     cfg, g = rt.cfg, rt.groups
     steps = cfg.trainer.sft_warmup_steps
     sampler = PromptSampler(rt.train_ds, min(cfg.data.train_batch_size, len(rt.train_ds)),

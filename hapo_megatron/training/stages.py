@@ -19,14 +19,15 @@ import torch.distributed as dist
 
 from hapo_megatron.algo import EntropyStats, PolicyTokenFields, temperature_from_entropy
 from hapo_megatron.parallel.collectives import all_gather_objects, broadcast_object, scatter_objects, sum_metrics
-from hapo_megatron.parallel.loss import LossConfig, TokenSink
+from hapo_megatron.parallel.loss import DEFAULT_LOGPROB_CHUNK, LossConfig, TokenSink
 from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.rewards.counts import RewardCounts
 from hapo_megatron.rollout.engine import SamplingParams, drain_weights
 from hapo_megatron.training.actor import LossFactory
 from hapo_megatron.training.batching import collate_micro_batches, pack_multiples, token_efficiency
 from hapo_megatron.training.engine_memory import empty_cache
-from hapo_megatron.training.rl_step import RolloutBatch, build_batch, rollout_metrics, sequence_advantages, shape_rewards
+from hapo_megatron.training.rl_step import (RolloutBatch, build_batch, rollout_metrics, sequence_advantages,
+                                            shape_rewards)
 from hapo_megatron.training.rollout_share import (MiniPlan, RankBatch, SequenceMeta, held_sequences, split_for_ranks,
                                                   step_plan)
 from hapo_megatron.training.rollout_protocol import DONE, ERROR, PROGRESS
@@ -46,7 +47,7 @@ def _generate_round(rt: Runtime, step: int, gen_index: int, group_offset: int,
     (failures and waiting into ``counts``), shape."""
     cfg = rt.cfg
     records = rt.rl.sampler.next_batch()
-    params = SamplingParams.from_config(cfg.rollout, cfg.algo, entropy_stats=rt.rl.entropy_stats,
+    params = SamplingParams.from_config(cfg.rollout, cfg.algo, entropy_stats=rt.rl.rollout_entropy_stats,
                                         seed=rt.sampling_seed(step, gen_index), stop_token_ids=_stop_ids(rt))
     scoring = rt.scorer.start(records, decode=lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True))
     samples = rt.engine.generate([r.prompt_ids for r in records], params, on_samples=scoring.add)
@@ -195,12 +196,12 @@ def recompute_temperatures(rt: Runtime,
     """Per-token sampling temperatures, recomputed trainer-side for every engine (SGLang cannot
     report them): the engine's rule ``T = T_base * (1 + tau * h_hat(H))`` applied to the
     old-policy entropy at T_base (the rollout policy's weights) with the statistics the rollout
-    used (``rt.rl.entropy_stats``, the previous step's); plain ``T_base`` when the rollout was not
-    adaptive. Returns the micro-batches with ``temperatures`` that keep the engine's own values
+    used (``rt.rl.rollout_entropy_stats``, the previous step's); plain ``T_base`` when the rollout
+    was not adaptive. Returns the micro-batches with ``temperatures`` that keep the engine's own values
     where it reported them (what was really used; HF engine) and the recomputed ones elsewhere
     (SGLang), and token sums for the metrics, including the absolute difference between the two
     where both exist."""
-    params = SamplingParams.from_config(rt.cfg.rollout, rt.cfg.algo, entropy_stats=rt.rl.entropy_stats)
+    params = SamplingParams.from_config(rt.cfg.rollout, rt.cfg.algo, entropy_stats=rt.rl.rollout_entropy_stats)
     t_base = float(params.temperature)
     sums = {"t_n": 0.0, "t_sum": 0.0, "t_sq": 0.0, "t_diff": 0.0, "t_diff_n": 0.0}
     out = []
@@ -252,7 +253,7 @@ def old_logprob_pass(rt: Runtime, minis: Minis) -> tuple[Minis, EntropyStats, di
     from hapo_megatron.parallel.stats import global_entropy_stats
     cfg, g = rt.cfg, rt.groups
     flat = _flat(minis)
-    chunk = loss_config(rt).logprob_chunk_size
+    chunk = DEFAULT_LOGPROB_CHUNK  # the loss's chunking (LossConfig.logprob_chunk_size's default): same numbers
     t_base = cfg.rollout.temperature
     policy = rt.actor.compute_logprobs_entropy(flat, temperature=t_base, chunk_size=chunk)
     ref = (rt.actor.compute_logprobs_entropy(flat, temperature=t_base, model=rt.reference, chunk_size=chunk)

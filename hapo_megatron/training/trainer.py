@@ -17,7 +17,8 @@ from hapo_megatron.training.metrics import read_jsonl
 from hapo_megatron.training.checkpoint import step_dir_name
 from hapo_megatron.training.preemption import (RunStopped, StopRequest, cpu_group_over_world,
                                                 shield_checkpoint_writer)
-from hapo_megatron.training.runtime import Runtime, StepSnapshot, build_runtime, setup_reference
+from hapo_megatron.training.build import build_runtime, setup_reference
+from hapo_megatron.training.runtime import Runtime, StepSnapshot
 from hapo_megatron.training.sft import run_sft
 
 
@@ -73,13 +74,13 @@ def _fit(cfg: HapoConfig, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
         with timer("layout"):
             minis, layout_metrics = stages.layout(rt, batch, adv)
         with timer("old_logprob"):
-            minis, stats, ent_metrics = stages.old_logprob_pass(rt, minis)
+            minis, step_entropy_stats, ent_metrics = stages.old_logprob_pass(rt, minis)
         _stop_if_agreed(rt, stop, before)
         with timer("update"):
-            minis, upd_metrics = stages.ppo_update(rt, minis, stats)
+            minis, upd_metrics = stages.ppo_update(rt, minis, step_entropy_stats)
         with timer("diagnostics"):  # diag/* metrics; rollouts/ every logging.save_rollouts_interval
-            diag_metrics = token_diagnostics(rt, minis, batch.meta, stats, step)
-        rl.entropy_stats = stats  # the next rollout's adaptive temperature uses them
+            diag_metrics = token_diagnostics(rt, minis, batch.meta, step_entropy_stats, step)
+        rl.rollout_entropy_stats = step_entropy_stats  # the next rollout's adaptive temperature uses them
         with timer("sync"):
             stages.sync_weights(rt)
         metrics.update({**adv_metrics, **layout_metrics, **ent_metrics, **diag_metrics, **upd_metrics})

@@ -69,6 +69,7 @@ def collective_worker(rank, world_size, tmp_dir):
         eng3.generate([[10]], SamplingParams(n=1, max_new_tokens=2))
         eng3.update_weights(iter(named_weights()))
         eng3.release_memory()
-        out["solo_tensor_posts"] = [b["serialized_named_tensors"] for _, b in sess3.posts("/update_weights_from_tensor")]
+        out["solo_tensor_posts"] = [b["serialized_named_tensors"]
+                                    for _, b in sess3.posts("/update_weights_from_tensor")]
     torch.distributed.barrier()
     return out

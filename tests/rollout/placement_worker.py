@@ -1,6 +1,6 @@
 """One rank of the two-node placement test (run by torchrun; see test_placement.py).
 
-It goes through the trainer's own path: ``runtime._start_engine`` (every node's first rank
+It goes through the trainer's own path: ``build.start_engine`` (every node's first rank
 starts its servers, rank 0 releases them), ``stages.sync_weights`` (rank 0 resumes the weights,
 every node's leader sends its node's servers its copy) and rank 0's generation, with stand-in
 servers playing GPU servers (same command line, ``tests/rollout/standin_sglang_server.py``) and
@@ -39,7 +39,7 @@ def main(out_dir: str, port_base: int) -> None:
     from hapo_megatron.rollout import sglang_launch as launcher
     from hapo_megatron.rollout import weight_sync as ws
     from hapo_megatron.rollout.engine import SamplingParams
-    from hapo_megatron.training import runtime, stages
+    from hapo_megatron.training import build, stages
 
     rank, node = dist.get_rank(), int(os.environ["GROUP_RANK"])
     real_command = launcher.server_command
@@ -62,7 +62,7 @@ def main(out_dir: str, port_base: int) -> None:
                                                    "port_base": port_base}}})
     rt = SimpleNamespace(cfg=cfg, hf_config=None, tokenizer=None, is_main=rank == 0, engine=None,
                          actor=NodeLocalExport(node_groups[node]))
-    runtime._start_engine(rt)
+    build.start_engine(rt)
     out = {"rank": rank, "node": node, "pid": os.getpid(), "has_engine": rt.engine is not None}
     prompts = [[100 * p] for p in range(32)]  # 32 x n=8 rows = 4 calls of 64: one per server
     if rank == 0:

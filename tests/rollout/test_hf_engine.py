@@ -101,7 +101,8 @@ def test_not_adaptive_uses_base_temperature(engine, stats):
             for s in group:
                 assert s.temperatures == pytest.approx([0.7] * len(s.response_ids))
                 logits = full_forward_logits(engine.model, s.prompt_ids, s.response_ids)
-                want = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, torch.tensor(s.response_ids, dtype=torch.long)[:, None])
+                ids = torch.tensor(s.response_ids, dtype=torch.long)
+                want = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, ids[:, None])
                 assert torch.allclose(torch.tensor(s.rollout_logprobs), want.squeeze(-1), atol=1e-5)
 
 
@@ -110,7 +111,8 @@ def test_determinism_with_seed(engine, stats):
     a = engine.generate(PROMPTS, params)
     b = engine.generate(PROMPTS, params)
     c = engine.generate(PROMPTS, params.with_(seed=124))
-    flat = lambda out: [(s.response_ids.tolist(), s.rollout_logprobs.tolist(), s.temperatures.tolist()) for g in out for s in g]
+    flat = lambda out: [(s.response_ids.tolist(), s.rollout_logprobs.tolist(), s.temperatures.tolist())
+                        for g in out for s in g]
     assert flat(a) == flat(b)
     assert [x[0] for x in flat(a)] != [x[0] for x in flat(c)]
 
@@ -134,7 +136,8 @@ def test_greedy_matches_argmax_and_padding_invariance(engine):
         logits = full_forward_logits(engine.model, prompt, s.response_ids)
         assert s.response_ids.tolist() == logits.argmax(-1).tolist()
         assert s.temperatures.tolist() == [0.0] * 6 and s.finish_reason == "length"
-        want = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s.response_ids, dtype=torch.long)[:, None]).squeeze(-1)
+        ids = torch.tensor(s.response_ids, dtype=torch.long)
+        want = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, None]).squeeze(-1)
         assert torch.allclose(torch.tensor(s.rollout_logprobs), want, atol=1e-5)
 
 
@@ -186,7 +189,8 @@ def test_update_weights_changes_outputs_and_is_checked():
     named = [(k, v.float()) for k, v in sd.items() if k != "lm_head.weight"]
     eng.update_weights(iter(named))
     after = eng.generate(PROMPTS, params)
-    ids = lambda out: [(s.response_ids.tolist(), [round(x, 6) for x in s.rollout_logprobs.tolist()]) for g in out for s in g]
+    ids = lambda out: [(s.response_ids.tolist(), [round(x, 6) for x in s.rollout_logprobs.tolist()])
+                       for g in out for s in g]
     assert ids(after) == ids(target) != ids(before)
     snapshot = {k: v.clone() for k, v in eng.model.state_dict().items()}
     with pytest.raises(ValueError, match="unknown names.*model.bogus.weight"):

@@ -112,7 +112,8 @@ def test_retries_with_backoff_then_success():
     sleeps = []
     sess = FakeSession(failures={"/generate": [503, requests.ConnectionError("reset"), 502]})
     http = SGLangHTTP(max_retries=3, backoff_s=0.5, session=sess, sleep=sleeps.append)
-    ans = http.request(ServerHandle(URLS[0]), "/generate", {"input_ids": [[1]], "sampling_params": [{"max_new_tokens": 1}]})
+    ans = http.request(ServerHandle(URLS[0]), "/generate",
+                       {"input_ids": [[1]], "sampling_params": [{"max_new_tokens": 1}]})
     assert len(ans) == 1 and sleeps == [0.5, 1.0, 2.0]
 
 
@@ -395,7 +396,8 @@ def test_cpu_payload_is_pickled_by_value_and_accepted_by_sglangs_safe_unpickler(
 
     (blob,), _ = ws.serialize_bucket_for_sglang(named_weights())
     data = MultiprocessingSerializer.deserialize(blob)  # the server's SafeUnpickler
-    assert torch.equal(data["flattened_tensor"], torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named_weights()]))
+    assert torch.equal(data["flattened_tensor"],
+                       torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named_weights()]))
     assert [m.name for m in data["metadata"]] == [n for n, _ in named_weights()]
 
 

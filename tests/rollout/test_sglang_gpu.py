@@ -70,11 +70,13 @@ def test_generate_with_and_without_adaptive_processor(engine, tiny_models):
                 assert len(s.response_ids) == 12 and s.temperatures.tolist() == []
                 logits = recompute(model, s.prompt_ids, s.response_ids)
                 temp = adaptive_temperature(logits, stats if params.adaptive else None, 1.0, 0.9)
-                want = torch.log_softmax(logits / temp[:, None], -1).gather(-1, torch.tensor(s.response_ids, dtype=torch.long, device="cuda")[:, None])
+                want = torch.log_softmax(logits / temp[:, None], -1).gather(
+                    -1, torch.tensor(s.response_ids, dtype=torch.long, device="cuda")[:, None])
                 got = torch.tensor(s.rollout_logprobs, device="cuda")
                 assert torch.allclose(got, want.squeeze(-1), atol=0.05), (params.adaptive, got, want)
                 if params.adaptive:
-                    base = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.response_ids, dtype=torch.long, device="cuda")[:, None])
+                    base = torch.log_softmax(logits, -1).gather(
+                        -1, torch.tensor(s.response_ids, dtype=torch.long, device="cuda")[:, None])
                     err_adapt_vs_base.append(float((got - base.squeeze(-1)).abs().max()))
     assert max(err_adapt_vs_base) > 0.1  # the processor really changed the distribution
 

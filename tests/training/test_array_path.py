@@ -155,7 +155,8 @@ def test_random_batches_old_list_path_equals_array_path(seed):
         kept_new, kept_old = new, old  # nothing kept: lay the whole batch out
     for estimator in ("hapo", "grpo"):
         for over in ({}, {"parallel.pack_sequences": "true"}, {"parallel.sequence_parallel": "true"}):
-            cfg = _cfg(**{"algo.adv_estimator": estimator, "trainer.ppo_mini_batch_size": rng.choice([1, 2, 4]), **over})
+            mini = rng.choice([1, 2, 4])
+            cfg = _cfg(**{"algo.adv_estimator": estimator, "trainer.ppo_mini_batch_size": mini, **over})
             for dp in (1, 2, 5):
                 for rank in range(dp):
                     rt = _rt(cfg, dp, rank, tp_size=2)

@@ -17,7 +17,8 @@ CONFIG = os.path.join(ROOT, "examples", "cpu_tiny", "config.yaml")
 
 def _cfg(prompt, response, override=None):
     return HapoConfig.from_dict({"data": {"max_prompt_length": prompt}, "rollout": {"max_response_length": response},
-                                 "model": {"hf_model_path": "Qwen/Qwen2.5-Math-7B", "max_position_embeddings": override}})
+                                 "model": {"hf_model_path": "Qwen/Qwen2.5-Math-7B",
+                                           "max_position_embeddings": override}})
 
 
 class _HF:
@@ -64,7 +65,7 @@ def test_train_refuses_an_overflowing_config_at_start(tiny, tmp_path, capsys):
 
 def test_override_reaches_the_model_config(tiny, tmp_path):
     from hapo_megatron.config import load_config
-    from hapo_megatron.training.runtime import load_hf_config
+    from hapo_megatron.training.sources import load_hf_config
     cfg = load_config(CONFIG, tiny_overrides(tiny, str(tmp_path / "run")) + [
         "data.max_prompt_length=200", "rollout.max_response_length=100", "model.max_position_embeddings=300"])
     preflight(cfg, 2)  # passes with the override (the example runs TP=2)

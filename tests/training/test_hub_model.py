@@ -1,6 +1,6 @@
 """A hub model name (model.hf_model_path=org/name) trains from the real weights of its local
 snapshot, exactly like the same model given as a directory; a model without weights refuses to
-start unless model.random_init=true (models/hub.py, training/runtime.initial_hf_weights)."""
+start unless model.random_init=true (models/hub.py, training/sources.initial_hf_weights)."""
 
 import os
 import shutil
@@ -93,7 +93,7 @@ def test_model_without_weights_refuses_to_start(tiny, tmp_path, capsys):
 def test_random_init_is_a_choice(tiny, tmp_path):
     from hapo_megatron.config import load_config
     from hapo_megatron.train import preflight
-    from hapo_megatron.training.runtime import initial_hf_weights
+    from hapo_megatron.training.sources import initial_hf_weights
     no_weights = _config_only(tiny, tmp_path)
     cfg = load_config(CONFIG, tiny_overrides(tiny, str(tmp_path / "run"), **{
         "parallel.tensor_model_parallel_size": 1, "model.hf_model_path": no_weights, "model.random_init": "true"}))

@@ -61,7 +61,7 @@ def test_logging_config_reaches_wandb_init(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from hapo_megatron.config import HapoConfig
-    from hapo_megatron.training.runtime import build_logger
+    from hapo_megatron.training.build import build_logger
 
     calls = []
     fake = SimpleNamespace(init=lambda **kw: calls.append(kw) or SimpleNamespace(finish=lambda: None))

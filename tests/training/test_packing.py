@@ -208,8 +208,9 @@ def _layout(pack: bool, dp_rank: int = 1, **parallel):
     groups = SimpleNamespace(tp_size=2, cp_size=1, dp_size=2, dp_rank=dp_rank)
     seqs = _seqs(12, seed=9)
     batch = RolloutBatch(prompt_ids=[s.prompt_ids for s in seqs], response_ids=[s.response_ids for s in seqs],
-                         rollout_logprobs=[s.rollout_logprobs for s in seqs], temperatures=[s.temperatures for s in seqs],
-                         finish_reasons=["stop"] * 12, group_ids=[i // 3 for i in range(12)], scores=[float(i % 2) for i in range(12)],
+                         rollout_logprobs=[s.rollout_logprobs for s in seqs],
+                         temperatures=[s.temperatures for s in seqs], finish_reasons=["stop"] * 12,
+                         group_ids=[i // 3 for i in range(12)], scores=[float(i % 2) for i in range(12)],
                          accs=[bool(i % 2) for i in range(12)], rewards=[float(i % 2) for i in range(12)],
                          data_sources=[""] * 12)
     rt = SimpleNamespace(cfg=cfg, groups=groups)

@@ -61,7 +61,7 @@ def _runtime(engine, truths, *, n, filter_groups=False, **reward):
         tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: "".join(map(chr, ids)), eos_token_id=None),
         reward_fn=get_reward_fn(cfg.reward.reward_fn), scorer=RewardScorer.from_config(cfg.reward),
         rl=SimpleNamespace(dyn=DynamicSampler(enabled=filter_groups, max_num_gen_batches=3), sampler=sampler,
-                           entropy_stats=None))
+                           rollout_entropy_stats=None))
 
 
 def test_math_reward_timeouts_in_process_over_every_round(monkeypatch):

@@ -53,7 +53,7 @@ def test_old_layout_loads_and_round_trips():
     rl = _state()
     rl.load_state_dict(json.loads(json.dumps(OLD_LAYOUT)))
     assert rl.step == 3 and rl.consecutive_skips == 1 and rl.sft_done
-    assert rl.entropy_stats == EntropyStats.from_dict(OLD_LAYOUT["entropy_stats"])
+    assert rl.rollout_entropy_stats == EntropyStats.from_dict(OLD_LAYOUT["entropy_stats"])
     assert rl.sampler.position == 12 and rl.sampler.seed == 1
     assert rl.dyn.num_groups_kept == 13 and rl.dyn.buffer.group_ids == [4]
     again = _state()
@@ -68,7 +68,7 @@ def test_old_layout_loads_and_round_trips():
 def test_older_checkpoints_without_newer_keys():
     rl = _state()
     rl.load_state_dict({"step": 2, "sampler": OLD_LAYOUT["sampler"], "entropy_stats": None})
-    assert rl.step == 2 and rl.entropy_stats is None and rl.consecutive_skips == 0
+    assert rl.step == 2 and rl.rollout_entropy_stats is None and rl.consecutive_skips == 0
     assert rl.sft_done  # written after the warm start
     assert len(rl.dyn.buffer) == 0
     with pytest.raises(KeyError):

@@ -102,7 +102,8 @@ def test_other_ranks_get_heartbeats_during_a_round_then_the_batch_over_the_cpu_g
 def test_rank0_failure_stops_every_rank():
     out = run_distributed(_rollout_protocol, 2, True, timeout=400)
     assert out[0]["error"] == "ValueError: server went away"
-    assert out[1]["error"].startswith("RuntimeError: rank 0 failed during the rollout or evaluation: ValueError: server went away")
+    assert out[1]["error"].startswith("RuntimeError: rank 0 failed during the rollout or evaluation: "
+                                      "ValueError: server went away")
     assert out[1]["kinds"][-1] == "error" and out[0]["foreign"] == out[1]["foreign"] == []
 
 

@@ -305,10 +305,12 @@ def role_rank0_new(d: dict, out_dir: str, cap: int, chunk: int, gen_s: float, dp
     scorer = RewardScorer.from_config(cfg.reward)
     rt = SimpleNamespace(
         cfg=cfg, engine=engine, memory=EngineMemory(engine), control=SimpleNamespace(send=lambda kind, body: None),
-        sampling_seed=lambda step, i: 0, tokenizer=SimpleNamespace(decode=lambda ids, **_: decode(ids), eos_token_id=None),
+        sampling_seed=lambda step, i: 0,
+        tokenizer=SimpleNamespace(decode=lambda ids, **_: decode(ids), eos_token_id=None),
         reward_fn=get_reward_fn("math"), scorer=scorer,
         rl=SimpleNamespace(dyn=DynamicSampler(enabled=True, max_num_gen_batches=1),
-                           sampler=SimpleNamespace(next_batch=lambda: recs, state_dict=lambda: {}), entropy_stats=None))
+                           sampler=SimpleNamespace(next_batch=lambda: recs, state_dict=lambda: {}),
+                           rollout_entropy_stats=None))
     try:
         kept, metrics, _ = stages._rollout_rank0(rt, 1)
         t_ready = time.perf_counter()
