@@ -77,26 +77,32 @@ class Ragged:
         return (self._flat[off[i]:off[i + 1]] for i in range(len(off) - 1))
 
     def select(self, idx: Sequence[int]) -> "Ragged":
-        """The rows ``idx`` (in that order) in one gather."""
+        """The rows ``idx`` (in that order); all rows in order share this one's arrays (they are
+        never written in place)."""
         idx = np.asarray(idx, dtype=np.int64).reshape(-1)
-        off, lengths = self.offsets, self.lengths[idx]
+        off, flat = self.offsets, self.flat
+        if len(idx) == len(self) and bool((idx == np.arange(len(idx))).all()):
+            return Ragged(flat, off)
+        lengths = self.lengths[idx]
         new_off = np.zeros(len(idx) + 1, np.int64)
         np.cumsum(lengths, out=new_off[1:])
-        # flat position j of new row k reads off[idx[k]] + (j - new_off[k])
-        starts = np.repeat(off[:-1][idx] - new_off[:-1], lengths)
-        return Ragged(self._flat[starts + np.arange(new_off[-1])], new_off)
+        # one slice per row: a memcpy each, no per-token index array
+        parts = [flat[a:b] for a, b in zip(off[idx].tolist(), off[idx + 1].tolist())]
+        return Ragged(np.concatenate(parts) if parts else flat[:0], new_off)
 
     @staticmethod
     def concat(parts: Sequence["Ragged"], dtype: Any = None) -> "Ragged":
-        if not parts:
-            return Ragged(dtype=dtype or np.float32)
+        """Rows of ``parts`` in order; a single non-empty part is shared, not copied."""
+        dt = np.dtype(dtype) if dtype is not None else (parts[0].dtype if parts else np.dtype(np.float32))
+        rows = [p for p in parts if len(p)]
+        if len(rows) == 1 and rows[0].dtype == dt:
+            return Ragged(rows[0].flat, rows[0].offsets)
         flats, offs, base = [], [np.zeros(1, np.int64)], 0
-        for p in parts:
+        for p in rows:
             flats.append(p.flat)
             offs.append(p.offsets[1:] + base)
             base += len(p.flat)
-        dt = np.dtype(dtype) if dtype is not None else parts[0].dtype
-        return Ragged(np.concatenate(flats).astype(dt, copy=False), np.concatenate(offs))
+        return Ragged(np.concatenate(flats).astype(dt, copy=False) if flats else np.zeros(0, dt), np.concatenate(offs))
 
     def tolist(self) -> list[list]:
         return [r.tolist() for r in self]
