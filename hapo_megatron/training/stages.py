@@ -1,9 +1,11 @@
 """The stages of one training step (one function each, in data-path order; see trainer.fit).
 
-rollout (rank 0) -> sequences + advantages (every rank, same answer) -> micro-batch layout ->
-old-log-prob pass + global entropy statistics -> PPO updates -> weight sync -> eval/checkpoint.
+rollout (rank 0; each rank receives its share) -> advantages (every rank, same answer) ->
+micro-batch layout -> old-log-prob pass + global entropy statistics -> PPO updates -> weight sync
+-> eval/checkpoint.
 
-Between the stages travel typed values: a `RolloutBatch`, then this rank's micro-batches of each
+Between the stages travel typed values: this rank's `RankBatch` (every sequence's metadata, the
+per-token data of the sequences it trains on) and the advantages, then this rank's micro-batches of each
 PPO mini-batch (`Minis`, lists of `MicroBatch`). A stage returns new micro-batches with the fields
 it adds (`MicroBatch.with_`); it never edits the ones it was given.
 """
