@@ -87,11 +87,11 @@ def test_generate_orders_samples_and_spreads_requests():
     assert [[(s.prompt_index, s.sample_index) for s in g] for g in out] == [[(p, 0), (p, 1)] for p in range(4)]
     for p, g in enumerate(out):
         for s in g:
-            assert s.prompt_ids == prompts[p]
-            assert s.temperatures == [] and not s.has_temperatures  # SGLang cannot report them
+            assert s.prompt_ids.tolist() == prompts[p]
+            assert s.temperatures.tolist() == [] and not s.has_temperatures  # SGLang cannot report them
             assert s.rollout_logprobs == pytest.approx([-0.1 * (i + 1) for i in range(len(s.response_ids))])
-    assert out[1][0].response_ids == [21, 22] and out[1][0].finish_reason == "stop"
-    assert out[0][0].response_ids == [11, 12, 13, 14] and out[0][0].finish_reason == "length"
+    assert out[1][0].response_ids.tolist() == [21, 22] and out[1][0].finish_reason == "stop"
+    assert out[0][0].response_ids.tolist() == [11, 12, 13, 14] and out[0][0].finish_reason == "length"
     gens = sess.posts("/generate")
     assert sorted(len(b["input_ids"]) for _, b in gens) == [2, 3, 3]  # 8 rows in chunks of 3
     assert {u.rsplit("/", 1)[0] for u, _ in gens} == set(URLS)  # both servers used
