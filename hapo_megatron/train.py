@@ -76,7 +76,8 @@ def check_dist_timeout(cfg, world_size: int = 1) -> None:
         raise ValueError(
             f"trainer.dist_timeout_minutes={cfg.trainer.dist_timeout_minutes:g} ({timeout_s:.0f} s) is not longer than "
             f"one generation round may take ({bound:.0f} s = {waves} waves of /generate calls for {rows} rows x "
-            f"rollout.sglang.request_timeout_s={s.request_timeout_s:g} x (rollout.sglang.max_retries={s.max_retries} + 1)"
+            f"rollout.sglang.request_timeout_s={s.request_timeout_s:g} x "
+            f"(rollout.sglang.max_retries={s.max_retries} + 1)"
             "): raise trainer.dist_timeout_minutes, lower rollout.sglang.request_timeout_s or add servers")
 
 
@@ -146,7 +147,8 @@ def preflight(cfg, world_size: int):
     try:
         tokenizer = load_tokenizer(cfg.data.tokenizer_path)
     except Exception as e:  # noqa: BLE001
-        raise ValueError(f"data.tokenizer_path: cannot load a tokenizer from {cfg.data.tokenizer_path!r}: {e}") from None
+        raise ValueError(f"data.tokenizer_path: cannot load a tokenizer from {cfg.data.tokenizer_path!r}: "
+                         f"{e}") from None
     train, val = build_datasets(cfg, tokenizer)
     per_round = cfg.rollout.generate_batch_size or cfg.data.train_batch_size
     if per_round > len(train):

@@ -84,7 +84,8 @@ def test_contract_field_names_present():
     ("algo.adaptive_clip=maybe", "algo.adaptive_clip must be true or false, got 'maybe'"),
     ("rollout.n=true", "rollout.n must be an integer, got True"),
     ("data.train_files={a: 1}", "data.train_files must be a list"),
-    ("parallel.max_tokens_per_micro_batch=[1]", "parallel.max_tokens_per_micro_batch must be an integer or null, got [1]"),
+    ("parallel.max_tokens_per_micro_batch=[1]",
+     "parallel.max_tokens_per_micro_batch must be an integer or null, got [1]"),
 ])
 def test_validation_messages_name_the_field(override, message):
     with pytest.raises(ValueError) as info:
@@ -240,11 +241,13 @@ def test_cross_section_checks():
         (["rollout.n=1", "algo.adv_estimator=grpo"], "a group of 1 gets advantage 0 and nothing is learned"),
         (["rollout.top_k=1"], "rollout.top_k=1 samples greedily"),
         (["rollout.sglang.server_urls=[http://h:1]"], "rollout.sglang.server_urls is set but rollout.engine is 'hf'"),
-        (["rollout.sglang.server_urls=[h:1]", "rollout.engine=sglang"], "rollout.sglang.server_urls[0] must start with http"),
+        (["rollout.sglang.server_urls=[h:1]", "rollout.engine=sglang"],
+         "rollout.sglang.server_urls[0] must start with http"),
         (["rollout.sglang.weight_sync=tensor", "rollout.sglang.colocate=false"],
          "rollout.sglang.weight_sync='tensor' (CUDA IPC) needs rollout.sglang.colocate=true"),
         (["parallel.max_tokens_per_micro_batch=1000", "data.max_prompt_length=100", "rollout.max_response_length=1000"],
-         "parallel.max_tokens_per_micro_batch (1000) must be >= data.max_prompt_length + rollout.max_response_length (1100)"),
+         "parallel.max_tokens_per_micro_batch (1000) must be >= data.max_prompt_length + "
+         "rollout.max_response_length (1100)"),
     ]
     for overrides, message in cases:
         with pytest.raises(ValueError) as info:

@@ -71,7 +71,9 @@ def test_cpu_example_runs_and_logs(full_run):
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     for key in ("rollout/reward_mean", "rollout/acc", "entropy/mean", "entropy/pivot", "loss/pg_loss",
                 "loss/clipfrac_low", "loss/clipfrac_high", "rollout/logprob_abs_diff", "actor/lr",
-                "timing/rollout_s", "timing/update_s", "timing/sync_s", "perf/tokens_per_s"):
+                "timing/rollout_s", "timing/update_s", "timing/sync_s", "perf/tokens_per_s",
+                "timing/advantages_s", "timing/layout_s", "timing/old_logprob_s", "perf/token_efficiency",
+                "adv/abs_mean"):
         assert key in recs[-1], key
     # the HF engine and the Megatron recompute hold the same fp32 weights: step 1 samples at T_base
     # (no entropy statistics yet), so their log-probs agree to rounding (two float32 forwards of

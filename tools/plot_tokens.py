@@ -266,7 +266,8 @@ def token_diagnostics(variants: dict[str, list[str]], out: str, *, roles: str | 
 
 def format_summary(result: dict) -> str:
     """Markdown tables of `token_diagnostics`' summary."""
-    lines = ["| variant | tokens | entropy p50 / p80 / p90 / p99 (nats) | pivot (median over steps) | share above pivot |",
+    lines = ["| variant | tokens | entropy p50 / p80 / p90 / p99 (nats) | pivot (median over steps) "
+             "| share above pivot |",
              "|---|---|---|---|---|"]
     for name, s in result["tokens"].items():
         if not s.get("num_tokens"):
@@ -274,7 +275,8 @@ def format_summary(result: dict) -> str:
         q = s["entropy_quantiles"]
         lines.append(f"| {name} | {s['num_tokens']} | {q['0.5']:.3g} / {q['0.8']:.3g} / {q['0.9']:.3g} / "
                      f"{q['0.99']:.3g} | {s['pivot_median_over_steps']:.3g} | {s['share_above_pivot']:.1%} |")
-    lines += ["", "| variant | role | share of tokens | mean entropy | share above pivot | share of above-pivot tokens |",
+    lines += ["", "| variant | role | share of tokens | mean entropy | share above pivot "
+              "| share of above-pivot tokens |",
               "|---|---|---|---|---|---|"]
     for name, s in result["tokens"].items():
         for role, r in s.get("roles", {}).items():

@@ -9,6 +9,7 @@ from hapo_megatron.algo.advantages import (
     grpo_advantages,
     group_index,
     overlong_penalty,
+    response_advantages,
     token_level_group_advantages,
 )
 from hapo_megatron.algo.choices import (
@@ -75,6 +76,7 @@ __all__ = [
     "normalize_entropy",
     "overlong_penalty",
     "redistribute_advantages",
+    "response_advantages",
     "stats_from_reductions",
     "token_entropy",
     "token_level_group_advantages",

@@ -132,11 +132,20 @@ def token_level_group_advantages(
         ``[B, T]`` float32 advantages (0 on padding), or ``(advantages, fallback)``.
     """
     r, valid = _check_rewards_mask(rewards, loss_mask)
+    adv, fallback = _tlga_per_response(r, group_ids, valid.sum(dim=1).to(torch.float64), norm_adv_by_std, eps,
+                                       fallback_threshold)
+    out = (adv.unsqueeze(1) * valid).to(torch.float32)
+    return (out, fallback) if return_fallback else out
+
+
+def _tlga_per_response(r: torch.Tensor, group_ids: GroupIds, lengths: torch.Tensor, norm_adv_by_std: bool,
+                       eps: float, fallback_threshold: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """TLGA advantage [B] float64 of responses with ``lengths`` valid tokens (float64 [B]), and
+    the fallback flags [B]: the math of `token_level_group_advantages`, one value per response."""
     eps = _check_eps(eps)
     if fallback_threshold is not None and not float(fallback_threshold) > 0:
         raise ValueError(f"fallback_threshold must be > 0 or None, got {fallback_threshold!r}")
     gidx, ng = group_index(group_ids, r.shape[0], r.device)
-    lengths = valid.sum(dim=1).to(torch.float64)
     tot = torch.zeros(ng, dtype=torch.float64, device=r.device).index_add_(0, gidx, lengths)
     safe_tot = tot.clamp_min(1.0)  # groups without valid tokens: advantages are 0 anyway
     mu = torch.zeros_like(tot).index_add_(0, gidx, lengths * r) / safe_tot
@@ -151,8 +160,36 @@ def token_level_group_advantages(
         adv = torch.where(fallback, _grpo_per_response(r, gidx, ng, bool(norm_adv_by_std), eps), adv)
     else:
         fallback = torch.zeros_like(r, dtype=torch.bool)
-    out = (adv.unsqueeze(1) * valid).to(torch.float32)
-    return (out, fallback) if return_fallback else out
+    return adv, fallback
+
+
+def response_advantages(rewards, group_ids: GroupIds, lengths, *, estimator: str = "hapo",
+                        norm_adv_by_std: bool = True, eps: float = 1e-6,
+                        fallback_threshold: Optional[float] = 5.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One advantage per response, from its reward, group and number of valid tokens: the value
+    `token_level_group_advantages` (``estimator="hapo"``) or `grpo_advantages` (``"grpo"``) puts
+    on each of its valid tokens, 0 for a response without tokens. O(B): no ``[B, T]`` mask.
+
+    Returns ``(advantages [B] float32, fallback [B] bool)`` (fallback: all False for GRPO).
+    """
+    r = torch.as_tensor(rewards).detach().to(torch.float64)
+    n = torch.as_tensor(lengths).detach().to(torch.float64)
+    if r.ndim != 1 or n.shape != r.shape:
+        raise ValueError(f"rewards and lengths must both have shape [B], got {tuple(r.shape)} and {tuple(n.shape)}")
+    if not bool(torch.isfinite(r).all()):
+        raise ValueError("rewards must be finite")
+    if bool((n < 0).any()):
+        raise ValueError("lengths must be >= 0")
+    if estimator == "hapo":
+        adv, fallback = _tlga_per_response(r, group_ids, n, norm_adv_by_std, eps, fallback_threshold)
+    elif estimator == "grpo":
+        gidx, ng = group_index(group_ids, r.shape[0], r.device)
+        adv = _grpo_per_response(r, gidx, ng, bool(norm_adv_by_std), _check_eps(eps))
+        fallback = torch.zeros_like(r, dtype=torch.bool)
+    else:
+        raise ValueError(f"adv_estimator must be 'hapo' or 'grpo', got {estimator!r}")
+    # float32 first, as the [B, T] versions round each token's value
+    return torch.where(n > 0, adv.to(torch.float32), torch.zeros((), dtype=torch.float32)), fallback
 
 
 def overlong_penalty(

@@ -82,7 +82,8 @@ def mcore_to_hf(shards, config) -> dict[str, torch.Tensor]:
 
 __all__ = [
     "ADAPTERS", "HFCheckpointReader", "ModelAdapter", "ParamMap", "TE_ALIASES", "check_hf_state",
-    "copy_tokenizer_files", "export_hf_weights", "fused_expert_state", "per_expert_state", "gather_hf_state_dict", "get_adapter", "hf_to_mcore",
+    "copy_tokenizer_files", "export_hf_weights", "fused_expert_state", "per_expert_state", "gather_hf_state_dict",
+    "get_adapter", "hf_to_mcore",
     "load_hf_state_dict", "load_hf_weights_into_mcore", "load_megatron_checkpoint", "mcore_to_hf",
     "prepare_output_dir", "read_hf_config", "save_hf_checkpoint", "save_megatron_checkpoint", "unwrap_model",
 ]

@@ -110,11 +110,14 @@ class ModelAdapter:
             out.append(ParamMap(m + "self_attention.linear_qkv.bias",
                                 tuple(attn + f"{p}_proj.bias" for p in "qkv"), ((q,), (kv,), (kv,)), "qkv", key(1)))
         if self.qk_norm:
-            out.append(ParamMap(m + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), ((d,),), "replicated", key(3)))
-            out.append(ParamMap(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), ((d,),), "replicated", key(4)))
+            out.append(ParamMap(m + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), ((d,),),
+                                "replicated", key(3)))
+            out.append(ParamMap(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), ((d,),),
+                                "replicated", key(4)))
         out += [
             ParamMap(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), ((H, q),), "row", key(2)),
-            ParamMap(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), ((H,),), "replicated", key(8)),
+            ParamMap(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), ((H,),), "replicated",
+                     key(8)),
             ParamMap(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
                      ((F, H), (F, H)), "fc1", key(5)),
             ParamMap(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), ((H, F),), "row", key(6)),
@@ -128,7 +131,8 @@ class ModelAdapter:
         V, H = self.vocab, self.hidden
         out = []
         if pre_process:
-            out.append(ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), ((V, H),), "vocab", (0,)))
+            out.append(ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), ((V, H),), "vocab",
+                                (0,)))
         for local, layer in layers:
             out += self.layer_maps(local, layer, experts)
         if post_process:

@@ -1,6 +1,7 @@
 """`hapo convert` and tools/convert_*.py, tools/check_conversion.py.
 
-    hapo convert hf-to-megatron --hf-model-path HF --megatron-path OUT [--tp N] [--pp N] [--ep N] [--etp N] [--dtype bf16] [--overwrite]
+    hapo convert hf-to-megatron --hf-model-path HF --megatron-path OUT [--tp N] [--pp N] [--ep N] [--etp N]
+        [--dtype bf16] [--overwrite]
     hapo convert megatron-to-hf --megatron-path CKPT --hf-model-path OUT [--dtype bf16] [--overwrite]
     hapo convert check --hf-model-path HF --megatron-path CKPT [--prompt TEXT] [--tolerance X]
     hapo convert tiny-model --arch llama|qwen2|qwen3|qwen3_moe --out DIR [--seed S] [--tokenizer DIR]
@@ -296,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="max abs logit difference between an HF and a Megatron checkpoint")
     for s in (a, b, c):
         s.add_argument("--hf-model-path", required=True, help="HF model directory (output for megatron-to-hf)")
-        s.add_argument("--megatron-path", required=True, help="Megatron checkpoint directory (output for hf-to-megatron)")
+        s.add_argument("--megatron-path", required=True,
+                       help="Megatron checkpoint directory (output for hf-to-megatron)")
         s.add_argument("--tp", type=int, default=1, help="tensor parallel size (= ranks under torchrun with --pp)")
         s.add_argument("--ep", type=int, default=1, help="expert model parallel size (MoE models)")
         s.add_argument("--etp", type=int, default=None,

@@ -16,6 +16,7 @@ import importlib.util
 import os
 import tempfile
 
+import numpy as np
 import torch
 
 from hapo_megatron.doctor.report import FAIL, PASS, SKIP, CheckResult
@@ -97,7 +98,7 @@ def _run_sequence(model_dir: str, log_dir: str) -> str:
     new.load_state_dict({k: v.to("cuda:0") for k, v in new_state.items()})
     problems, moved, compared = [], 0, 0
     for prompt, (sample,) in zip(PROMPTS, samples):
-        response = list(sample.response_ids)
+        response = np.asarray(sample.response_ids).tolist()
         if not response:
             problems.append(f"prompt {prompt}: empty response")
             continue

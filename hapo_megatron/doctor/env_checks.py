@@ -56,7 +56,8 @@ def check_cuda_devices() -> CheckResult:
         return CheckResult("cuda devices", SKIP, "no CUDA device: the CPU subset runs")
     n = torch.cuda.device_count()
     p = torch.cuda.get_device_properties(0)
-    return CheckResult("cuda devices", PASS, f"{n} x {p.name} (sm_{p.major}{p.minor}, {p.total_memory / 1024**3:.0f} GiB)"
+    return CheckResult("cuda devices", PASS,
+                       f"{n} x {p.name} (sm_{p.major}{p.minor}, {p.total_memory / 1024**3:.0f} GiB)"
                        f", CUDA_VISIBLE_DEVICES={visible!r}")
 
 

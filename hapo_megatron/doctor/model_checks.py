@@ -68,7 +68,8 @@ def check_packed_vs_padded() -> CheckResult:
         return CheckResult(name, SKIP, "needs a CUDA GPU (the CPU path is tested by tests/training/test_packing_*)")
     from hapo_megatron.models.gpt import te_available
     if not te_available():
-        return CheckResult(name, FAIL, "transformer_engine is not importable", "build and use the image (docs/docker.md)")
+        return CheckResult(name, FAIL, "transformer_engine is not importable",
+                           "build and use the image (docs/docker.md)")
     from hapo_megatron.parallel.groups import initialize_parallel
     from hapo_megatron.training.actor import packed_seq_params_of
     from hapo_megatron.training.batching import SequenceData, collate, collate_packed

@@ -108,8 +108,9 @@ def parallel_checks() -> list:
         if not state:
             state.update(run_two_ranks())
         if "error" in state:
-            return CheckResult(key, FAIL, state["error"], "two local ranks could not run a collective: check "
-                               "NCCL_* settings, NCCL_DEBUG=INFO output and that the GPUs can talk (nvidia-smi topo -m)")
+            return CheckResult(key, FAIL, state["error"],
+                               "two local ranks could not run a collective: check NCCL_* settings, NCCL_DEBUG=INFO "
+                               "output and that the GPUs can talk (nvidia-smi topo -m)")
         err = state[key]
         fig = f"{state['backend']}: max |err| {err:.1e} vs single-process float64"
         if err > TOLERANCE:

@@ -38,7 +38,8 @@ from hapo_megatron.models.hf_config import (
 
 __all__ = [
     "DEFAULT_VOCAB_DIVISIBLE_BY", "PADDED_VOCAB_LOGIT", "SUPPORTED_ARCHS", "arch_of", "is_moe", "build_gpt_model",
-    "forward_hidden_states",     "head_dim_of", "layer_spec_for", "model_provider_for", "num_kv_heads_of", "output_weight", "padded_vocab_size",
+    "forward_hidden_states", "head_dim_of", "layer_spec_for", "model_provider_for", "num_kv_heads_of", "output_weight",
+    "padded_vocab_size",
     "rope_parameters", "te_available", "tiny_hf_config", "write_tiny_char_model", "transformer_config_from_hf",
     "validate_hf_config",
 ]

@@ -6,8 +6,8 @@ packed case added: the attention of a row of sequences with boundaries ``cu_seql
 block-diagonal causal mask (`block_causal_mask`: a position sees the earlier positions of its own
 sequence only). It is computed block by block, as TE does: the row's sequences become the rows of
 an ordinary causal batch (``O(sum L_i^2)``, not ``O(T^2)`` as a dense masked product would be), and
-the outputs go back to the packed row. Everything else of the packed path is megatron-core's own: `GPTModel` squeezes the
-batch dimension for ``qkv_format="thd"`` and applies the rotary embedding per sequence
+the outputs go back to the packed row. Everything else of the packed path is megatron-core's own: `GPTModel`
+squeezes the batch dimension for ``qkv_format="thd"`` and applies the rotary embedding per sequence
 (`_apply_rotary_pos_emb_thd`: positions restart at every ``cu_seqlens`` boundary), so a CPU run
 computes what the GPU (TE) path computes, the attention kernel aside.
 """

@@ -4,13 +4,16 @@ and metric sums across ranks.
 Every function takes ``group`` (None = the default group) and works without an initialised
 process group (a single process: rank 0 of 1), so callers never test ``dist.is_initialized()``.
 Tensor collectives stay where their math is (`parallel/stats.py`, `parallel/loss.py`); these
-carry small Python objects (messages, metric dicts, URLs, keys) between ranks.
+carry Python objects between ranks: small ones (messages, metric dicts, URLs, keys) to every rank,
+and with `scatter_objects` each rank's own share of a step's rollout.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import pickle
+from typing import Any, Mapping, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 
@@ -49,6 +52,37 @@ def all_gather_objects(obj: Any, group: Any = None) -> list:
     return out
 
 
+def scatter_objects(objs: Optional[Sequence[Any]], src: int = 0, group: Any = None) -> Any:
+    """Rank ``src`` gives rank ``r`` of ``group`` its own ``objs[r]`` (other ranks pass None) and
+    every rank returns its object. Point to point, so each rank receives only its part; entries
+    that are the same Python object (ranks that need the same data) are pickled once. ``group``
+    must be a CPU (gloo) group: the bytes travel as CPU tensors."""
+    rank, world = rank_and_world(group)
+    if world == 1:
+        return objs[0]
+    if dist.get_rank() != src:
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, src=src, group=group)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(data, src=src, group=group)
+        return pickle.loads(data.numpy())
+    if objs is None or len(objs) != world:
+        raise ValueError(f"scatter_objects needs one object per rank of the group ({world}), got "
+                         f"{None if objs is None else len(objs)}")
+    pickled: dict[int, torch.Tensor] = {}
+    for r, obj in enumerate(objs):
+        if r == rank:
+            continue
+        if id(obj) not in pickled:
+            pickled[id(obj)] = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
+                                                dtype=torch.uint8)
+        data = pickled[id(obj)]
+        dst = dist.get_global_rank(group, r) if group is not None else r
+        dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst=dst, group=group)
+        dist.send(data, dst=dst, group=group)
+    return objs[rank]
+
+
 def sum_metrics(local: Mapping[str, Any], *, contribute: bool = True, group: Any = None) -> dict[str, float]:
     """Metric dicts summed key by key over the ranks of ``group``; a rank with ``contribute``
     False adds nothing (e.g. TP replicas of the same numbers). The same dict on every rank."""
@@ -60,4 +94,4 @@ def sum_metrics(local: Mapping[str, Any], *, contribute: bool = True, group: Any
 
 
 __all__ = ["all_gather_objects", "broadcast_object", "global_rank", "is_distributed", "rank_and_world",
-           "sum_metrics"]
+           "scatter_objects", "sum_metrics"]

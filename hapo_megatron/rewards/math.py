@@ -128,7 +128,8 @@ def extract_final_answer(text: str) -> Optional[str]:
     return None
 
 
-_SAME_COMMANDS = [(re.compile(r"\\[dt]frac(?![a-zA-Z])"), r"\\frac"), (re.compile(r"\\[dt]binom(?![a-zA-Z])"), r"\\binom"),
+_SAME_COMMANDS = [(re.compile(r"\\[dt]frac(?![a-zA-Z])"), r"\\frac"),
+                  (re.compile(r"\\[dt]binom(?![a-zA-Z])"), r"\\binom"),
                   (re.compile(r"\\(?:left|right)(?![a-zA-Z])|\\[!,;]"), "")]
 
 

@@ -24,6 +24,8 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
+
 from hapo_megatron.rewards.bounded import MATH_PRELOAD, BoundedPool
 from hapo_megatron.rewards.counts import RewardCounts
 from hapo_megatron.rewards.math import RewardResult, compute_score
@@ -117,7 +119,7 @@ class ScoringRound:
         for smp in samples:
             rec = self.records[smp.prompt_index]
             self.futures[(smp.prompt_index, smp.sample_index)] = self.scorer.pool.submit(
-                _score_one, self.scorer.fn, self.decode(list(smp.response_ids)), rec.ground_truth,
+                _score_one, self.scorer.fn, self.decode(np.asarray(smp.response_ids).tolist()), rec.ground_truth,
                 self._kwargs(rec), timeout_s=self.scorer.timeout_s)
 
     def results(self, samples: Sequence[Sequence[Any]], counts: RewardCounts) -> list[list[RewardResult]]:
@@ -139,7 +141,7 @@ class ScoringRound:
 
     def _inline(self, smp, rec) -> RewardResult:
         fn = _wrapped(self.scorer.fn)
-        return fn(self.decode(list(smp.response_ids)), rec.ground_truth, **self._kwargs(rec))
+        return fn(self.decode(np.asarray(smp.response_ids).tolist()), rec.ground_truth, **self._kwargs(rec))
 
     def _collect(self, outcome, counts: RewardCounts) -> RewardResult:
         if outcome.ok and isinstance(outcome.value, RewardResult):

@@ -7,9 +7,10 @@ response token ids, the log-prob of every sampled token under the distribution i
 from, and (where the engine can observe it) the temperature used at that token.
 
 Adaptive temperature (docs/algorithm.md, section 1): with ``params.adaptive`` and
-``params.entropy_stats`` set, each decoding step samples row ``b`` at ``T_b = T_base * (1 + temperature_tau * h_hat_b)``, where
-``h_hat_b`` is the normalised entropy of that row's next-token distribution at ``T_base``
-(computed by :func:`hapo_megatron.algo.adaptive_temperature`).
+``params.entropy_stats`` set, each decoding step samples row ``b`` at
+``T_b = T_base * (1 + temperature_tau * h_hat_b)``, where ``h_hat_b`` is the normalised entropy
+of that row's next-token distribution at ``T_base`` (computed by
+:func:`hapo_megatron.algo.adaptive_temperature`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence, runtime_checkable
 
+import numpy as np
 import torch
 
 from hapo_megatron.algo import EntropyStats, check_h_hat_mode, check_temperature_tau
@@ -131,7 +133,9 @@ class SamplingParams:
 
 @dataclass
 class Sample:
-    """One generated response.
+    """One generated response. The per-token fields are numpy arrays (int32 ids, float32
+    log-probs and temperatures: what the trainer keeps), whatever sequence an engine builds them
+    from, so a step's rollout holds no Python object per token.
 
     Attributes:
         prompt_ids: the prompt's token ids (unpadded).
@@ -141,7 +145,7 @@ class Sample:
             from (``[len(response_ids)]``). HF engine: after temperature and top-k/top-p
             renormalisation. SGLang: after temperature, before top-k/top-p (SGLang's convention;
             identical when top_p = 1 and top_k = -1). Greedy: ``log_softmax`` of the raw logits.
-        temperatures: per response token, the sampling temperature used, or an EMPTY list when
+        temperatures: per response token, the sampling temperature used, or an EMPTY array when
             the engine cannot observe it (SGLang: the custom logit processor cannot return data).
             Callers detect ``len(temperatures) != len(response_ids)`` and, if needed, recompute
             ``T = T_base * (1 + tau * h_hat(old_entropy))`` trainer-side.
@@ -150,15 +154,18 @@ class Sample:
         sample_index: index of this sample among the prompt's ``n``.
     """
 
-    prompt_ids: list[int]
-    response_ids: list[int]
-    rollout_logprobs: list[float]
-    temperatures: list[float]
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    rollout_logprobs: np.ndarray
+    temperatures: np.ndarray
     finish_reason: str
     prompt_index: int
     sample_index: int = 0
 
     def __post_init__(self) -> None:
+        for name, dtype in (("prompt_ids", np.int32), ("response_ids", np.int32), ("rollout_logprobs", np.float32),
+                            ("temperatures", np.float32)):
+            setattr(self, name, np.asarray(getattr(self, name), dtype=dtype).reshape(-1))
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
         if len(self.rollout_logprobs) != len(self.response_ids):

@@ -232,7 +232,8 @@ class SGLangEngine:
                  weight_sync: str = "auto", bucket_size_mb: int = 512, request_timeout_s: float = 600.0,
                  max_retries: int = 3, colocate: bool = True,
                  extra_server_args: Sequence[str] = (), port_base: int = 30000, tokenizer: Any = None,
-                 dtype: Any = torch.bfloat16, launch_timeout_s: float = 900.0, requests_per_call: int = REQUESTS_PER_CALL,
+                 dtype: Any = torch.bfloat16, launch_timeout_s: float = 900.0,
+                 requests_per_call: int = REQUESTS_PER_CALL,
                  send_sampling_seed: bool = False, disk_sync_dir: Optional[str] = None,
                  log_dir: Optional[str] = None, collective: bool = False, wait_for_servers: bool = True,
                  session: Any = None, launch: bool = True, group_name: str = "hapo_weight_sync",
@@ -610,5 +611,5 @@ def _check_success(answer: Any, what: str) -> None:
         raise SGLangError(f"{what} failed: {answer.get('message')}")
 
 
-__all__ = ["SGLangEngine", "generate_call_plan", "row_sampling_params", "row_seeds", "generate_payload", "parse_generate_item",
-           "resolve_weight_sync", "WEIGHT_SYNC_MODES"]
+__all__ = ["SGLangEngine", "generate_call_plan", "row_sampling_params", "row_seeds", "generate_payload",
+           "parse_generate_item", "resolve_weight_sync", "WEIGHT_SYNC_MODES"]

@@ -41,15 +41,17 @@ _KEYED_MAIN = """import os, runpy, sys
 key = os.environ.pop({env!r}, "")
 if not key:
     sys.exit("{env} is not set: no API key for {module}")
-sys.argv = [{module!r}] + sys.argv[1:] + [a for flag in {flags!r} for a in (flag, key)]
+sys.argv = [{module!r}] + sys.argv[1:] + [f"{{flag}}={{key}}" for flag in {flags!r}]
 runpy.run_module({module!r}, run_name="__main__", alter_sys=True)
 """
 
 
 def module_argv(module: str, key_flags: Sequence[str] = ()) -> list[str]:
     """``["-m", module]``, or with ``key_flags`` a ``-c`` program that runs ``module`` the same way
-    with ``FLAG $HAPO_ROLLOUT_API_KEY`` appended to its own argv: the key never shows on the
-    command line (``ps`` lists those to every user of the node). It refuses to start without it."""
+    with ``FLAG=$HAPO_ROLLOUT_API_KEY`` appended to its own argv: the key never shows on the
+    command line (``ps`` lists those to every user of the node). It refuses to start without it.
+    ``FLAG=KEY`` in one word: a key starting with ``-`` (1 in 64 of `api_key.new_api_key`'s) would
+    otherwise be read by argparse as an option ("--api-key: expected one argument")."""
     if not key_flags:
         return ["-m", module]
     return ["-c", _KEYED_MAIN.format(env=API_KEY_ENV, module=module, flags=tuple(key_flags))]
@@ -283,7 +285,7 @@ def stop_process(handle: ServerHandle, timeout_s: float = 30.0) -> None:
         pass
 
 
-__all__ = ["sglang_dtype", "server_command", "resolve_device", "server_env", "cpu_stubs_dir", "CPU_STUBS_ENV", "node_ip",
-           "free_port", "start_process", "launch_server", "stop_process", "LaunchSpec", "restart_process",
+__all__ = ["sglang_dtype", "server_command", "resolve_device", "server_env", "cpu_stubs_dir", "CPU_STUBS_ENV",
+           "node_ip", "free_port", "start_process", "launch_server", "stop_process", "LaunchSpec", "restart_process",
            "kill_process"]
 __all__ += ["module_argv", "SERVER_KEY_FLAGS"]  # the API key (issue 15)

@@ -24,7 +24,8 @@ from hapo_megatron.models.hf_config import is_moe
 from hapo_megatron.models.moe import ExpertLoadMonitor, moe_overrides
 from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.training.checkpoint import OPTIMIZER_FORMAT, optimizer_sharding_metadata
-from hapo_megatron.training.optimizer_checkpoint import load_optimizer_state, ensure_adam_state
+from hapo_megatron.training.optimizer_checkpoint import (ensure_adam_state, load_optimizer_state,
+                                                          reshaped_for_this_optimizer, saved_with_chained_prefix)
 
 LossFactory = Callable[[MicroBatch], Callable]
 
@@ -331,11 +332,12 @@ class MegatronActor:
         return self.moe_monitor.step_metrics(tp_group=g.tp, pp_group=g.pp, dp_group=g.dp,
                                              sequence_parallel=bool(self.config.sequence_parallel))
 
-    def _sharded_state_dict(self, is_loading: bool, optimizer_format: str) -> dict:
+    def _sharded_state_dict(self, is_loading: bool, optimizer_format: str, chained_prefix: bool = False) -> dict:
         from hapo_megatron.convert import unwrap_model
         model_sd = unwrap_model(self.model[0]).sharded_state_dict()
         opt_sd = self.optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=optimizer_sharding_metadata(optimizer_format))
+            model_sd, is_loading=is_loading,
+            metadata=optimizer_sharding_metadata(optimizer_format, chained_prefix=chained_prefix))
         return {"model": model_sd, "optimizer": opt_sd}
 
     def save(self, path: str, optimizer_format: str = OPTIMIZER_FORMAT) -> None:
@@ -355,9 +357,20 @@ class MegatronActor:
 
         from hapo_megatron.convert import unwrap_model
         ensure_adam_state(self.optimizer)
-        state = dist_checkpointing.load(self._sharded_state_dict(True, optimizer_format), path)
+        if optimizer_format != OPTIMIZER_FORMAT or saved_with_chained_prefix(path):
+            # bucket-bound, or (MoE) keyed by the chain: loads on the layout it was saved under
+            state = dist_checkpointing.load(self._sharded_state_dict(True, optimizer_format, True), path)
+            optimizer_state = state["optimizer"]
+        else:  # model space: loads under any layout, the optimizer chain rebuilt for this one
+            sharded = self._sharded_state_dict(True, optimizer_format)
+            # WHY a key of its own: the result starts from the saved non-tensor state, shaped
+            # like the optimizer that saved it (under "optimizer"); this one's tensors land beside it
+            state = dist_checkpointing.load({"model": sharded["model"], "optimizer_loaded": sharded["optimizer"]},
+                                            path)
+            optimizer_state = reshaped_for_this_optimizer(sharded["optimizer"], state.get("optimizer"),
+                                                          state["optimizer_loaded"])
         unwrap_model(self.model[0]).load_state_dict(state["model"])
-        load_optimizer_state(self.optimizer, state["optimizer"])
+        load_optimizer_state(self.optimizer, optimizer_state)
 
     def train_state_dict(self) -> dict[str, Any]:
         """The actor's part of ``rl_state.json``: skipped updates and the LR schedule."""

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from hapo_megatron.parallel.micro_batch import MicroBatch
@@ -260,8 +261,9 @@ def collate(seqs: Sequence[SequenceData], *, pad_multiple: int = 1) -> MicroBatc
     advantages = torch.zeros(b, s)
     rollout_lp = torch.zeros(b, s)
     temps = torch.ones(b, s)
-    for i, x in enumerate(seqs):
-        toks = torch.tensor(list(x.prompt_ids) + list(x.response_ids), dtype=torch.long)
+    for i, x in enumerate(seqs):  # rows may be lists or numpy arrays (a `Ragged` row): one conversion each
+        toks = torch.from_numpy(np.concatenate([np.asarray(x.prompt_ids, dtype=np.int64).reshape(-1),
+                                                np.asarray(x.response_ids, dtype=np.int64).reshape(-1)]))
         n, p, r = len(toks), len(x.prompt_ids), len(x.response_ids)
         input_ids[i, :n] = toks
         labels[i, : n - 1] = toks[1:]
@@ -270,10 +272,10 @@ def collate(seqs: Sequence[SequenceData], *, pad_multiple: int = 1) -> MicroBatc
         sl = slice(p - 1, p - 1 + r)  # positions predicting the response tokens
         loss_mask[i, sl] = 1.0
         advantages[i, sl] = float(x.advantage)
-        if x.rollout_logprobs:
-            rollout_lp[i, sl] = torch.tensor(x.rollout_logprobs, dtype=torch.float32)
-        if x.temperatures:
-            temps[i, sl] = torch.tensor(x.temperatures, dtype=torch.float32)
+        if len(x.rollout_logprobs):
+            rollout_lp[i, sl] = torch.from_numpy(np.asarray(x.rollout_logprobs, dtype=np.float32).reshape(-1))
+        if len(x.temperatures):
+            temps[i, sl] = torch.from_numpy(np.asarray(x.temperatures, dtype=np.float32).reshape(-1))
     return MicroBatch(
         input_ids=input_ids,
         position_ids=torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous(),
@@ -285,8 +287,8 @@ def collate(seqs: Sequence[SequenceData], *, pad_multiple: int = 1) -> MicroBatc
 
 def dummy_sequence(template: SequenceData) -> SequenceData:
     """An all-masked filler so a data-parallel rank never gets an empty mini-batch."""
-    return SequenceData(prompt_ids=list(template.prompt_ids[:1]) or [PAD_ID],
-                        response_ids=list(template.response_ids[:1]), index=-1)
+    return SequenceData(prompt_ids=[int(t) for t in template.prompt_ids[:1]] or [PAD_ID],
+                        response_ids=[int(t) for t in template.response_ids[:1]], index=-1)
 
 
 def build_rank_micro_batches(seqs: Sequence[SequenceData], *, dp_rank: int, dp_size: int,
@@ -306,7 +308,17 @@ def build_rank_micro_batches(seqs: Sequence[SequenceData], *, dp_rank: int, dp_s
         raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
     plan = plan_micro_batches([x.num_tokens for x in seqs], dp_size=dp_size, micro_batch_size=micro_batch_size,
                               max_tokens_per_micro_batch=max_tokens_per_micro_batch, pack=pack)
-    groups = [[seqs[i] for i in b] for b in plan[dp_rank]] or [[dummy_sequence(seqs[0])]]
+    return collate_micro_batches([[seqs[i] for i in b] for b in plan[dp_rank]], seqs[0], pad_multiple=pad_multiple,
+                                 pack=pack, seq_multiple=seq_multiple, row_multiple=row_multiple)
+
+
+def collate_micro_batches(groups: Sequence[Sequence[SequenceData]], template: SequenceData, *,
+                          pad_multiple: int = 1, pack: bool = False, seq_multiple: int = 1,
+                          row_multiple: int = 1) -> list[MicroBatch]:
+    """One micro-batch per group of sequences (a rank's part of a `plan_micro_batches` plan),
+    padded or packed as in `build_rank_micro_batches`; no group: one all-masked dummy built from
+    ``template`` (the mini-batch's first sequence), so every rank runs at least one micro-batch."""
+    groups = [list(g) for g in groups] or [[dummy_sequence(template)]]
     if pack:
         return [collate_packed(g, seq_multiple=seq_multiple, row_multiple=row_multiple) for g in groups]
     return [collate(g, pad_multiple=pad_multiple) for g in groups]

@@ -58,15 +58,20 @@ OPTIMIZER_FORMAT = "fully_reshardable"
 LEGACY_OPTIMIZER_FORMAT = "dp_reshardable"
 
 
-def optimizer_sharding_metadata(optimizer_format: str) -> dict[str, Any]:
+def optimizer_sharding_metadata(optimizer_format: str, *, chained_prefix: bool = False) -> dict[str, Any]:
     """``metadata`` for ``DistributedOptimizer.sharded_state_dict`` (other optimizers ignore it).
 
     WHY mem_efficient: saving "fully_reshardable" gathers each model-parallel shard's optimizer
     state over DP into host memory; this way only DP rank 0 holds it (gloo gather) instead of
     every DP rank (all-gather). The stored tensors are the same either way.
+    WHY no chained prefix: a MoE model's optimizer is a chain of two at EP > 1 and one at EP = 1;
+    keys without the chain position load under either (`optimizer_checkpoint`, gap 4).
+    ``chained_prefix``: load a checkpoint written with the prefix. Megatron adds it to the
+    bucket-bound `LEGACY_OPTIMIZER_FORMAT` regardless.
     """
     return {"distrib_optim_sharding_type": optimizer_format,
-            "distrib_optim_fully_reshardable_mem_efficient": True}
+            "distrib_optim_fully_reshardable_mem_efficient": True,
+            "chained_optim_avoid_prefix": not chained_prefix}
 
 
 def step_dir_name(step: int) -> str:

@@ -19,6 +19,7 @@ from hapo_megatron.analysis import TokenDiagnostics, rollout_path, write_rollout
 from hapo_megatron.config.sections import AlgoConfig
 from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.training.rl_step import RolloutBatch
+from hapo_megatron.training.rollout_share import SequenceMeta
 from hapo_megatron.training.runtime import Runtime
 
 
@@ -51,7 +52,7 @@ def accumulate_token_diagnostics(micro_batches: list[MicroBatch], stats: Entropy
     return diag
 
 
-def rollout_records(micro_batches: list[MicroBatch], batch: RolloutBatch, stats: EntropyStats,
+def rollout_records(micro_batches: list[MicroBatch], batch: RolloutBatch | SequenceMeta, stats: EntropyStats,
                     algo: AlgoConfig, step: int) -> list[dict]:
     """Saved-rollout records (`analysis.ROLLOUT_FIELDS`, plus `index` in the step's batch) of the
     real sequences of `micro_batches`; ratio, A' and clip flags are the loss's in the last update."""
@@ -75,8 +76,8 @@ def rollout_records(micro_batches: list[MicroBatch], batch: RolloutBatch, stats:
     return out
 
 
-def token_diagnostics(rt: Runtime, minis: list[list[MicroBatch]], batch: RolloutBatch, stats: EntropyStats,
-                      step: int) -> dict[str, float]:
+def token_diagnostics(rt: Runtime, minis: list[list[MicroBatch]], batch: RolloutBatch | SequenceMeta,
+                      stats: EntropyStats, step: int) -> dict[str, float]:
     """``diag/*`` metrics of the step (same on every rank) and, every
     ``logging.save_rollouts_interval`` steps, ``<run_dir>/rollouts/step_<step>.jsonl`` (rank 0).
 

@@ -27,6 +27,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
 
 # The paper's evaluation protocol.
@@ -233,7 +235,7 @@ def _score_prompt(rec, samples, reward_fn, tokenizer, keep_text: bool,
                        ground_truth=str(rec.ground_truth), acc=[], scores=[],
                        response_lengths=[])
     for s in samples:
-        text = tokenizer.decode(list(s.response_ids), skip_special_tokens=True)
+        text = tokenizer.decode(np.asarray(s.response_ids).tolist(), skip_special_tokens=True)
         score, acc, pred = _score(reward_fn, text, rec.ground_truth, kwargs)
         res.scores.append(score)
         res.acc.append(acc)

@@ -22,8 +22,8 @@ GiB = 1024**3
 CONTEXT_BYTES = 1 * GiB  # CUDA context + NCCL buffers of one process (rough, deliberately round)
 HEADROOM = 0.95  # plan against 95% of the device (fragmentation)
 
-__all__ = ["ModelShape", "MemoryPlan", "expert_param_count", "param_count", "plan_memory", "plan_from_config", "format_plan",
-           "shape_from_hf_config"]
+__all__ = ["ModelShape", "MemoryPlan", "expert_param_count", "param_count", "plan_memory", "plan_from_config",
+           "format_plan", "shape_from_hf_config"]
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,8 @@ def shape_from_hf_config(hf_config) -> ModelShape:
     return ModelShape(**moe,hidden=int(hf_config.hidden_size), layers=int(hf_config.num_hidden_layers),
                       heads=int(hf_config.num_attention_heads), kv_heads=num_kv_heads_of(hf_config),
                       head_dim=head_dim_of(hf_config), intermediate=int(hf_config.intermediate_size),
-                      vocab=int(hf_config.vocab_size), tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+                      vocab=int(hf_config.vocab_size),
+                      tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
                       qkv_bias=has_qkv_bias(hf_config), qk_norm=has_qk_norm(hf_config))
 
 
@@ -179,7 +180,8 @@ def format_plan(plan: MemoryPlan, title: Optional[str] = None) -> str:
              f"  trainer static  {g(plan.static)}  (params {g(plan.params).strip()}, fp32 grads "
              f"{g(plan.grads).strip()}, optimizer {g(plan.optimizer).strip()})",
              f"  activations     {g(plan.activations)}  (one micro-batch, estimate)",
-             f"  SGLang pool     {g(plan.sglang_pool)}  (mem_fraction_static x device; weights {g(plan.sglang_weights).strip()})",
+             f"  SGLang pool     {g(plan.sglang_pool)}  (mem_fraction_static x device; weights "
+             f"{g(plan.sglang_weights).strip()})",
              f"  overhead        {g(plan.overhead)}  (CUDA context per process)",
              f"  trainer state offloaded during generation: {'yes' if plan.offload else 'no'}"]
     for phase, need in plan.phases.items():

@@ -20,7 +20,8 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-__all__ = ["OffloadSet", "StorageOffloader", "actor_offload_sets", "make_actor_offloader", "offload_planned", "offload_wanted"]
+__all__ = ["OffloadSet", "StorageOffloader", "actor_offload_sets", "make_actor_offloader", "offload_planned",
+           "offload_wanted"]
 
 
 @dataclass
@@ -112,7 +113,8 @@ def actor_offload_sets(model_chunks, optimizer, device_type: str = "cuda") -> li
     on = _on(device_type)
     params, grads = [], []
     for chunk in model_chunks:
-        for buf in list(getattr(chunk, "buffers", []) or []) + list(getattr(chunk, "expert_parallel_buffers", []) or []):
+        for buf in (list(getattr(chunk, "buffers", []) or [])
+                    + list(getattr(chunk, "expert_parallel_buffers", []) or [])):
             if on(getattr(buf, "param_data", None)):
                 params.append(buf.param_data)
             if on(getattr(buf, "grad_data", None)):

@@ -17,6 +17,19 @@ state first, before a save (a run stopped before its first update) or a load.
 overwrites it with the pre-load value, so the bias correction after a resume would differ from
 an uninterrupted run: `load_optimizer_state` gives every parameter its own ``step`` with the
 saved value.
+
+4. Mixture-of-Experts: with expert parallelism (EP > 1) Megatron keeps the experts' state in a
+second optimizer of a `ChainedOptimizer` (its own param groups, flagged ``is_expert_parallel``,
+and its own data-parallel group), at EP = 1 in the optimizer of the dense weights. The saved
+optimizer is therefore shaped by the EP layout twice: its tensor keys carry a ``chained_N.``
+prefix unless ``chained_optim_avoid_prefix`` is set (`checkpoint.optimizer_sharding_metadata`
+sets it), and its non-tensor state (param groups with the step, the grad scaler) is one entry
+per chained optimizer, which `ChainedOptimizer.load_state_dict` matches by position and
+`DistributedOptimizer.load_state_dict` by the group identifiers including ``is_expert_parallel``.
+`reshaped_for_this_optimizer` rebuilds the loaded state in the shape of this run's optimizer:
+the model-space tensors by their keys, the param groups by their identifiers (an expert group
+takes the values of the dense group it was part of at EP = 1, and back). Checkpoints written
+with the prefix (`saved_with_chained_prefix`) load on their own EP layout as before.
 """
 
 from __future__ import annotations
@@ -25,6 +38,11 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+
+# megatron-core's param-group identifiers (optimizer.param_group_identifier_keys), the one that
+# depends on the EP layout last
+_LAYOUT_FREE_GROUP_KEYS = ("wd_mult", "lr_mult", "is_decoupled_lr")
+_EXPERT_GROUP_KEY = "is_expert_parallel"
 
 
 def _distributed_optimizers(optimizer) -> list:
@@ -80,10 +98,29 @@ def ensure_adam_state(optimizer) -> None:
                                     "exp_avg_sq": torch.zeros_like(p.data)}
 
 
+def _is_chain(state_dict: Any) -> bool:
+    """A `ChainedOptimizer` of several optimizers keeps their entries under the keys 0, 1, ..."""
+    return isinstance(state_dict, dict) and bool(state_dict) and all(isinstance(k, int) for k in state_dict)
+
+
+def _per_optimizer(state_dict: Any) -> list:
+    """The entries of a (chained) optimizer state dict, one per optimizer (a single optimizer's
+    is the dict itself)."""
+    if _is_chain(state_dict):
+        return [state_dict[k] for k in sorted(state_dict)]
+    if isinstance(state_dict, list):
+        return list(state_dict)
+    return [state_dict]
+
+
+def _saved_param_groups(state_dict: Any) -> list[dict]:
+    return [g for sd in _per_optimizer(state_dict) if isinstance(sd, dict)
+            for g in ((sd.get("optimizer") or {}).get("param_groups") or [])]
+
+
 def _restore_adam_steps(optimizer, state_dict: Any) -> None:
     """Gap 3 (module docstring): every parameter's own ``step`` with the saved value."""
-    groups = (state_dict.get("optimizer") or {}).get("param_groups") or []
-    steps = {g.get("step") for g in groups if g.get("step") is not None}
+    steps = {g.get("step") for g in _saved_param_groups(state_dict) if g.get("step") is not None}
     if len(steps) != 1:
         return
     step = float(steps.pop())
@@ -99,3 +136,67 @@ def load_optimizer_state(optimizer, state_dict: Any) -> None:
     with torch.no_grad(), _adam_steps_hidden_during_reshardable_load(optimizer):  # fp32 main params are views
         optimizer.load_state_dict(state_dict)
     _restore_adam_steps(optimizer, state_dict)
+
+
+def saved_with_chained_prefix(checkpoint_dir: str) -> bool:
+    """Whether the optimizer tensors of a dist_checkpointing checkpoint carry ``chained_N.`` key
+    prefixes (gap 4: MoE checkpoints at EP > 1 written before the prefix was dropped)."""
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+    return any(key.startswith("chained_") for key in load_tensors_metadata(checkpoint_dir))
+
+
+def _matching_group(group: dict, saved: list[dict]) -> dict:
+    """The saved param group of ``group``: the same identifiers, or else the same apart from
+    ``is_expert_parallel`` (the group of the other EP layout)."""
+    def ident(g, keys):
+        return tuple(g.get(k) for k in keys)
+    for keys in (_LAYOUT_FREE_GROUP_KEYS + (_EXPERT_GROUP_KEY,), _LAYOUT_FREE_GROUP_KEYS):
+        found = [g for g in saved if ident(g, keys) == ident(group, keys)]
+        if found:
+            return {**found[0], _EXPERT_GROUP_KEY: group.get(_EXPERT_GROUP_KEY)}
+    raise ValueError(f"the checkpoint has no optimizer param group for this run's group "
+                     f"{ {k: group.get(k) for k in _LAYOUT_FREE_GROUP_KEYS + (_EXPERT_GROUP_KEY,)} } "
+                     f"(saved: {[{k: g.get(k) for k in _LAYOUT_FREE_GROUP_KEYS} for g in saved]}); "
+                     "was it written with other optimizer settings (weight decay / lr multipliers)?")
+
+
+def _with_loaded_tensors(current: Any, loaded: Any, path: tuple = ()) -> Any:
+    """``current`` (a sharded state dict) with each sharded leaf replaced by the loaded value at the
+    same place in ``loaded``; other leaves are kept."""
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+    if isinstance(current, dict):
+        return {k: _with_loaded_tensors(v, loaded.get(k) if isinstance(loaded, dict) else None, path + (k,))
+                for k, v in current.items()}
+    if isinstance(current, list):
+        return [_with_loaded_tensors(v, loaded[i] if isinstance(loaded, list) and i < len(loaded) else None,
+                                     path + (i,)) for i, v in enumerate(current)]
+    if isinstance(current, ShardedBase):
+        if loaded is None:
+            raise KeyError(f"optimizer state at {path} was not loaded")
+        return loaded
+    return current
+
+
+def reshaped_for_this_optimizer(current: Any, saved_common: Any, loaded: Any) -> Any:
+    """Gap 4 (module docstring): the state dict for ``optimizer.load_state_dict`` from a
+    ``fully_reshardable`` checkpoint saved under any EP layout.
+
+    ``current``: this optimizer's sharded state dict (built for loading); ``loaded``: what
+    dist_checkpointing loaded for it (its sharded leaves, at the same places); ``saved_common``:
+    the checkpoint's non-tensor optimizer state, in the shape of the optimizer that saved it.
+    """
+    saved_groups = _saved_param_groups(saved_common)
+    scalers = [sd["grad_scaler"] for sd in _per_optimizer(saved_common)
+               if isinstance(sd, dict) and sd.get("grad_scaler") is not None]
+    mine, mine_loaded = _per_optimizer(current), _per_optimizer(loaded)
+    if len(mine) != len(mine_loaded):
+        raise ValueError(f"optimizer state loaded for {len(mine_loaded)} optimizer(s), this run has {len(mine)}")
+    out = []
+    for cur, got in zip(mine, mine_loaded):
+        state = _with_loaded_tensors(cur, got)
+        groups = [_matching_group(g, saved_groups) for g in state["optimizer"]["param_groups"]]
+        state["optimizer"] = {**state["optimizer"], "param_groups": groups}
+        if scalers and state.get("grad_scaler") is not None:  # one loss scale for the whole chain
+            state["grad_scaler"] = scalers[0]
+        out.append(state)
+    return dict(enumerate(out)) if _is_chain(current) else out[0]

@@ -2,8 +2,8 @@
 
 A checkpoint's ``rl_state.json`` holds it next to the model, optimizer and RNG states:
 ``step``, ``sampler`` (the prompt cursor), ``entropy_stats`` (`RLState.rollout_entropy_stats`: the
-statistics the next rollout's adaptive temperature uses), ``consecutive_skips``, ``sft_done`` and ``dynamic_sampling`` (the
-refill buffer), plus the actor's own ``num_skipped_updates`` and ``scheduler``
+statistics the next rollout's adaptive temperature uses), ``consecutive_skips``, ``sft_done`` and
+``dynamic_sampling`` (the refill buffer), plus the actor's own ``num_skipped_updates`` and ``scheduler``
 (`MegatronActor.train_state_dict`). The key names are the ones checkpoints have always used;
 keys that older checkpoints lack get the value a run of that time behaved as if it had.
 """

@@ -10,23 +10,33 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from hapo_megatron.training.batching import SequenceData
+from hapo_megatron.training.ragged import Ragged
 
 
-@dataclass
+# per-token fields and their dtypes (ids fit int32; log-probs and temperatures are float32 on the
+# trainer side, so storing them as float32 loses nothing the layout would keep)
+RAGGED_FIELDS = {"prompt_ids": np.int32, "response_ids": np.int32, "rollout_logprobs": np.float32,
+                 "temperatures": np.float32}
+
+
+@dataclass(eq=False)
 class RolloutBatch:
     """Per-sequence data of one step, in group-major order (one entry per response).
 
-    ``group_ids[i]`` identifies the prompt (all ``n`` responses of a prompt share it);
-    ``scores`` are raw rewards, ``rewards`` the shaped ones used for advantages.
+    The per-token fields (`RAGGED_FIELDS`) are `Ragged`: one flat array and row offsets (given as
+    lists of rows, they are converted); ``group_ids[i]`` identifies the prompt (all ``n``
+    responses of a prompt share it); ``scores`` are raw rewards, ``rewards`` the shaped ones used
+    for advantages.
     """
 
-    prompt_ids: list[list[int]] = field(default_factory=list)
-    response_ids: list[list[int]] = field(default_factory=list)
-    rollout_logprobs: list[list[float]] = field(default_factory=list)
-    temperatures: list[list[float]] = field(default_factory=list)
+    prompt_ids: Ragged = field(default_factory=lambda: Ragged(dtype=np.int32))
+    response_ids: Ragged = field(default_factory=lambda: Ragged(dtype=np.int32))
+    rollout_logprobs: Ragged = field(default_factory=lambda: Ragged(dtype=np.float32))
+    temperatures: Ragged = field(default_factory=lambda: Ragged(dtype=np.float32))
     finish_reasons: list[str] = field(default_factory=list)
     group_ids: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
@@ -34,64 +44,50 @@ class RolloutBatch:
     rewards: list[float] = field(default_factory=list)
     data_sources: list[str] = field(default_factory=list)
 
+    def __setattr__(self, name: str, value: Any) -> None:  # rows assigned as lists become Ragged too
+        if name in RAGGED_FIELDS and not isinstance(value, Ragged):
+            value = Ragged.from_rows(value, RAGGED_FIELDS[name])
+        object.__setattr__(self, name, value)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RolloutBatch):
+            return NotImplemented
+        return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(self))
+
     def __len__(self) -> int:
         return len(self.response_ids)
 
     @property
-    def response_lengths(self) -> list[int]:
-        return [len(r) for r in self.response_ids]
+    def response_lengths(self) -> np.ndarray:
+        return self.response_ids.lengths
+
+    @property
+    def prompt_lengths(self) -> np.ndarray:
+        return self.prompt_ids.lengths
 
     def select(self, idx: Sequence[int]) -> "RolloutBatch":
         """A new batch with the sequences ``idx`` (in that order)."""
-        return RolloutBatch(**{f.name: [getattr(self, f.name)[i] for i in idx] for f in fields(self)})
+        idx = [int(i) for i in idx]
+        return RolloutBatch(**{f.name: (getattr(self, f.name).select(idx) if f.name in RAGGED_FIELDS
+                                        else [getattr(self, f.name)[i] for i in idx]) for f in fields(self)})
 
     @staticmethod
     def concat(batches: Sequence["RolloutBatch"]) -> "RolloutBatch":
-        out = RolloutBatch()
-        for b in batches:
-            for f in fields(b):
-                getattr(out, f.name).extend(getattr(b, f.name))
-        return out
+        kw: dict[str, Any] = {}
+        for f in fields(RolloutBatch):
+            parts = [getattr(b, f.name) for b in batches]
+            kw[f.name] = (Ragged.concat(parts, RAGGED_FIELDS[f.name]) if f.name in RAGGED_FIELDS
+                          else [x for p in parts for x in p])
+        return RolloutBatch(**kw)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: list(getattr(self, f.name)) for f in fields(self)}
+        """Plain lists (JSON: the dynamic-sampling buffer in rl_state.json)."""
+        return {f.name: (getattr(self, f.name).tolist() if f.name in RAGGED_FIELDS else list(getattr(self, f.name)))
+                for f in fields(self)}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "RolloutBatch":
         return RolloutBatch(**{f.name: list(d.get(f.name, [])) for f in fields(RolloutBatch)})
-
-    _RAGGED = {"prompt_ids": "int32", "response_ids": "int32", "rollout_logprobs": "float32",
-               "temperatures": "float32"}
-
-    def pack(self) -> dict[str, Any]:
-        """Compact form for broadcasting: ragged fields as one flat numpy array + lengths
-        (a pickled list of Python floats is ~8x larger)."""
-        import numpy as np
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            vals = getattr(self, f.name)
-            if f.name in self._RAGGED:
-                out[f.name] = (np.asarray([x for row in vals for x in row], dtype=self._RAGGED[f.name]),
-                               np.asarray([len(row) for row in vals], dtype=np.int64))
-            else:
-                out[f.name] = list(vals)
-        return out
-
-    @staticmethod
-    def unpack(d: dict[str, Any]) -> "RolloutBatch":
-        """Inverse of `pack` (values come back as Python ints / floats)."""
-        import numpy as np
-        kw: dict[str, Any] = {}
-        for f in fields(RolloutBatch):
-            v = d.get(f.name, [])
-            if f.name in RolloutBatch._RAGGED:
-                flat, lengths = v
-                bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-                items = flat.tolist()
-                kw[f.name] = [items[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-            else:
-                kw[f.name] = list(v)
-        return RolloutBatch(**kw)
 
 
 def score_samples(samples: Sequence[Sequence[Any]], records: Sequence[Any], *,
@@ -107,7 +103,7 @@ def score_samples(samples: Sequence[Sequence[Any]], records: Sequence[Any], *,
     """
     if len(samples) != len(records):
         raise ValueError(f"samples has {len(samples)} prompts but records has {len(records)}")
-    results = [[reward_fn(decode(list(smp.response_ids)), rec.ground_truth, score_format=score_format,
+    results = [[reward_fn(decode(np.asarray(smp.response_ids).tolist()), rec.ground_truth, score_format=score_format,
                           data_source=getattr(rec, "data_source", None),
                           extra_info=getattr(rec, "extra_info", None), **(reward_kwargs or {}))
                 for smp in group] for group, rec in zip(samples, records)]
@@ -121,22 +117,20 @@ def build_batch(samples: Sequence[Sequence[Any]], records: Sequence[Any], result
     if not len(samples) == len(records) == len(results):
         raise ValueError(f"samples, records and results cover {len(samples)}, {len(records)} and "
                          f"{len(results)} prompts")
-    out = RolloutBatch()
+    kw: dict[str, list] = {f.name: [] for f in fields(RolloutBatch)}
     for p, (group, rec, scored) in enumerate(zip(samples, records, results)):
         if len(group) != len(scored):
             raise ValueError(f"prompt {p} has {len(group)} samples but {len(scored)} rewards")
         for smp, res in zip(group, scored):
-            out.prompt_ids.append(list(smp.prompt_ids))
-            out.response_ids.append(list(smp.response_ids))
-            out.rollout_logprobs.append([float(x) for x in smp.rollout_logprobs])
-            out.temperatures.append([float(x) for x in smp.temperatures])
-            out.finish_reasons.append(str(smp.finish_reason))
-            out.group_ids.append(group_offset + p)
-            out.scores.append(float(res.score))
-            out.accs.append(bool(res.acc))
-            out.rewards.append(float(res.score))
-            out.data_sources.append(str(getattr(rec, "data_source", "")))
-    return out
+            for name in RAGGED_FIELDS:  # arrays (or lists) as the engine returned them: converted per row
+                kw[name].append(getattr(smp, name))
+            kw["finish_reasons"].append(str(smp.finish_reason))
+            kw["group_ids"].append(group_offset + p)
+            kw["scores"].append(float(res.score))
+            kw["accs"].append(bool(res.acc))
+            kw["rewards"].append(float(res.score))
+            kw["data_sources"].append(str(getattr(rec, "data_source", "")))
+    return RolloutBatch(**kw)
 
 
 def shape_rewards(batch: RolloutBatch, *, max_response_length: int, overlong_buffer_enable: bool,
@@ -219,38 +213,26 @@ class DynamicSampler:
         self.num_groups_kept = int(d.get("num_groups_kept", 0))
 
 
-def _length_mask(lengths: Sequence[int]) -> torch.Tensor:
-    """``[B, max(1, max L)]`` mask with ``lengths[i]`` leading ones in row i."""
-    width = max([1, *lengths])
-    return (torch.arange(width).unsqueeze(0) < torch.tensor(list(lengths)).unsqueeze(1)).float()
-
-
 def sequence_advantages(rewards: Sequence[float], lengths: Sequence[int], group_ids: Sequence[int], *,
                         adv_estimator: str = "hapo", norm_adv_by_std: bool = True,
                         fallback_threshold: float = 5.0) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-sequence advantage ``[B]`` (constant over a response's tokens; 0 for empty responses).
+    """Per-sequence advantage ``[B]`` (constant over a response's tokens; 0 for empty responses),
+    O(B) from the response lengths (`algo.response_advantages`).
 
     ``hapo`` = token-level group average (TLGA, with GRPO fallback), ``grpo`` = GRPO / Dr.GRPO.
     Also returns metrics: ``adv/tlga_fallback_rate`` (share of groups that fell back), ``adv/abs_mean``.
     """
-    from hapo_megatron.algo import grpo_advantages, token_level_group_advantages
+    from hapo_megatron.algo import response_advantages
     if not len(rewards):
         return torch.zeros(0), {}
-    r = torch.tensor([float(x) for x in rewards], dtype=torch.float32)
-    mask = _length_mask(lengths)
-    gids = torch.tensor([int(g) for g in group_ids], dtype=torch.long)
+    r = torch.tensor(np.asarray(rewards, dtype=np.float32))  # the float32 rewards the [B, T] path read
+    gids = torch.as_tensor(np.asarray(group_ids, dtype=np.int64))
+    per_seq, fallback = response_advantages(r, gids, torch.as_tensor(np.asarray(lengths, dtype=np.int64)),
+                                            estimator=adv_estimator, norm_adv_by_std=norm_adv_by_std,
+                                            fallback_threshold=fallback_threshold)
     metrics: dict[str, float] = {}
     if adv_estimator == "hapo":
-        adv, fallback = token_level_group_advantages(r, gids, mask, norm_adv_by_std=norm_adv_by_std,
-                                                     fallback_threshold=fallback_threshold,
-                                                     return_fallback=True)
-        fell = {int(g) for g, f in zip(group_ids, fallback.tolist()) if f}
-        metrics["adv/tlga_fallback_rate"] = len(fell) / len(set(int(g) for g in group_ids))
-    elif adv_estimator == "grpo":
-        adv = grpo_advantages(r, gids, mask, norm_adv_by_std=norm_adv_by_std)
-    else:
-        raise ValueError(f"adv_estimator must be 'hapo' or 'grpo', got {adv_estimator!r}")
-    per_seq = torch.where(torch.tensor([int(x) > 0 for x in lengths]), adv[:, 0], torch.zeros(()))
+        metrics["adv/tlga_fallback_rate"] = (len(torch.unique(gids[fallback])) / len(torch.unique(gids)))
     metrics["adv/abs_mean"] = float(per_seq.abs().mean())
     return per_seq, metrics
 
@@ -267,21 +249,21 @@ def to_sequences(batch: RolloutBatch, advantages: torch.Tensor) -> list[Sequence
 def rollout_metrics(batch: RolloutBatch, *, max_response_length: int) -> dict[str, float]:
     """Per-step rollout metrics (means over sequences; temperature over response tokens)."""
     n = max(len(batch), 1)
-    lengths = batch.response_lengths or [0]
-    temps = [t for ts in batch.temperatures for t in ts]
+    lengths = batch.response_lengths if len(batch) else np.zeros(1, np.int64)
+    temps = batch.temperatures.flat
     per_source: dict[str, list[bool]] = {}
     for src, a in zip(batch.data_sources, batch.accs):
         per_source.setdefault(src or "default", []).append(a)
+    clipped = (np.asarray(batch.finish_reasons) == "length") | (batch.response_lengths >= max_response_length)
     out = {
         "rollout/reward_mean": sum(batch.rewards) / n,
         "rollout/score_mean": sum(batch.scores) / n,
         "rollout/acc": sum(batch.accs) / n,
-        "rollout/response_length_mean": sum(lengths) / len(lengths),
-        "rollout/response_length_max": float(max(lengths)),
-        "rollout/response_length_min": float(min(lengths)),
-        "rollout/clip_ratio": sum(f == "length" or l >= max_response_length
-                                  for f, l in zip(batch.finish_reasons, lengths)) / n,
-        "rollout/temperature_mean": sum(temps) / len(temps) if temps else 0.0,
+        "rollout/response_length_mean": int(lengths.sum()) / len(lengths),
+        "rollout/response_length_max": float(lengths.max()),
+        "rollout/response_length_min": float(lengths.min()),
+        "rollout/clip_ratio": int(clipped.sum()) / n,
+        "rollout/temperature_mean": float(temps.sum(dtype=np.float64)) / len(temps) if len(temps) else 0.0,
         "rollout/num_sequences": float(len(batch)),
         "rollout/num_groups": float(len(set(batch.group_ids))),
     }

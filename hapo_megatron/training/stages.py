@@ -1,9 +1,11 @@
 """The stages of one training step (one function each, in data-path order; see trainer.fit).
 
-rollout (rank 0) -> sequences + advantages (every rank, same answer) -> micro-batch layout ->
-old-log-prob pass + global entropy statistics -> PPO updates -> weight sync -> eval/checkpoint.
+rollout (rank 0; each rank receives its share) -> advantages (every rank, same answer) ->
+micro-batch layout -> old-log-prob pass + global entropy statistics -> PPO updates -> weight sync
+-> eval/checkpoint.
 
-Between the stages travel typed values: a `RolloutBatch`, then this rank's micro-batches of each
+Between the stages travel typed values: this rank's `RankBatch` (every sequence's metadata, the
+per-token data of the sequences it trains on) and the advantages, then this rank's micro-batches of each
 PPO mini-batch (`Minis`, lists of `MicroBatch`). A stage returns new micro-batches with the fields
 it adds (`MicroBatch.with_`); it never edits the ones it was given.
 """
@@ -13,21 +15,23 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from hapo_megatron.algo import EntropyStats, PolicyTokenFields, temperature_from_entropy
-from hapo_megatron.parallel.collectives import broadcast_object, sum_metrics
+from hapo_megatron.parallel.collectives import all_gather_objects, broadcast_object, scatter_objects, sum_metrics
 from hapo_megatron.parallel.loss import DEFAULT_LOGPROB_CHUNK, LossConfig, TokenSink
 from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.rewards.counts import RewardCounts
 from hapo_megatron.rollout.engine import SamplingParams, drain_weights
 from hapo_megatron.training.actor import LossFactory
-from hapo_megatron.training.batching import (build_rank_micro_batches, pack_multiples, plan_micro_batches,
-                                             split_mini_batches, token_efficiency)
+from hapo_megatron.training.batching import collate_micro_batches, pack_multiples, token_efficiency
 from hapo_megatron.training.engine_memory import empty_cache
 from hapo_megatron.training.rl_step import (RolloutBatch, build_batch, rollout_metrics, sequence_advantages,
-                                            shape_rewards, to_sequences)
+                                            shape_rewards)
+from hapo_megatron.training.rollout_share import (MiniPlan, RankBatch, SequenceMeta, held_sequences, split_for_ranks,
+                                                  step_plan)
 from hapo_megatron.training.rollout_protocol import DONE, ERROR, PROGRESS
 from hapo_megatron.training.runtime import Runtime
 
@@ -56,29 +60,32 @@ def _generate_round(rt: Runtime, step: int, gen_index: int, group_offset: int,
                          overlong_penalty_factor=cfg.reward.overlong_penalty_factor)
 
 
-def rollout(rt: Runtime, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+def rollout(rt: Runtime, step: int) -> tuple[RankBatch, dict[str, float]]:
     """Generate, score and filter (dynamic sampling) until the step's batch is full; rank 0 works,
-    every rank receives the kept batch. ``rollout/*`` metrics cover every generated response.
+    every rank receives its share of the kept batch (`_share_out`). ``rollout/*`` metrics cover
+    every generated response.
 
     Colocated, every rank first offloads its trainer state (`training.offload`) and reloads it
     after. The other ranks wait on ``rt.control`` (training/rollout_protocol.py: a CPU group,
     heartbeats from rank 0 during every round), never in a collective of the trainer's groups."""
+    kept = None
     with rt.memory.trainer_offloaded():
         if not rt.is_main:
-            packed, metrics, sampler_state = rt.control.wait()
+            meta, metrics, sampler_state = rt.control.wait()
         else:
             try:
                 with rt.control.heartbeats({"step": step}):
-                    packed, metrics, sampler_state = _rollout_rank0(rt, step)
+                    kept, metrics, sampler_state = _rollout_rank0(rt, step)
             except BaseException as e:
                 rt.control.send(ERROR, f"{type(e).__name__}: {e}")  # the others stop too
                 raise
-            rt.control.send(DONE, (packed, metrics, sampler_state))
+            meta = SequenceMeta.of(kept)
+            rt.control.send(DONE, (meta, metrics, sampler_state))
     rt.rl.sampler.load_state_dict(sampler_state)
-    return RolloutBatch.unpack(packed), metrics
+    return _share_out(rt, kept, meta), metrics
 
 
-def _rollout_rank0(rt: Runtime, step: int) -> tuple[dict, dict[str, float], dict]:
+def _rollout_rank0(rt: Runtime, step: int) -> tuple[RolloutBatch, dict[str, float], dict]:
     target = rt.cfg.data.train_batch_size
     rt.memory.resume_generation()  # the KV cache (the weights came back in sync_weights)
     dyn = rt.rl.dyn
@@ -106,7 +113,24 @@ def _rollout_rank0(rt: Runtime, step: int) -> tuple[dict, dict[str, float], dict
                "batch/reward_mean": sum(kept.rewards) / max(len(kept), 1),
                "batch/acc": sum(kept.accs) / max(len(kept), 1),
                "batch/num_groups": float(len(set(kept.group_ids)))}
-    return kept.pack(), metrics, rt.rl.sampler.state_dict()
+    return kept, metrics, rt.rl.sampler.state_dict()
+
+
+def _share_out(rt: Runtime, kept: Optional[RolloutBatch], meta: SequenceMeta) -> RankBatch:
+    """Every rank's `RankBatch`: rank 0 (holding ``kept``) sends each data-parallel rank the
+    per-token data of its own sequences (`rollout_share.step_plan`, the plan `layout` follows), one
+    point-to-point message per rank over the control group; ``meta`` came with ``done``."""
+    dp_size = rt.groups.dp_size if len(meta) else 1
+    group = rt.control.group
+    dp_of = all_gather_objects(rt.groups.dp_rank if dp_size > 1 else 0, group=group)  # by rank of `group`
+    parts = None
+    if rt.is_main:
+        plans = _plan(rt, meta) if dp_size > 1 else None
+        per_dp = [kept] if plans is None else split_for_ranks(kept, plans, dp_size)
+        parts = [per_dp[d] for d in dp_of]  # ranks of one DP group share one pickled message
+    tokens = scatter_objects(parts, src=rt.control.src, group=group)
+    held = np.arange(len(meta)) if dp_size == 1 else held_sequences(_plan(rt, meta), rt.groups.dp_rank)
+    return RankBatch(meta, held, tokens)
 
 
 def _pad_multiple(rt: Runtime) -> int:
@@ -118,35 +142,43 @@ def _pad_multiple(rt: Runtime) -> int:
     return m
 
 
-def layout(rt: Runtime, batch: RolloutBatch) -> tuple[Minis, dict[str, float]]:
-    """Advantages from per-sequence (reward, length, group) and this rank's micro-batches of each
-    PPO mini-batch (DP-balanced by token count; identical assignment on every rank), padded or
-    packed (``parallel.pack_sequences``); ``perf/token_efficiency`` is real / computed tokens of
-    the step over every rank (from the assignment, which every rank knows: no collective)."""
+def _plan(rt: Runtime, meta: SequenceMeta) -> list[MiniPlan]:
+    p = rt.cfg.parallel
+    return step_plan(meta, ppo_mini_batch_size=rt.cfg.trainer.ppo_mini_batch_size, dp_size=rt.groups.dp_size,
+                     micro_batch_size=p.micro_batch_size, max_tokens_per_micro_batch=p.max_tokens_per_micro_batch,
+                     pack=p.pack_sequences)
+
+
+def advantages(rt: Runtime, batch: RankBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    """Every sequence's advantage ``[B]`` from its (reward, response length, group), the same on
+    every rank (`rl_step.sequence_advantages`, O(B)), and the ``adv/*`` metrics."""
+    a, meta = rt.cfg.algo, batch.meta
+    return sequence_advantages(meta.rewards, meta.response_lengths, meta.group_ids, adv_estimator=a.adv_estimator,
+                               norm_adv_by_std=a.norm_adv_by_std, fallback_threshold=a.tlga_fallback_threshold)
+
+
+def layout(rt: Runtime, batch: RankBatch, adv: torch.Tensor) -> tuple[Minis, dict[str, float]]:
+    """This rank's micro-batches of each PPO mini-batch (DP-balanced by token count; identical
+    assignment on every rank, `_plan`), padded or packed (``parallel.pack_sequences``), from the
+    sequences it holds with their advantages ``adv``; ``perf/token_efficiency`` is real / computed
+    tokens of the step over every rank (from the assignment, which every rank knows: no collective)."""
     cfg, g = rt.cfg, rt.groups
     p = cfg.parallel
-    adv, metrics = sequence_advantages(batch.rewards, batch.response_lengths, batch.group_ids,
-                                       adv_estimator=cfg.algo.adv_estimator,
-                                       norm_adv_by_std=cfg.algo.norm_adv_by_std,
-                                       fallback_threshold=cfg.algo.tlga_fallback_threshold)
-    seqs = to_sequences(batch, adv)
-    minis = split_mini_batches(list(dict.fromkeys(batch.group_ids)), batch.group_ids,
-                               cfg.trainer.ppo_mini_batch_size)
     seq_multiple, row_multiple = pack_multiples(tp_size=g.tp_size, cp_size=g.cp_size,
                                                 sequence_parallel=p.sequence_parallel)
-    shape = dict(micro_batch_size=p.micro_batch_size, max_tokens_per_micro_batch=p.max_tokens_per_micro_batch,
-                 pack=p.pack_sequences)
     pads = dict(pad_multiple=_pad_multiple(rt), seq_multiple=seq_multiple, row_multiple=row_multiple)
-    mbs = [build_rank_micro_batches([seqs[i] for i in idx], dp_rank=g.dp_rank, dp_size=g.dp_size, **shape, **pads)
-           for idx in minis]
+    plans = _plan(rt, batch.meta)
+    mbs = []
+    for idx, plan in plans:
+        mine = [[batch.sequence(idx[j], float(adv[idx[j]])) for j in b] for b in plan[g.dp_rank]]
+        template = None if mine else batch.meta.head(idx[0])  # a filler copies the mini-batch's first tokens
+        mbs.append(collate_micro_batches(mine, template, pack=p.pack_sequences, **pads))
     real = computed = 0.0
-    for idx in minis:
-        lengths = [seqs[i].num_tokens for i in idx]
-        eff = token_efficiency(plan_micro_batches(lengths, dp_size=g.dp_size, **shape), lengths,
-                               pack=p.pack_sequences, **pads)
+    tokens = batch.meta.num_tokens
+    for idx, plan in plans:
+        eff = token_efficiency(plan, [int(tokens[i]) for i in idx], pack=p.pack_sequences, **pads)
         real, computed = real + eff["real_tokens"], computed + eff["computed_tokens"]
-    metrics["perf/token_efficiency"] = real / max(computed, 1.0)
-    return mbs, metrics
+    return mbs, {"perf/token_efficiency": real / max(computed, 1.0)}
 
 
 def _flat(minis: Minis) -> list[MicroBatch]:

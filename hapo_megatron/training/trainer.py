@@ -69,18 +69,21 @@ def _fit(cfg: HapoConfig, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
         if len(batch) == 0:
             _skip(rt, step, metrics, "dynamic sampling kept no group")
             continue
+        with timer("advantages"):
+            adv, adv_metrics = stages.advantages(rt, batch)
+        with timer("layout"):
+            minis, layout_metrics = stages.layout(rt, batch, adv)
         with timer("old_logprob"):
-            minis, adv_metrics = stages.layout(rt, batch)
             minis, step_entropy_stats, ent_metrics = stages.old_logprob_pass(rt, minis)
         _stop_if_agreed(rt, stop, before)
         with timer("update"):
             minis, upd_metrics = stages.ppo_update(rt, minis, step_entropy_stats)
         with timer("diagnostics"):  # diag/* metrics; rollouts/ every logging.save_rollouts_interval
-            diag_metrics = token_diagnostics(rt, minis, batch, step_entropy_stats, step)
+            diag_metrics = token_diagnostics(rt, minis, batch.meta, step_entropy_stats, step)
         rl.rollout_entropy_stats = step_entropy_stats  # the next rollout's adaptive temperature uses them
         with timer("sync"):
             stages.sync_weights(rt)
-        metrics.update({**adv_metrics, **ent_metrics, **diag_metrics, **upd_metrics})
+        metrics.update({**adv_metrics, **layout_metrics, **ent_metrics, **diag_metrics, **upd_metrics})
         if upd_metrics["actor/skipped_updates"] > 0:
             _skip(rt, step, metrics, "non-finite loss or gradient", logged=False)
         else:
@@ -88,7 +91,7 @@ def _fit(cfg: HapoConfig, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
         if cfg.trainer.eval_interval and step % cfg.trainer.eval_interval == 0:
             with timer("eval"):
                 metrics.update(stages.evaluate(rt, step))
-        tokens = sum(len(a) + len(b) for a, b in zip(batch.prompt_ids, batch.response_ids))
+        tokens = int(batch.meta.num_tokens.sum())
         elapsed = time.time() - t_step
         metrics.update({**timer.pop(), **rt.data_metrics(), "perf/step_time_s": elapsed,
                         "perf/tokens_per_s": tokens / max(elapsed, 1e-9),

@@ -165,7 +165,8 @@ def test_clip_and_redistribution_match_loop(seed):
             assert ap[i, j].item() == pytest.approx(w, rel=1e-5, abs=1e-6)
     # scalar ranges == constant tensors
     torch.testing.assert_close(redistribute_advantages(adv, h, ratio, 0.2, 0.3, beta),
-                               redistribute_advantages(adv, h, ratio, torch.full_like(h, 0.2), torch.full_like(h, 0.3), beta))
+                               redistribute_advantages(adv, h, ratio, torch.full_like(h, 0.2), torch.full_like(h, 0.3),
+                                                       beta))
 
 
 def test_agg_loss_modes_hand():

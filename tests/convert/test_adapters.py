@@ -99,7 +99,8 @@ def test_bad_inputs_are_listed(models):
         hf_to_mcore(ref, cfg, 0, 1, 0, 1)
     msg = str(err.value)
     for part in ("missing tensors (1)", "model.layers.1.mlp.up_proj.weight", "unexpected tensors (1)",
-                 "model.layers.9.extra.weight", "wrong shapes (1)", "q_proj.weight: checkpoint (3, 64) vs config (64, 64)"):
+                 "model.layers.9.extra.weight", "wrong shapes (1)",
+                 "q_proj.weight: checkpoint (3, 64) vs config (64, 64)"):
         assert part in msg, msg
     good = hf_state(cfg, model)
     with pytest.raises(ValueError, match="tp_size=4 must divide num_key_value_heads=2"):

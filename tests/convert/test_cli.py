@@ -56,7 +56,8 @@ def test_refuses_existing_output_and_wrong_world_size(tiny_llama, tmp_path, caps
     assert "pass --overwrite" in capsys.readouterr().err and (tmp_path / "out" / "keep.txt").exists()
     assert main(["hf-to-megatron", "--hf-model-path", path, "--megatron-path", str(tmp_path / "o2"), "--tp", "2"]) == 1
     assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
-    assert main(["megatron-to-hf", "--hf-model-path", str(tmp_path / "o3"), "--megatron-path", str(tmp_path / "none")]) == 1
+    assert main(["megatron-to-hf", "--hf-model-path", str(tmp_path / "o3"),
+                 "--megatron-path", str(tmp_path / "none")]) == 1
     assert "is not a directory" in capsys.readouterr().err
 
 

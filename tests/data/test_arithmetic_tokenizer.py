@@ -4,7 +4,8 @@ import re
 
 import pytest
 
-from hapo_megatron.data import build_char_tokenizer, generate_arithmetic_rows, load_prompt_rows, write_arithmetic_dataset
+from hapo_megatron.data import (build_char_tokenizer, generate_arithmetic_rows, load_prompt_rows,
+                                write_arithmetic_dataset)
 from hapo_megatron.data.char_tokenizer import CHAR_VOCAB
 
 
@@ -20,7 +21,8 @@ def test_deterministic_by_seed():
 
 
 @pytest.mark.parametrize("knobs", [{}, {"min_digits": 2, "max_digits": 3, "min_operands": 3, "max_operands": 5},
-                                   {"ops": ("*",), "max_digits": 1}, {"ops": ("-",), "min_operands": 4, "max_operands": 4}])
+                                   {"ops": ("*",), "max_digits": 1},
+                                   {"ops": ("-",), "min_operands": 4, "max_operands": 4}])
 def test_answers_and_knobs(knobs):
     rows = generate_arithmetic_rows(200, 11, **knobs)
     lo_d, hi_d = knobs.get("min_digits", 1), knobs.get("max_digits", 2)

@@ -41,7 +41,8 @@ BAD_ROWS = [
     ({**good_row(), "prompt": [{"content": "hi"}]}, "field prompt[0].role is missing"),
     ({**good_row(), "prompt": [{"role": "user", "content": 5}]}, "field prompt[0].content is not a string"),
     ({**good_row(), "prompt": []}, "field 'prompt' must be a non-empty list"),
-    ({**good_row(), "reward_model": {"ground_truth": [1, 2]}}, "'reward_model.ground_truth' must be a string or number"),
+    ({**good_row(), "reward_model": {"ground_truth": [1, 2]}},
+     "'reward_model.ground_truth' must be a string or number"),
     ({**good_row(), "extra_info": [1]}, "field 'extra_info' must be a mapping"),
     ([1, 2], "row 2 must be an object"),
 ]

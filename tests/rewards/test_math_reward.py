@@ -55,7 +55,8 @@ def test_equivalent_forms(pred, truth):
     assert compute_score(f"... Answer: {pred}", truth).acc
 
 
-@pytest.mark.parametrize("pred, truth", [("84", "85"), ("-85", "85"), ("\\frac{1}{3}", "0.5"), ("12", "1,2"), ("", "1")])
+@pytest.mark.parametrize("pred, truth", [("84", "85"), ("-85", "85"), ("\\frac{1}{3}", "0.5"), ("12", "1,2"),
+                                         ("", "1")])
 def test_wrong_answers(pred, truth):
     assert not answers_equivalent(pred, truth)
 

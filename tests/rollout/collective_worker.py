@@ -38,7 +38,7 @@ def collective_worker(rank, world_size, tmp_dir):
     out["auth"] = eng.http._auth
     eng.bucket_bytes = 64 * 32 * 2
     samples = eng.generate([[10], [20]], SamplingParams(n=2, max_new_tokens=3))
-    out["samples"] = [[s.response_ids for s in g] for g in samples]
+    out["samples"] = [[s.response_ids.tolist() for s in g] for g in samples]
     eng.update_weights(iter(named_weights()))
     eng.release_memory()
     out["tensor_posts"] = [b["serialized_named_tensors"] for _, b in sess.posts("/update_weights_from_tensor")]
@@ -69,6 +69,7 @@ def collective_worker(rank, world_size, tmp_dir):
         eng3.generate([[10]], SamplingParams(n=1, max_new_tokens=2))
         eng3.update_weights(iter(named_weights()))
         eng3.release_memory()
-        out["solo_tensor_posts"] = [b["serialized_named_tensors"] for _, b in sess3.posts("/update_weights_from_tensor")]
+        out["solo_tensor_posts"] = [b["serialized_named_tensors"]
+                                    for _, b in sess3.posts("/update_weights_from_tensor")]
     torch.distributed.barrier()
     return out

@@ -64,7 +64,8 @@ class FakeSession:
         if failed is not None:
             return failed
         if path == "/generate":
-            return FakeResponse(200, [self._gen(ids, sp) for ids, sp in zip(json["input_ids"], json["sampling_params"])])
+            return FakeResponse(200, [self._gen(ids, sp)
+                                      for ids, sp in zip(json["input_ids"], json["sampling_params"])])
         return FakeResponse(200, {"success": True, "message": "ok"})
 
     @staticmethod

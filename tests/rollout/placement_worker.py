@@ -74,7 +74,7 @@ def main(out_dir: str, port_base: int) -> None:
     if rank == 0:
         rt.memory.resume_generation()
         groups = rt.engine.generate(prompts, SamplingParams(n=8, max_new_tokens=2))
-        out["first_response"] = groups[1][0].response_ids
+        out["first_response"] = groups[1][0].response_ids.tolist()
     dist.barrier()  # as in the trainer: rank 0 is done with every server before a node stops its own
     if rt.engine is not None:
         rt.engine.shutdown()

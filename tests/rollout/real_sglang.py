@@ -32,13 +32,16 @@ def require_sglang() -> None:
         pytest.skip(f"SGLang cannot be imported ({why}); install it as in the README's test command")
 
 
-def start_server(model_dir: str, log_path: str, api_key: str, timeout_s: float = 900.0) -> ServerHandle:
+def start_server(model_dir: str, log_path: str, api_key: str, timeout_s: float = 900.0,
+                 extra_args: tuple[str, ...] = ()) -> ServerHandle:
     """Launch one server requiring ``api_key`` on a free port, bound where the launcher binds a
-    colocated server by default, and wait until it is healthy (fails with its log tail)."""
+    colocated server by default, and wait until it is healthy (fails with its log tail).
+    ``extra_args``: more ``sglang.launch_server`` flags."""
     port = launcher.free_port()
     device = launcher.resolve_device("auto")
     cmd = launcher.server_command(model_dir, port=port, device=device, dtype="float32",
-                                  mem_fraction_static=0.3, max_total_tokens=4096)
+                                  mem_fraction_static=0.3, max_total_tokens=4096,
+                                  extra_args=extra_args)
     handle = launcher.start_process(cmd, f"http://127.0.0.1:{port}", log_path=log_path,
                                     env=launcher.server_env(cpu=device == "cpu"), api_key=api_key)
     try:

@@ -46,7 +46,7 @@ def stats(engine):
 
 def full_forward_logits(model, prompt, response):
     """``[len(response), V]`` logits predicting each response token, from one unpadded forward."""
-    ids = torch.tensor([prompt + response[:-1]])
+    ids = torch.tensor([list(prompt) + list(response[:-1])])
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0]
     return logits[len(prompt) - 1:]
@@ -88,7 +88,7 @@ def test_logprobs_and_temperatures_match_full_forward(engine, stats, h_hat_mode)
                 want = loop_logprob(logits[j].tolist(), float(want_t[j]), 20, 0.85, tok)
                 assert math.isfinite(want)
                 assert s.rollout_logprobs[j] == pytest.approx(want, abs=1e-5)
-            temps_seen += s.temperatures
+            temps_seen += s.temperatures.tolist()
     # the adaptive temperature really varies and stays within T_base * (1 +- tau)
     assert max(temps_seen) - min(temps_seen) > 0.05
     assert all(0.9 * 0.5 - 1e-6 <= t <= 0.9 * 1.5 + 1e-6 for t in temps_seen)
@@ -101,7 +101,8 @@ def test_not_adaptive_uses_base_temperature(engine, stats):
             for s in group:
                 assert s.temperatures == pytest.approx([0.7] * len(s.response_ids))
                 logits = full_forward_logits(engine.model, s.prompt_ids, s.response_ids)
-                want = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, torch.tensor(s.response_ids)[:, None])
+                ids = torch.tensor(s.response_ids, dtype=torch.long)
+                want = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, ids[:, None])
                 assert torch.allclose(torch.tensor(s.rollout_logprobs), want.squeeze(-1), atol=1e-5)
 
 
@@ -110,7 +111,8 @@ def test_determinism_with_seed(engine, stats):
     a = engine.generate(PROMPTS, params)
     b = engine.generate(PROMPTS, params)
     c = engine.generate(PROMPTS, params.with_(seed=124))
-    flat = lambda out: [(s.response_ids, s.rollout_logprobs, s.temperatures) for g in out for s in g]
+    flat = lambda out: [(s.response_ids.tolist(), s.rollout_logprobs.tolist(), s.temperatures.tolist())
+                        for g in out for s in g]
     assert flat(a) == flat(b)
     assert [x[0] for x in flat(a)] != [x[0] for x in flat(c)]
 
@@ -121,7 +123,7 @@ def test_n_samples_ordering(engine):
     assert len(out) == len(PROMPTS)
     for p, group in enumerate(out):
         assert [s.sample_index for s in group] == [0, 1, 2]
-        assert all(isinstance(s, Sample) and s.prompt_index == p and s.prompt_ids == PROMPTS[p] for s in group)
+        assert all(isinstance(s, Sample) and s.prompt_index == p and s.prompt_ids.tolist() == PROMPTS[p] for s in group)
 
 
 def test_greedy_matches_argmax_and_padding_invariance(engine):
@@ -129,12 +131,13 @@ def test_greedy_matches_argmax_and_padding_invariance(engine):
     batched = engine.generate(PROMPTS, params)
     for p, prompt in enumerate(PROMPTS):
         alone = engine.generate([prompt], params)[0][0]
-        assert batched[p][0].response_ids == alone.response_ids == batched[p][1].response_ids
+        assert batched[p][0].response_ids.tolist() == alone.response_ids.tolist() == batched[p][1].response_ids.tolist()
         s = batched[p][0]
         logits = full_forward_logits(engine.model, prompt, s.response_ids)
-        assert s.response_ids == logits.argmax(-1).tolist()
-        assert s.temperatures == [0.0] * 6 and s.finish_reason == "length"
-        want = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)
+        assert s.response_ids.tolist() == logits.argmax(-1).tolist()
+        assert s.temperatures.tolist() == [0.0] * 6 and s.finish_reason == "length"
+        ids = torch.tensor(s.response_ids, dtype=torch.long)
+        want = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, None]).squeeze(-1)
         assert torch.allclose(torch.tensor(s.rollout_logprobs), want, atol=1e-5)
 
 
@@ -170,8 +173,8 @@ def test_chunking_gives_same_greedy_results(engine):
     params = SamplingParams(n=3, temperature=0.0, max_new_tokens=5)
     small = make(max_batch_size=2)
     small.model.load_state_dict(engine.model.state_dict())
-    a = [s.response_ids for g in engine.generate(PROMPTS, params) for s in g]
-    b = [s.response_ids for g in small.generate(PROMPTS, params) for s in g]
+    a = [s.response_ids.tolist() for g in engine.generate(PROMPTS, params) for s in g]
+    b = [s.response_ids.tolist() for g in small.generate(PROMPTS, params) for s in g]
     assert a == b
 
 
@@ -186,7 +189,8 @@ def test_update_weights_changes_outputs_and_is_checked():
     named = [(k, v.float()) for k, v in sd.items() if k != "lm_head.weight"]
     eng.update_weights(iter(named))
     after = eng.generate(PROMPTS, params)
-    ids = lambda out: [(s.response_ids, [round(x, 6) for x in s.rollout_logprobs]) for g in out for s in g]
+    ids = lambda out: [(s.response_ids.tolist(), [round(x, 6) for x in s.rollout_logprobs.tolist()])
+                       for g in out for s in g]
     assert ids(after) == ids(target) != ids(before)
     snapshot = {k: v.clone() for k, v in eng.model.state_dict().items()}
     with pytest.raises(ValueError, match="unknown names.*model.bogus.weight"):

@@ -3,6 +3,7 @@ command lines and out of logs (no server), then the session's real SGLang server
 the key: refusals without it, its listening socket, its log."""
 
 import os
+import subprocess
 import stat
 import sys
 
@@ -128,11 +129,34 @@ def test_keyed_process_gets_the_key_in_its_argv_only_and_its_log_is_redacted(tmp
     assert KEY not in text
     # the key was appended to the program's own argv (and removed from its environment)
     r = ak.REDACTED
-    assert f"['--port', '1', '--api-key', '{r}', '--admin-api-key', '{r}'] env None" in text
+    assert f"['--port', '1', '--api-key={r}', '--admin-api-key={r}'] env None" in text
     bare = sglang_launch.start_process(cmd, "http://127.0.0.1:1", log_path=str(tmp_path / "bare.log"),
                                        env={**env, ak.API_KEY_ENV: KEY})  # a key we did not hand over
     assert bare.process.wait(timeout=60) != 0
     assert "HAPO_ROLLOUT_API_KEY is not set" in (tmp_path / "bare.log").read_text()
+
+
+ARGPARSE_SERVER = """import argparse
+p = argparse.ArgumentParser()
+p.add_argument("--port")
+p.add_argument("--api-key")
+p.add_argument("--admin-api-key")
+a = p.parse_args()
+print("parsed", a.api_key == a.admin_api_key == "-leading-dash-key", flush=True)
+"""
+
+
+def test_a_key_starting_with_a_dash_reaches_an_argparse_server(tmp_path):
+    """secrets.token_urlsafe starts with '-' one time in 64: as a separate argv word argparse took
+    it for an option and SGLang exited ("--api-key: expected one argument"); FLAG=KEY is one word."""
+    (tmp_path / "argparse_server.py").write_text(ARGPARSE_SERVER)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    cmd = [sys.executable, *sglang_launch.module_argv("argparse_server", sglang_launch.SERVER_KEY_FLAGS),
+           "--port", "1"]
+    out = subprocess.run(cmd, env={**env, ak.API_KEY_ENV: "-leading-dash-key"}, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "parsed True" in out.stdout
 
 
 def test_serve_hands_every_server_the_shared_key(monkeypatch, tmp_path):

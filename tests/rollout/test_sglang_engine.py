@@ -87,11 +87,11 @@ def test_generate_orders_samples_and_spreads_requests():
     assert [[(s.prompt_index, s.sample_index) for s in g] for g in out] == [[(p, 0), (p, 1)] for p in range(4)]
     for p, g in enumerate(out):
         for s in g:
-            assert s.prompt_ids == prompts[p]
-            assert s.temperatures == [] and not s.has_temperatures  # SGLang cannot report them
+            assert s.prompt_ids.tolist() == prompts[p]
+            assert s.temperatures.tolist() == [] and not s.has_temperatures  # SGLang cannot report them
             assert s.rollout_logprobs == pytest.approx([-0.1 * (i + 1) for i in range(len(s.response_ids))])
-    assert out[1][0].response_ids == [21, 22] and out[1][0].finish_reason == "stop"
-    assert out[0][0].response_ids == [11, 12, 13, 14] and out[0][0].finish_reason == "length"
+    assert out[1][0].response_ids.tolist() == [21, 22] and out[1][0].finish_reason == "stop"
+    assert out[0][0].response_ids.tolist() == [11, 12, 13, 14] and out[0][0].finish_reason == "length"
     gens = sess.posts("/generate")
     assert sorted(len(b["input_ids"]) for _, b in gens) == [2, 3, 3]  # 8 rows in chunks of 3
     assert {u.rsplit("/", 1)[0] for u, _ in gens} == set(URLS)  # both servers used
@@ -112,7 +112,8 @@ def test_retries_with_backoff_then_success():
     sleeps = []
     sess = FakeSession(failures={"/generate": [503, requests.ConnectionError("reset"), 502]})
     http = SGLangHTTP(max_retries=3, backoff_s=0.5, session=sess, sleep=sleeps.append)
-    ans = http.request(ServerHandle(URLS[0]), "/generate", {"input_ids": [[1]], "sampling_params": [{"max_new_tokens": 1}]})
+    ans = http.request(ServerHandle(URLS[0]), "/generate",
+                       {"input_ids": [[1]], "sampling_params": [{"max_new_tokens": 1}]})
     assert len(ans) == 1 and sleeps == [0.5, 1.0, 2.0]
 
 
@@ -397,7 +398,8 @@ def test_cpu_payload_is_pickled_by_value_and_accepted_by_sglangs_safe_unpickler(
 
     (blob,), _ = ws.serialize_bucket_for_sglang(named_weights())
     data = MultiprocessingSerializer.deserialize(blob)  # the server's SafeUnpickler
-    assert torch.equal(data["flattened_tensor"], torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named_weights()]))
+    assert torch.equal(data["flattened_tensor"],
+                       torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named_weights()]))
     assert [m.name for m in data["metadata"]] == [n for n, _ in named_weights()]
 
 

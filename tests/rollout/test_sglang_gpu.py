@@ -47,7 +47,7 @@ def engine(tiny_models, tmp_path_factory):
 
 
 def recompute(model, prompt, response):
-    ids = torch.tensor([prompt + response[:-1]], device="cuda")
+    ids = torch.tensor([list(prompt) + list(response[:-1])], device="cuda")
     with torch.no_grad():
         return model(input_ids=ids).logits[0, len(prompt) - 1:].float()
 
@@ -67,14 +67,16 @@ def test_generate_with_and_without_adaptive_processor(engine, tiny_models):
     for params in (plain, adaptive):
         for group in engine.generate(prompts, params):
             for s in group:
-                assert len(s.response_ids) == 12 and s.temperatures == []
+                assert len(s.response_ids) == 12 and s.temperatures.tolist() == []
                 logits = recompute(model, s.prompt_ids, s.response_ids)
                 temp = adaptive_temperature(logits, stats if params.adaptive else None, 1.0, 0.9)
-                want = torch.log_softmax(logits / temp[:, None], -1).gather(-1, torch.tensor(s.response_ids, device="cuda")[:, None])
+                want = torch.log_softmax(logits / temp[:, None], -1).gather(
+                    -1, torch.tensor(s.response_ids, dtype=torch.long, device="cuda")[:, None])
                 got = torch.tensor(s.rollout_logprobs, device="cuda")
                 assert torch.allclose(got, want.squeeze(-1), atol=0.05), (params.adaptive, got, want)
                 if params.adaptive:
-                    base = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.response_ids, device="cuda")[:, None])
+                    base = torch.log_softmax(logits, -1).gather(
+                        -1, torch.tensor(s.response_ids, dtype=torch.long, device="cuda")[:, None])
                     err_adapt_vs_base.append(float((got - base.squeeze(-1)).abs().max()))
     assert max(err_adapt_vs_base) > 0.1  # the processor really changed the distribution
 
@@ -93,15 +95,15 @@ def test_weight_sync_tensor_then_disk_changes_outputs(engine, tiny_models):
                 ids.append(int(model(input_ids=torch.tensor([ids], device="cuda")).logits[0, -1].argmax()))
         return ids[len(prompt):]
 
-    before = [g[0].response_ids for g in engine.generate(prompts, greedy)]
+    before = [g[0].response_ids.tolist() for g in engine.generate(prompts, greedy)]
     engine.release_memory()
     engine.resume_memory()
     named = [(k, v.cuda()) for k, v in b_bf16.state_dict().items()]
     engine.update_weights(iter(named))
-    after = [g[0].response_ids for g in engine.generate(prompts, greedy)]
+    after = [g[0].response_ids.tolist() for g in engine.generate(prompts, greedy)]
     assert after != before
     assert sum(x == y for p, a in zip(prompts, after) for x, y in zip(a, hf_greedy(model_b, p))) >= 12
     engine.weight_sync = "disk"
     engine.update_weights((k, v.float().cpu()) for k, v in model_a.state_dict().items())
-    back = [g[0].response_ids for g in engine.generate(prompts, greedy)]
+    back = [g[0].response_ids.tolist() for g in engine.generate(prompts, greedy)]
     assert back == before

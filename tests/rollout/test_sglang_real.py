@@ -47,14 +47,14 @@ def model_stats(model, t_base):
 def reference_logprobs(model, sample, stats, t_base, tau, mode):
     """Independent computation: teacher-forced transformers logits, our adaptive temperature of
     each position, log_softmax(z / T) of the sampled token. Returns (logprobs, temperatures)."""
-    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+    ids = torch.tensor([list(sample.prompt_ids) + list(sample.response_ids)])
     p, r = len(sample.prompt_ids), len(sample.response_ids)
     with torch.no_grad():
         z = model(input_ids=ids).logits[0, p - 1:p - 1 + r].double()
     temps = adaptive_temperature(z, stats, t_base, tau, mode).double() if tau > 0 else torch.full((r,), t_base,
                                                                                                    dtype=torch.float64)
     logp = torch.log_softmax(z / temps.unsqueeze(-1), dim=-1)
-    return logp.gather(-1, torch.tensor(sample.response_ids).unsqueeze(-1)).squeeze(-1), temps
+    return logp.gather(-1, torch.tensor(sample.response_ids, dtype=torch.long).unsqueeze(-1)).squeeze(-1), temps
 
 
 @pytest.mark.parametrize("t_base,tau,mode", [(1.0, 0.9, "signed"), (0.7, 0.6, "reference")])
@@ -133,7 +133,7 @@ def _train_and_sync_worker(rank, world, url, api_key, model_dir, sync_dir):
             pass
         if eng is not None:
             greedy = eng.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, max_new_tokens=8, ignore_eos=True))
-            out[mode] = {"weights": kept, "greedy": [grp[0].response_ids for grp in greedy]}
+            out[mode] = {"weights": kept, "greedy": [grp[0].response_ids.tolist() for grp in greedy]}
     return out
 
 

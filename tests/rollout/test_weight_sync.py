@@ -80,7 +80,8 @@ def test_flatten_round_trip_and_distributed_payload():
                     "load_format": "flattened_bucket", "flush_cache": True}
     assert ws.dtype_name(torch.bfloat16) == "bfloat16"
     assert ws.init_group_payload(master_address="h", master_port=5, rank_offset=3, world_size=9, group_name="g") == {
-        "master_address": "h", "master_port": 5, "rank_offset": 3, "world_size": 9, "group_name": "g", "backend": "nccl"}
+        "master_address": "h", "master_port": 5, "rank_offset": 3, "world_size": 9, "group_name": "g",
+        "backend": "nccl"}
 
 
 @pytest.mark.skipif(not SGLANG_AVAILABLE, reason="sglang not installed")

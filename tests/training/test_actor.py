@@ -1,5 +1,6 @@
 """MegatronActor on 2 gloo ranks (TP=2): old log-probs match an HF forward (label shift, weight
-load) and the fused output layer's (from hidden states), a step changes the weights, a non-finite loss skips the update, save/load round trip."""
+load) and the fused output layer's (from hidden states), a step changes the weights, a non-finite
+loss skips the update, save/load round trip."""
 
 import os
 

@@ -17,7 +17,8 @@ CONFIG = os.path.join(ROOT, "examples", "cpu_tiny", "config.yaml")
 
 def _cfg(prompt, response, override=None):
     return HapoConfig.from_dict({"data": {"max_prompt_length": prompt}, "rollout": {"max_response_length": response},
-                                 "model": {"hf_model_path": "Qwen/Qwen2.5-Math-7B", "max_position_embeddings": override}})
+                                 "model": {"hf_model_path": "Qwen/Qwen2.5-Math-7B",
+                                           "max_position_embeddings": override}})
 
 
 class _HF:

@@ -47,7 +47,8 @@ def test_sigkill_during_checkpoint_write_then_resume(tiny, tmp_path):
         time.sleep(0.2)
     if not os.path.exists(marker):
         proc.kill()
-        pytest.fail(f"the run never reached the step-4 checkpoint: {results.get(timeout=5) if not results.empty() else ''}")
+        pytest.fail("the run never reached the step-4 checkpoint: "
+                    f"{results.get(timeout=5) if not results.empty() else ''}")
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(30)
     ckpts = os.path.join(run_dir, "checkpoints")

@@ -82,8 +82,9 @@ def test_gpu_recipes_fit_an_80gb_card(recipe):
     from hapo_megatron.config import load_config
     from hapo_megatron.training.memory_plan import plan_from_config
     from tests.training.tiny_setup import ROOT
-    shapes = {"qwen2.5-math-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                                      intermediate_size=18944, vocab_size=152064, model_type="qwen2"),
+    shapes = {"qwen2.5-math-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                                      num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+                                      model_type="qwen2"),
               "qwen2.5-math-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
                                         num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
                                         model_type="qwen2", tie_word_embeddings=True),

@@ -60,8 +60,8 @@ def _actor_round_trip(rank, world, data):
     hf_config = AutoConfig.from_pretrained(path)
 
     def make():
-        return MegatronActor(hf_config, groups=g, optim=OptimConfig(lr=1e-2, lr_warmup_steps=0), total_optimizer_steps=10,
-                             init_hf_path=path)
+        return MegatronActor(hf_config, groups=g, optim=OptimConfig(lr=1e-2, lr_warmup_steps=0),
+                             total_optimizer_steps=10, init_hf_path=path)
     gen = torch.Generator().manual_seed(0)
     seqs = [SequenceData(torch.randint(4, 80, (5 + i,), generator=gen).tolist(),
                          torch.randint(4, 80, (3 + i,), generator=gen).tolist(), index=i) for i in range(3)]

@@ -200,6 +200,7 @@ def _layout(pack: bool, dp_rank: int = 1, **parallel):
     from hapo_megatron.config import load_config
     from hapo_megatron.training import stages
     from hapo_megatron.training.rl_step import RolloutBatch
+    from hapo_megatron.training.rollout_share import RankBatch
     over = [f"parallel.{k}={v}" for k, v in {"max_tokens_per_micro_batch": 40, "pack_sequences": pack,
                                                **parallel}.items()]
     cfg = load_config(None, over + ["trainer.ppo_mini_batch_size=2", "data.train_batch_size=4",
@@ -207,11 +208,14 @@ def _layout(pack: bool, dp_rank: int = 1, **parallel):
     groups = SimpleNamespace(tp_size=2, cp_size=1, dp_size=2, dp_rank=dp_rank)
     seqs = _seqs(12, seed=9)
     batch = RolloutBatch(prompt_ids=[s.prompt_ids for s in seqs], response_ids=[s.response_ids for s in seqs],
-                         rollout_logprobs=[s.rollout_logprobs for s in seqs], temperatures=[s.temperatures for s in seqs],
-                         finish_reasons=["stop"] * 12, group_ids=[i // 3 for i in range(12)], scores=[float(i % 2) for i in range(12)],
+                         rollout_logprobs=[s.rollout_logprobs for s in seqs],
+                         temperatures=[s.temperatures for s in seqs], finish_reasons=["stop"] * 12,
+                         group_ids=[i // 3 for i in range(12)], scores=[float(i % 2) for i in range(12)],
                          accs=[bool(i % 2) for i in range(12)], rewards=[float(i % 2) for i in range(12)],
                          data_sources=[""] * 12)
-    return stages.layout(SimpleNamespace(cfg=cfg, groups=groups), batch), seqs
+    rt = SimpleNamespace(cfg=cfg, groups=groups)
+    share = RankBatch.whole(batch)
+    return stages.layout(rt, share, stages.advantages(rt, share)[0]), seqs
 
 
 def test_layout_stage_follows_pack_sequences_and_logs_token_efficiency():

@@ -1,6 +1,7 @@
 """A packed row through megatron-core's GPTModel on CPU (issue 26): `PackedDotProductAttention`
-(block-diagonal causal mask, computed block by block; checked against the dense masked product) + megatron-core's per-sequence rotary embedding give every
-sequence the logits it gets alone in a padded row, for Llama with llama3-scaled RoPE (untied) and
+(block-diagonal causal mask, computed block by block; checked against the dense masked product) +
+megatron-core's per-sequence rotary embedding give every sequence the logits it gets alone in a
+padded row, for Llama with llama3-scaled RoPE (untied) and
 Qwen2 (q/k/v biases, tied), plain and through the fused output layer. Not assumed from "RoPE is
 relative": compared. Single process (TP = PP = 1); the parallel layouts are test_packing_parity."""
 
@@ -74,7 +75,8 @@ def _attention_vs_dense_mask(rank, world, gqa):
 
     initialize_parallel(tp=1, pp=1, seed=1)
     hf = tiny_hf_config("llama")
-    config = transformer_config_from_hf(hf if gqa else tiny_hf_config("llama", num_key_value_heads=hf.num_attention_heads))
+    config = transformer_config_from_hf(
+        hf if gqa else tiny_hf_config("llama", num_key_value_heads=hf.num_attention_heads))
     attn = PackedDotProductAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                      attention_type="self")
     heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels

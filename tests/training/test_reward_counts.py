@@ -12,7 +12,7 @@ from hapo_megatron.rewards.scoring import RewardScorer
 from hapo_megatron.rollout.engine import Sample
 from hapo_megatron.training import stages
 from hapo_megatron.training.engine_memory import EngineMemory
-from hapo_megatron.training.rl_step import DynamicSampler, RolloutBatch
+from hapo_megatron.training.rl_step import DynamicSampler
 from tests.training.misbehaving_reward import read_calls
 
 
@@ -61,7 +61,7 @@ def _runtime(engine, truths, *, n, filter_groups=False, **reward):
         tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: "".join(map(chr, ids)), eos_token_id=None),
         reward_fn=get_reward_fn(cfg.reward.reward_fn), scorer=RewardScorer.from_config(cfg.reward),
         rl=SimpleNamespace(dyn=DynamicSampler(enabled=filter_groups, max_num_gen_batches=3), sampler=sampler,
-                           entropy_stats=None))
+                           rollout_entropy_stats=None))
 
 
 def test_math_reward_timeouts_in_process_over_every_round(monkeypatch):
@@ -86,7 +86,7 @@ def test_misbehaving_rewards_in_workers_while_generating(tmp_path):
     rt = _runtime(engine, truths, n=2, reward_fn="tests.training.misbehaving_reward:score", num_workers=2,
                   timeout_s=0.5, score_format="01", reward_kwargs={"log_dir": str(tmp_path)})
     try:
-        packed, metrics, _ = stages._rollout_rank0(rt, 1)
+        batch, metrics, _ = stages._rollout_rank0(rt, 1)
     finally:
         rt.scorer.close()
     assert engine.waited  # the first chunk (prompts 0-3) was scored before the second was generated
@@ -94,6 +94,5 @@ def test_misbehaving_rewards_in_workers_while_generating(tmp_path):
     assert metrics["reward/timeouts"] == 4.0 and metrics["reward/errors"] == 4.0  # each response once
     assert metrics["timing/reward_wait_s"] >= 0.0
     assert rt.scorer.pool.restarts == 4  # stuck and killed workers were replaced (timer-stopped ones kept)
-    batch = RolloutBatch.unpack(packed)
     # failures score the "01" format's minimum; the rest what the reward returned (+1 right, -1 wrong)
     assert batch.scores == [0.0] * 8 + [1.0, -1.0] * 4 and batch.accs == [False] * 8 + [True, False] * 4

@@ -161,10 +161,16 @@ def test_to_sequences_and_metrics():
         to_sequences(b, torch.zeros(2))
 
 
-def test_pack_round_trip():
+def test_pickle_round_trip_keeps_flat_arrays():
+    # what stages.rollout sends a rank: flat arrays + offsets, no per-token Python objects
+    import pickle
+
+    import numpy as np
     rng = random.Random(3)
     b = _batch(rng, 3, 2)
     b.rollout_logprobs = [[-0.5] * len(r) for r in b.response_ids]
     b.temperatures = [[] for _ in b.response_ids]
-    out = RolloutBatch.unpack(b.pack())
-    assert out == b and isinstance(out.response_ids[0][0], int)
+    out = pickle.loads(pickle.dumps(b))
+    assert out == b and out.response_ids.flat.dtype == np.int32 and out.rollout_logprobs.flat.dtype == np.float32
+    assert out.response_ids.tolist() == [list(map(int, r)) for r in b.response_ids]
+    assert out != b.select([1, 0, 2, 3, 4, 5])

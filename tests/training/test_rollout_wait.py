@@ -60,10 +60,11 @@ def _rollout_protocol(rank, world, fail):
         batch = RolloutBatch(prompt_ids=[[1, 2]], response_ids=[[3]], rollout_logprobs=[[-0.5]],
                              temperatures=[[1.0]], finish_reasons=["stop"], group_ids=[0], scores=[1.0],
                              accs=[True], rewards=[1.0], data_sources=["x"])
-        return batch.pack(), {"m": 1.0}, {"epoch": 7}
+        return batch, {"m": 1.0}, {"epoch": 7}
     stages._rollout_rank0 = fake_rank0
     sampler = SimpleNamespace(state=None, load_state_dict=lambda s: setattr(sampler, "state", s))
-    rt = SimpleNamespace(is_main=rank == 0, memory=EngineMemory(), rl=SimpleNamespace(sampler=sampler), control=channel)
+    rt = SimpleNamespace(is_main=rank == 0, memory=EngineMemory(), rl=SimpleNamespace(sampler=sampler), control=channel,
+                         groups=SimpleNamespace(dp_rank=0, dp_size=1))  # one DP group: both ranks get the batch
     calls = []
     _record_collectives(calls)
     try:
@@ -101,7 +102,8 @@ def test_other_ranks_get_heartbeats_during_a_round_then_the_batch_over_the_cpu_g
 def test_rank0_failure_stops_every_rank():
     out = run_distributed(_rollout_protocol, 2, True, timeout=400)
     assert out[0]["error"] == "ValueError: server went away"
-    assert out[1]["error"].startswith("RuntimeError: rank 0 failed during the rollout or evaluation: ValueError: server went away")
+    assert out[1]["error"].startswith("RuntimeError: rank 0 failed during the rollout or evaluation: "
+                                      "ValueError: server went away")
     assert out[1]["kinds"][-1] == "error" and out[0]["foreign"] == out[1]["foreign"] == []
 
 

@@ -114,8 +114,8 @@ def _measure(opts: dict) -> dict:
     # On CPU the ratios use the process's CPU time: on a shared machine wall time mostly measures
     # the other processes (with --threads 1, CPU time is this variant's own work).
     cost = statistics.median(times) if cuda else min(cpu_times)
-    return {"time_ms": 1e3 * cost, "wall_ms": 1e3 * statistics.median(times), "peak_bytes": max(peak, 0), "shard_bytes": shard,
-            "extra_bytes": max(peak - grads, 0), "device": str(dev), "check": check}
+    return {"time_ms": 1e3 * cost, "wall_ms": 1e3 * statistics.median(times), "peak_bytes": max(peak, 0),
+            "shard_bytes": shard, "extra_bytes": max(peak - grads, 0), "device": str(dev), "check": check}
 
 
 def _run_one(opts: dict) -> dict:
@@ -152,9 +152,9 @@ def run_benchmark(tokens, hiddens, vocabs, *, dtype="float32", chunk_size=None, 
                         continue
                     t_ratio = r["time_ms"] / ref["time_ms"] if "time_ms" in ref else float("nan")
                     m_ratio = r["extra_bytes"] / ref["extra_bytes"] if ref.get("extra_bytes") else float("nan")
-                    out(f"{T:>6} {H:>5} {V:>6} {v:>9} {r['time_ms']:>11.1f} {r['wall_ms']:>8.0f} {base._fmt_mib(r['extra_bytes'])} "
-                        f"{r['shard_bytes'] / 2**20:>10.0f} {r['extra_bytes'] / r['shard_bytes']:>12.3f} "
-                        f"{t_ratio:>11.2f} {m_ratio:>16.3f}")
+                    out(f"{T:>6} {H:>5} {V:>6} {v:>9} {r['time_ms']:>11.1f} {r['wall_ms']:>8.0f} "
+                        f"{base._fmt_mib(r['extra_bytes'])} {r['shard_bytes'] / 2**20:>10.0f} "
+                        f"{r['extra_bytes'] / r['shard_bytes']:>12.3f} {t_ratio:>11.2f} {m_ratio:>16.3f}")
                     rows.append(dict(r, T=T, H=H, V=V, variant=v, chunk_size=cs))
     return rows
 

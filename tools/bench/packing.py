@@ -150,7 +150,8 @@ def main(argv=None) -> int:
                 for name, (plan, _) in small.items():
                     best[name] = min(best[name], time_update(
                         plan[args.time_rank], scaled, pack=name == "packed", actor=actor, groups=groups,
-                        vocab=cfg.vocab_size, budget=budget, prompt_len=max(1, round(args.prompt_len * args.time_scale))))
+                        vocab=cfg.vocab_size, budget=budget,
+                        prompt_len=max(1, round(args.prompt_len * args.time_scale))))
             times = best
         for name, (plan, eff) in res.items():
             line = (f"{mean:>6.0f} {name:>7} {eff['token_efficiency']:>10.3f} {eff['real_tokens']:>9.0f} "

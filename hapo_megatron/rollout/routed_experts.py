@@ -1,0 +1,41 @@
+"""The experts a MoE rollout engine routed each token to, and how often the actor routes them
+otherwise (issue 27: routing replay).
+
+SGLang (``--enable-return-routed-experts`` and per-request ``return_routed_experts``) answers
+``meta_info["routed_experts"]``: base64 of int32 expert ids, shape ``[prompt + response - 1,
+num_hidden_layers, top_k]`` (the positions of every token the server ran through the model: the
+last sampled token is never fed back), in each router's top-k order. Layers without experts
+(``mlp_only_layers``) hold zeros.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+
+
+def decode_routed_experts(encoded: str, num_layers: int, top_k: int) -> np.ndarray:
+    """SGLang's base64 ``routed_experts`` as an int32 array ``[positions, num_layers, top_k]``."""
+    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    per_position = num_layers * top_k
+    if per_position <= 0 or flat.size % per_position:
+        raise ValueError(f"routed_experts holds {flat.size} ids, not a whole number of positions of "
+                         f"{num_layers} layers x top-{top_k}: does the server run another model?")
+    return flat.reshape(-1, num_layers, top_k).copy()
+
+
+def routing_mismatch(engine: np.ndarray, actor: np.ndarray, moe_layers=None) -> float:
+    """Share of (token, MoE layer) pairs whose top-k expert SET differs between ``engine`` and
+    ``actor`` (both ``[tokens, layers, top_k]``; the order within the top-k does not count).
+    ``moe_layers``: the layer indices to compare (default all). NaN when there is nothing to
+    compare."""
+    engine, actor = np.asarray(engine), np.asarray(actor)
+    if engine.shape != actor.shape or engine.ndim != 3:
+        raise ValueError(f"routing shapes differ or are not [tokens, layers, top_k]: {engine.shape} vs {actor.shape}")
+    if moe_layers is not None:
+        engine, actor = engine[:, list(moe_layers)], actor[:, list(moe_layers)]
+    if engine.size == 0:
+        return float("nan")
+    differs = (np.sort(engine, axis=-1) != np.sort(actor, axis=-1)).any(axis=-1)
+    return float(differs.mean())
