@@ -60,7 +60,8 @@ class ServerSupervisor:
         if int(max_restarts) < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         self.servers = servers
-        self.http, self.max_restarts, self.restart, self._log, self._clock = http, int(max_restarts), restart, log, clock
+        self.http, self.max_restarts, self.restart = http, int(max_restarts), restart
+        self._log, self._clock = log, clock
         self.state = {i: IN_USE for i in range(len(servers))}
         self.restarts = 0
         self.requests_retried = 0  # rows sent again after their server failed
@@ -74,7 +75,8 @@ class ServerSupervisor:
 
     def metrics(self) -> dict[str, float]:
         """Totals of this run so far (both count from the start of the process)."""
-        return {"rollout/server_restarts": float(self.restarts), "rollout/requests_retried": float(self.requests_retried)}
+        return {"rollout/server_restarts": float(self.restarts),
+                "rollout/requests_retried": float(self.requests_retried)}
 
     def _pick(self, key: int) -> int:
         """The in-use server of call ``key`` (round-robin over those in use)."""
@@ -182,4 +184,5 @@ def first_line(e: BaseException) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0][:300]
 
 
-__all__ = ["ServerSupervisor", "ServerPoolError", "first_line", "IN_USE", "RESTARTING", "LOST", "HEALTH_PROBE_TIMEOUT_S"]
+__all__ = ["ServerSupervisor", "ServerPoolError", "first_line", "IN_USE", "RESTARTING", "LOST",
+           "HEALTH_PROBE_TIMEOUT_S"]

@@ -177,7 +177,8 @@ class SGLangHTTP:
                 if resp.status_code == 404:
                     raise EndpointNotFoundError(f"SGLang server {server.url} has no endpoint {method} {path}: {last}")
                 if resp.status_code in (401, 403):
-                    raise RequestRefusedError(f"SGLang server {server.url} refused {method} {path}: {last} ({AUTH_HINT})")
+                    raise RequestRefusedError(
+                        f"SGLang server {server.url} refused {method} {path}: {last} ({AUTH_HINT})")
                 if resp.status_code not in RETRYABLE_STATUS:
                     raise RequestRefusedError(f"SGLang server {server.url} refused {method} {path}: {last}")
             if server.exit_code() is not None:
@@ -226,4 +227,5 @@ class SGLangHTTP:
             raise server.died_error("health check")
 
 
-__all__ = ["SGLangError", "ServerDiedError", "EndpointNotFoundError", "RequestRefusedError", "ServerUnreachableError", "ServerHandle", "SGLangHTTP", "RETRYABLE_STATUS"]
+__all__ = ["SGLangError", "ServerDiedError", "EndpointNotFoundError", "RequestRefusedError", "ServerUnreachableError",
+           "ServerHandle", "SGLangHTTP", "RETRYABLE_STATUS"]

@@ -68,7 +68,7 @@ def generate_with_fault(eng, sig, handle, nth=2):
 
 
 def rows(out):
-    return [(s.prompt_index, s.sample_index, s.response_ids, s.rollout_logprobs) for g in out for s in g]
+    return [(s.prompt_index, s.sample_index, list(s.response_ids), list(s.rollout_logprobs)) for g in out for s in g]
 
 
 @pytest.mark.slow
@@ -169,7 +169,8 @@ def test_trainer_goes_on_after_a_server_dies_and_stops_past_max_restarts(real_mo
             subprocess.run(["sleep", "0.5"])
 
     try:
-        wait_for("checkpoint 1", lambda: os.path.exists(os.path.join(run_dir, "checkpoints", "step_000001", "COMPLETE")))
+        first = os.path.join(run_dir, "checkpoints", "step_000001", "COMPLETE")
+        wait_for("checkpoint 1", lambda: os.path.exists(first))
         os.killpg(_server_group(port + 1), signal.SIGKILL)
         killed_at = time.monotonic()
         wait_for("the server back in use", lambda: any("is back in use" in line for line in out))

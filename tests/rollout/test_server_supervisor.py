@@ -51,7 +51,7 @@ def engine(sess, *, launch_handles=True, max_restarts=3, comes_back=True, log=No
 
 
 def responses(out):
-    return [[(s.response_ids, s.rollout_logprobs) for s in group] for group in out]
+    return [[(list(s.response_ids), list(s.rollout_logprobs)) for s in group] for group in out]
 
 
 def bodies_by_rows(sess, url):

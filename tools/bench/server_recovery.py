@@ -54,7 +54,7 @@ def main() -> None:
         eng.update_weights(iter(perturbed(model, 1)))
         prompts = [[1, 10 + p, 11, 12 + p] for p in range(args.prompts)]
         params = SamplingParams(n=2, temperature=args.temperature, max_new_tokens=24, ignore_eos=True, seed=11)
-        flat = lambda out: [(s.response_ids, s.rollout_logprobs) for g in out for s in g]  # noqa: E731
+        flat = lambda out: [(list(s.response_ids), list(s.rollout_logprobs)) for g in out for s in g]  # noqa: E731
         ref, again = flat(eng.generate(prompts, params)), flat(eng.generate(prompts, params))
         killed, request, calls = [], eng.http.request, []
 
@@ -72,7 +72,8 @@ def main() -> None:
         ids_diff = sum(a[0] != b[0] for a, b in zip(out, ref))
         lp_diff = max((abs(x - y) for a, b in zip(out, ref) if a[0] == b[0] for x, y in zip(a[1], b[1])), default=0.0)
         print(f"rows: {len(ref)}; retried: {eng.fault_metrics()['rollout/requests_retried']:.0f}")
-        again_lp = max((abs(x - y) for a, b in zip(again, ref) if a[0] == b[0] for x, y in zip(a[1], b[1])), default=0.0)
+        again_lp = max((abs(x - y) for a, b in zip(again, ref) if a[0] == b[0] for x, y in zip(a[1], b[1])),
+                       default=0.0)
         print(f"no failure, run twice: {sum(a[0] != b[0] for a, b in zip(again, ref))} rows with other tokens, "
               f"max |logprob diff| {again_lp:.2e}")
         print(f"with the kill: {ids_diff} rows with other tokens than without it; "
