@@ -70,6 +70,6 @@ class Handler(BaseHTTPRequestHandler):
 
 
 server = ThreadingHTTPServer((args.host, args.port), Handler)
-record(path="start", argv=[a if a != args.api_key else "<key>" for a in sys.argv[1:]], bound=server.server_address[0],
-       pid=os.getpid(), ppid=os.getppid())
+argv = [a.replace(args.api_key, "<key>") if args.api_key else a for a in sys.argv[1:]]  # FLAG=KEY too
+record(path="start", argv=argv, bound=server.server_address[0], pid=os.getpid(), ppid=os.getppid())
 server.serve_forever()

@@ -155,7 +155,9 @@ def _records(out_dir):
 
 
 def _arg(argv, flag):
-    return argv[argv.index(flag) + 1]
+    """The value of ``flag`` in ``argv``: ``FLAG VALUE`` or ``FLAG=VALUE`` (how the key flags come)."""
+    joined = [a.split("=", 1)[1] for a in argv if a.startswith(flag + "=")]
+    return joined[-1] if joined else argv[argv.index(flag) + 1]
 
 
 def test_two_nodes_place_route_and_sync(tmp_path):
