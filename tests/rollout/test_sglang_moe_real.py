@@ -67,7 +67,7 @@ def _engine(url, api_key):
 def _server_greedy(eng):
     from hapo_megatron.rollout.engine import SamplingParams
     out = eng.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True))
-    return [group[0].response_ids for group in out]
+    return [[int(t) for t in group[0].response_ids] for group in out]  # Sample holds arrays
 
 
 def test_tensor_sync_of_expert_weights_reaches_the_server(moe_server, real_api_key, moe_dir):
