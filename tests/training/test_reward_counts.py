@@ -69,7 +69,9 @@ def test_math_reward_timeouts_in_process_over_every_round(monkeypatch):
     monkeypatch.setattr(stages, "broadcast_object", lambda obj: obj)  # the heartbeat between rounds
     answers = ["\\boxed{2^{10}}", "\\boxed{9^{9^{9}}}", "\\boxed{7}", "\\boxed{9^{9^{9}}}"]
     engine = _Engine(lambda i, k: answers[(2 * i + k) % 4])
-    kw = dict(num_workers=0, reward_fn="math", reward_kwargs={"verify_timeout_s": 0.5})
+    # 2 s: far above a normal verify on a loaded 2-core machine (its first call also imports the
+    # LaTeX parser), far below 9^(9^9)'s
+    kw = dict(num_workers=0, reward_fn="math", reward_kwargs={"verify_timeout_s": 2.0})
     _, metrics, _ = stages._rollout_rank0(_runtime(engine, ["1024", "1024"], n=2, **kw), 1)
     assert metrics["rollout/num_gen_batches"] == 1.0 and metrics["reward/timeouts"] == 2.0  # 2 of 4
     assert metrics["rollout/acc"] == 0.25 and metrics["reward/errors"] == 0.0
@@ -84,7 +86,7 @@ def test_misbehaving_rewards_in_workers_while_generating(tmp_path):
     calls = lambda: read_calls(str(tmp_path))  # noqa: E731
     engine = _Engine(lambda i, k: truths[i] if k == 0 else "wrong", ready=lambda: len(calls()) >= 8)
     rt = _runtime(engine, truths, n=2, reward_fn="tests.training.misbehaving_reward:score", num_workers=2,
-                  timeout_s=0.5, score_format="01", reward_kwargs={"log_dir": str(tmp_path)})
+                  timeout_s=2.0, score_format="01", reward_kwargs={"log_dir": str(tmp_path)})  # >> 0.05 s sleeps
     try:
         batch, metrics, _ = stages._rollout_rank0(rt, 1)
     finally:
