@@ -323,6 +323,15 @@ class ModelConfig(_Section):
     the HF config's router_aux_loss_coef, 0 = off). Megatron adds it per routed token of each
     micro-batch, divided like the policy loss by the step's global token count; logged as
     actor/moe_aux_loss (before the coefficient). Ignored for dense models."""
+    routing_replay: bool = False
+    """MoE models: the rollout engine returns the experts it chose for every token, and the
+    old-log-prob pass and the updates route each token to those experts (docs/moe.md, "Routing
+    replay"); SGLang servers the trainer starts get --enable-return-routed-experts. Needs a MoE
+    model."""
+    measure_routing_mismatch: bool = True
+    """MoE models: also without replay, ask the engine for its routes and log
+    rollout/routing_mismatch, the share of (token, MoE layer) pairs whose top-k expert set the actor
+    chooses otherwise. Off: neither (no routes travel) unless model.routing_replay."""
 
     def _validate(self) -> None:
         _check_choice("model.dtype", self.dtype, DTYPES)

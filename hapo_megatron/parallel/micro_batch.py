@@ -33,6 +33,8 @@ from hapo_megatron.parallel.context_parallel import split_for_cp, split_for_cp_t
 #: ``cu_seqlens``, every other tensor field is ``[b, s]``.
 ROW_FIELDS = ("seq_index", "engine_temperatures")
 _NOT_TOKEN_FIELDS = ROW_FIELDS + ("cu_seqlens",)
+#: ``[b, s, L * k]``: per position, the experts of every layer (what the forward pass reads)
+ROUTE_FIELD = "routed_experts"
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,9 @@ class MicroBatch:
             span includes its padding) in the *full* row, also in a context-parallel shard (what
             Transformer Engine's THD attention and megatron-core's `PackedSeqParams` take).
         segment_ids: packed only: ``[1, s]`` int64, the sequence (0..n-1) of every position.
+        routed_experts: MoE with routing replay: ``[b, s, L * k]`` int16, the ``k`` experts the
+            engine chose in each of the ``L`` layers for the token at each position, -1 where it
+            chose none (`models.routing_replay`); what the forward pass reads, not the loss.
         old_logprobs: ``[b, s]`` float32, the behaviour policy's log-probs the loss's ratio
             divides by (the recomputed ones, or the rollout's with ``old_logprob_source:
             rollout``); 0 where ``loss_mask`` is 0.
@@ -111,6 +116,7 @@ class MicroBatch:
     engine_temperatures: Optional[torch.Tensor] = None
     cu_seqlens: Optional[torch.Tensor] = None
     segment_ids: Optional[torch.Tensor] = None
+    routed_experts: Optional[torch.Tensor] = None
     old_logprobs: Optional[torch.Tensor] = None
     old_entropy: Optional[torch.Tensor] = None
     recomputed_logprobs: Optional[torch.Tensor] = None
@@ -131,6 +137,8 @@ class MicroBatch:
             if name == "cu_seqlens":
                 continue
             want = (self.num_sequences,) if name in ROW_FIELDS else shape
+            if name == ROUTE_FIELD:
+                want = shape + tuple(t.shape[2:3]) if t.dim() == 3 else shape + (-1,)
             if tuple(t.shape) != want:
                 raise ValueError(f"MicroBatch.{name} must have shape {want}, got {tuple(t.shape)}")
         for u in self.updates:
@@ -179,8 +187,8 @@ class MicroBatch:
             return self
         lay = self.sequence_layout()
         cut = {name: t if name in ROW_FIELDS else lay.to_rows(t)
-               for name, t in self._tensors() if name not in ("cu_seqlens", "segment_ids")}
-        return replace(self, **cut, cu_seqlens=None, segment_ids=None,
+               for name, t in self._tensors() if name not in ("cu_seqlens", "segment_ids", ROUTE_FIELD)}
+        return replace(self, **cut, cu_seqlens=None, segment_ids=None, routed_experts=None,
                        updates=tuple(u.apply(lay.to_rows) for u in self.updates))
 
     @property
@@ -202,6 +210,8 @@ class MicroBatch:
         (full-sequence results) are not carried over. ``cp_size == 1``: ``self``."""
         if cp_size == 1:
             return self
+        if self.routed_experts is not None:
+            raise ValueError("routing replay does not support context parallelism (MoE models train without it)")
         if self.is_packed:  # each sequence in 2 x CP chunks (TE's THD layout); cu_seqlens stay full
             cut = {name: t if name in _NOT_TOKEN_FIELDS else split_for_cp_thd(t, self.cu_seqlens, cp_size, cp_rank)
                    for name, t in self._tensors()}

@@ -48,6 +48,8 @@ class SamplingParams:
         temperature_tau: ``tau`` in ``T = T_base * (1 + tau * h_hat)``, in [0, 1).
         h_hat_mode: ``"signed"`` (paper) or ``"reference"`` (public code's sign defect).
         ignore_eos: do not stop on the model's eos token (``stop_token_ids`` still stop).
+        return_routes: MoE models: return each sample's routed experts (`Sample.routed_experts`;
+            SGLang servers need ``--enable-return-routed-experts``).
     """
 
     n: int = 1
@@ -62,6 +64,7 @@ class SamplingParams:
     temperature_tau: float = 0.05
     h_hat_mode: str = "signed"
     ignore_eos: bool = False
+    return_routes: bool = False
 
     def __post_init__(self) -> None:
         if int(self.n) < 1:
@@ -152,6 +155,10 @@ class Sample:
         finish_reason: ``"stop"`` (eos / stop token) or ``"length"`` (``max_new_tokens``).
         prompt_index: index of the prompt in the ``generate`` call.
         sample_index: index of this sample among the prompt's ``n``.
+        routed_experts: MoE engines asked for routes (``params.return_routes``): int16
+            ``[len(prompt_ids) + len(response_ids) - 1, num_hidden_layers * top_k]``, per token the
+            engine ran through the model (the last sampled token never is), each layer's top-k
+            experts in turn (dense layers hold 0); an empty array otherwise.
     """
 
     prompt_ids: np.ndarray
@@ -161,6 +168,7 @@ class Sample:
     finish_reason: str
     prompt_index: int
     sample_index: int = 0
+    routed_experts: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
         for name, dtype in (("prompt_ids", np.int32), ("response_ids", np.int32), ("rollout_logprobs", np.float32),
@@ -171,6 +179,17 @@ class Sample:
         if len(self.rollout_logprobs) != len(self.response_ids):
             raise ValueError(f"rollout_logprobs has {len(self.rollout_logprobs)} entries for "
                              f"{len(self.response_ids)} response tokens")
+        routes = np.zeros(0, np.int16) if self.routed_experts is None else np.asarray(self.routed_experts, np.int16)
+        positions = len(self.prompt_ids) + len(self.response_ids) - 1
+        if routes.size and (routes.ndim != 2 or len(routes) != positions):
+            raise ValueError(f"routed_experts must be [prompt + response - 1 = {positions}, layers * top_k], "
+                             f"got shape {routes.shape}")
+        self.routed_experts = routes
+
+    @property
+    def has_routes(self) -> bool:
+        """Whether the engine returned the experts of every token it ran."""
+        return self.routed_experts.size > 0
 
     @property
     def has_temperatures(self) -> bool:

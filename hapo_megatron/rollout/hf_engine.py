@@ -113,6 +113,51 @@ def _eos_ids(*sources: Any) -> set[int]:
     return out
 
 
+class RouteRecorder:
+    """The experts every MoE router of a transformers model chooses (forward hooks on the
+    ``mlp.gate`` routers, which return ``(logits, weights, indices)``), one ``[B, T, L * k]`` int16
+    tensor per model call (`end_call`); dense layers hold 0, as SGLang's routes do."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        layers = model.model.layers
+        self.num_layers = len(layers)
+        gates = [(i, layer.mlp.gate) for i, layer in enumerate(layers)
+                 if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")]
+        if not gates:
+            raise ValueError("return_routes: the model has no MoE layers to record the routing of")
+        self.top_k = int(model.config.num_experts_per_tok)
+        self._chosen: dict[int, torch.Tensor] = {}
+        self.calls: list[torch.Tensor] = []
+        self._handles = [gate.register_forward_hook(self._hook(i)) for i, gate in gates]
+
+    def _hook(self, layer: int):
+        def hook(module, inputs, output):
+            indices = output[-1] if isinstance(output, tuple) else None
+            if indices is None or indices.is_floating_point() or indices.shape[-1] != self.top_k:
+                raise TypeError(f"layer {layer}'s router returns no top-{self.top_k} expert indices last "
+                                "(a transformers version this engine does not know)")
+            self._chosen[layer] = indices.detach()
+        return hook
+
+    def end_call(self, batch: int, length: int) -> None:
+        out = torch.zeros(batch, length, self.num_layers, self.top_k, dtype=torch.int16)
+        for layer, indices in self._chosen.items():
+            out[:, :, layer] = indices.reshape(batch, length, self.top_k).to("cpu", torch.int16)
+        self.calls.append(out.reshape(batch, length, -1))
+        self._chosen = {}
+
+    def routes_of_row(self, b: int, prompt_len: int, response_len: int) -> torch.Tensor:
+        """Row ``b``'s ``[prompt + response - 1, L * k]``: its prompt positions of the (left-padded)
+        prefill call, then the response tokens fed back one call each (the last one never is)."""
+        prefill, decoded = self.calls[0], self.calls[1:response_len]
+        return torch.cat([prefill[b, prefill.shape[1] - prompt_len:]] + [c[b] for c in decoded])
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
 # --------------------------------------------------------------------------- the engine
 class HFRolloutEngine:
     """A :class:`~hapo_megatron.rollout.engine.RolloutEngine` on a ``transformers`` causal LM.
@@ -191,8 +236,9 @@ class HFRolloutEngine:
             chunk = rows[start:start + self.max_batch_size]
             results = self._decode([prompts[p] for p, _ in chunk], params, gen)
             done = [Sample(prompt_ids=list(prompts[p]), response_ids=resp, rollout_logprobs=logps,
-                           temperatures=temps, finish_reason=reason, prompt_index=p, sample_index=k)
-                    for (p, k), (resp, logps, temps, reason) in zip(chunk, results)]
+                           temperatures=temps, finish_reason=reason, prompt_index=p, sample_index=k,
+                           routed_experts=routes)
+                    for (p, k), (resp, logps, temps, reason, routes) in zip(chunk, results)]
             for smp in done:
                 out[smp.prompt_index].append(smp)
             if on_samples is not None:
@@ -214,13 +260,28 @@ class HFRolloutEngine:
         return set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
 
     def _decode(self, prompts: list[list[int]], params: SamplingParams, gen: torch.Generator):
-        """Decode one chunk; returns ``[(response_ids, logprobs, temperatures, finish_reason)]``."""
+        """Decode one chunk; returns ``[(response_ids, logprobs, temperatures, finish_reason,
+        routed_experts or None)]``."""
+        recorder = RouteRecorder(self.model) if params.return_routes else None
+        try:
+            rows = self._decode_rows(prompts, params, gen, recorder)
+        finally:
+            if recorder is not None:
+                recorder.remove()
+        if recorder is None:
+            return [row + (None,) for row in rows]
+        return [row + (recorder.routes_of_row(b, len(p), len(row[0])).numpy(),)
+                for b, (p, row) in enumerate(zip(prompts, rows))]
+
+    def _decode_rows(self, prompts, params, gen, recorder: Optional[RouteRecorder]):
         from transformers import DynamicCache
 
         ids, mask, pos = self._prefill_inputs(prompts)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                          past_key_values=DynamicCache(config=self.model.config), use_cache=True,
                          logits_to_keep=1)
+        if recorder is not None:
+            recorder.end_call(*ids.shape)
         next_pos = pos[:, -1] + 1
         stop_ids = self._stop_ids(params)
         n_rows = len(prompts)
@@ -249,6 +310,8 @@ class HFRolloutEngine:
             out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask,
                              position_ids=next_pos.unsqueeze(-1), past_key_values=out.past_key_values,
                              use_cache=True)
+            if recorder is not None:
+                recorder.end_call(n_rows, 1)
             next_pos = next_pos + 1
         return list(zip(resp, logps, temps, reasons))
 
@@ -320,5 +383,5 @@ class HFRolloutEngine:
             torch.cuda.empty_cache()
 
 
-__all__ = ["HFRolloutEngine", "apply_top_k", "apply_top_p", "sampling_logprobs", "sample_step",
+__all__ = ["HFRolloutEngine", "RouteRecorder", "apply_top_k", "apply_top_p", "sampling_logprobs", "sample_step",
            "step_temperatures", "check_logits"]

@@ -15,14 +15,16 @@ import base64
 import numpy as np
 
 
-def decode_routed_experts(encoded: str, num_layers: int, top_k: int) -> np.ndarray:
-    """SGLang's base64 ``routed_experts`` as an int32 array ``[positions, num_layers, top_k]``."""
+def decode_routed_experts(encoded: str, positions: int) -> np.ndarray:
+    """SGLang's base64 ``routed_experts`` as an int16 array ``[positions, num_layers * top_k]``
+    (`Sample.routed_experts`; ``.reshape(positions, num_layers, top_k)`` splits the layers)."""
     flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
-    per_position = num_layers * top_k
-    if per_position <= 0 or flat.size % per_position:
-        raise ValueError(f"routed_experts holds {flat.size} ids, not a whole number of positions of "
-                         f"{num_layers} layers x top-{top_k}: does the server run another model?")
-    return flat.reshape(-1, num_layers, top_k).copy()
+    if positions <= 0 or flat.size % positions or flat.size == 0:
+        raise ValueError(f"routed_experts holds {flat.size} ids, not the same number for each of "
+                         f"{positions} positions: does the answer belong to this sequence?")
+    if flat.size and (flat.min() < 0 or flat.max() > np.iinfo(np.int16).max):
+        raise ValueError(f"routed_experts holds expert ids outside 0..{np.iinfo(np.int16).max}")
+    return flat.reshape(positions, -1).astype(np.int16)
 
 
 def routing_mismatch(engine: np.ndarray, actor: np.ndarray, moe_layers=None) -> float:

@@ -69,6 +69,7 @@ from hapo_megatron.parallel.collectives import all_gather_objects, broadcast_obj
 from hapo_megatron.rollout import sglang_launch as launcher
 from hapo_megatron.rollout.api_key import resolve_api_key
 from hapo_megatron.rollout.engine import Sample, SamplingParams, check_prompt_ids, drain_weights
+from hapo_megatron.rollout.routed_experts import decode_routed_experts
 from hapo_megatron.rollout.server_supervisor import ServerPoolError, ServerSupervisor, first_line
 from hapo_megatron.rollout.sglang_client import (EndpointNotFoundError, RequestRefusedError, SGLangError, SGLangHTTP,
                                                  ServerHandle)
@@ -122,6 +123,8 @@ def generate_payload(input_ids: list[list[int]], params: SamplingParams, *,
         "sampling_params": [row_sampling_params(params, seed=s) for s in seeds],
         "return_logprob": True,
     }
+    if params.return_routes:  # the server needs --enable-return-routed-experts
+        body["return_routed_experts"] = True
     if params.uses_adaptive:
         body["custom_logit_processor"] = [_processor().to_str()] * len(input_ids)
     return body
@@ -149,6 +152,15 @@ def parse_generate_item(item: dict) -> tuple[list[int], list[float], str]:
     if out_ids is not None and list(map(int, out_ids)) != ids:
         raise SGLangError(f"output_ids ({len(out_ids)}) disagree with output_token_logprobs ({len(ids)})")
     return ids, logps, kind
+
+
+def parse_routed_experts(item: dict, positions: int):
+    """``[positions, layers * top_k]`` experts of one ``/generate`` answer (`rollout.routed_experts`)."""
+    encoded = item.get("meta_info", {}).get("routed_experts")
+    if encoded is None:
+        raise SGLangError("SGLang answer has no routed_experts: start the servers with "
+                          "--enable-return-routed-experts (the trainer adds it for model.routing_replay)")
+    return decode_routed_experts(encoded, positions)
 
 
 def resolve_weight_sync(mode: str, *, colocate: bool) -> str:
@@ -381,8 +393,10 @@ class SGLangEngine:
             if not isinstance(answer, list) or len(answer) != len(idx):
                 raise SGLangError(f"/generate returned {type(answer).__name__} for {len(idx)} rows")
             done = [Sample(prompt_ids=list(prompts[rows[i][0]]), response_ids=ids, rollout_logprobs=logps,
-                           temperatures=[], finish_reason=reason, prompt_index=rows[i][0], sample_index=rows[i][1])
-                    for i, (ids, logps, reason) in zip(idx, map(parse_generate_item, answer))]
+                           temperatures=[], finish_reason=reason, prompt_index=rows[i][0], sample_index=rows[i][1],
+                           routed_experts=(parse_routed_experts(item, len(prompts[rows[i][0]]) + len(ids) - 1)
+                                           if params.return_routes else None))
+                    for i, item, (ids, logps, reason) in zip(idx, answer, map(parse_generate_item, answer))]
             if on_samples is not None:
                 on_samples(done)
             return done

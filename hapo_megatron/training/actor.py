@@ -22,12 +22,15 @@ from hapo_megatron.compat.processes import children_allowed
 from hapo_megatron.dtypes import torch_dtype
 from hapo_megatron.models.hf_config import is_moe
 from hapo_megatron.models.moe import ExpertLoadMonitor, moe_overrides
+from hapo_megatron.models.routing_replay import (check_consumed, install_route_replay, queue_routes,
+                                                 take_mismatch_counts)
 from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.training.checkpoint import OPTIMIZER_FORMAT, optimizer_sharding_metadata
 from hapo_megatron.training.optimizer_checkpoint import (ensure_adam_state, load_optimizer_state,
                                                           reshaped_for_this_optimizer, saved_with_chained_prefix)
 
 LossFactory = Callable[[MicroBatch], Callable]
+ROUTING_MODES = ("off", "measure", "replay")
 
 
 @dataclass
@@ -79,13 +82,17 @@ class MegatronActor:
         fused_output_layer: the last stage hands its final hidden states and output weight to the
             loss (`parallel.linear_logprobs_entropy`) instead of logits, so the ``[T, V/tp]``
             logits and their gradient are never materialised.
+        routing: MoE models: ``"replay"`` routes every token the engine ran to the experts it
+            chose (`models.routing_replay`), ``"measure"`` only counts how often the actor's own
+            choice differs, ``"off"`` neither (ignored for dense models).
     """
 
     def __init__(self, hf_config, *, groups, optim, total_optimizer_steps: int, dtype: str = "fp32",
                  use_te: Optional[bool] = None, sequence_parallel: bool = False,
                  recompute_activations: bool = False, use_distributed_optimizer: bool = True,
                  init_hf_path: Optional[str] = None, init_megatron_path: Optional[str] = None,
-                 fused_output_layer: bool = False, moe_aux_loss_coef: Optional[float] = None):
+                 fused_output_layer: bool = False, moe_aux_loss_coef: Optional[float] = None,
+                 routing: str = "off"):
         self.hf_config, self.groups, self.dtype = hf_config, groups, torch_dtype(dtype)
         self.fused_output_layer = bool(fused_output_layer)
         self._moe_kw = moe_overrides(hf_config, moe_aux_loss_coef)
@@ -93,6 +100,12 @@ class MegatronActor:
                                        init_hf_path, init_megatron_path, use_distributed_optimizer)
         self.moe_monitor = (ExpertLoadMonitor(self.model, hf_config.num_hidden_layers, hf_config.num_experts)
                             if is_moe(hf_config) else None)
+        if routing not in ROUTING_MODES:
+            raise ValueError(f"routing must be one of {ROUTING_MODES}, got {routing!r}")
+        self.routing = routing if is_moe(hf_config) else "off"  # what the rollouts must return
+        # the policy's MoE routers on this stage, each with a `RouteReplay` (none: dense or "off")
+        self.routers = (install_route_replay(self.model, replay=routing == "replay", recompute=recompute_activations)
+                        if self.routing != "off" else [])
         self.optimizer, self.scheduler = self._build_optimizer(optim, total_optimizer_steps,
                                                                use_distributed_optimizer)
         self.config = self.model[0].config
@@ -178,9 +191,14 @@ class MegatronActor:
 
         local = [self._local(mb) for mb in micro_batches]
         forward = forward_hidden_states if self.fused_output_layer else (lambda m, *a, **kw: m(*a, **kw))
+        routers = self.routers if model is None or model is self.model else []  # the KL reference routes itself
+        g = self.groups
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if routers:  # this micro-batch's engine routes, in the order this rank's routers see its tokens
+                queue_routes(routers, mb.routed_experts, training=not forward_only, tp_rank=g.tp_rank,
+                             tp_size=g.tp_size, sequence_parallel=bool(self.config.sequence_parallel))
             packed = packed_seq_params_of(mb)
             out = (forward(model, mb.input_ids, mb.position_ids, None) if packed is None else
                    forward(model, mb.input_ids, mb.position_ids, None, packed_seq_params=packed))
@@ -189,12 +207,37 @@ class MegatronActor:
         seq_len = max(mb.seq_len for mb in local)
         mbs = max(mb.batch_size for mb in local)
         ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
-        with ctx:
-            out = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(local), model=model or self.model,
-                num_microbatches=len(local), seq_length=seq_len, micro_batch_size=mbs,
-                forward_only=forward_only)
+        try:
+            with ctx:
+                out = get_forward_backward_func()(
+                    forward_step_func=forward_step, data_iterator=iter(local), model=model or self.model,
+                    num_microbatches=len(local), seq_length=seq_len, micro_batch_size=mbs,
+                    forward_only=forward_only)
+        except BaseException:
+            for r in routers:  # an aborted pass leaves no routes behind for the next one
+                r.router_replay.clear()
+            raise
+        check_consumed(routers)
         return list(out or [])
+
+    @contextlib.contextmanager
+    def counting_routing_mismatch(self):
+        """Count, in the passes inside, the (token, MoE layer) pairs whose top-k set the actor
+        chooses otherwise than the engine did (`take_routing_mismatch`)."""
+        for r in self.routers:
+            r.router_replay.counting = True
+        try:
+            yield
+        finally:
+            for r in self.routers:
+                r.router_replay.counting = False
+
+    def take_routing_mismatch(self) -> tuple[int, int]:
+        """``(differing, compared)`` pairs of this rank counted so far (resets; (0, 0) without MoE
+        routing). Summed over all ranks they give ``rollout/routing_mismatch``: under sequence or
+        pipeline parallelism each rank counts its own tokens or layers, without sequence
+        parallelism every TP rank counts the same ones, which scales both sums alike."""
+        return take_mismatch_counts(self.routers)
 
     def compute_logprobs_entropy(self, micro_batches: list[MicroBatch], *, temperature: float = 1.0,
                                  chunk_size: Optional[int] = None,

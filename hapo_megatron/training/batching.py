@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
 
+from hapo_megatron.models.routing_replay import NO_ROUTE
 from hapo_megatron.parallel.micro_batch import MicroBatch
 
 PAD_ID = 0
@@ -36,6 +37,8 @@ class SequenceData:
 
     ``rollout_logprobs`` and ``temperatures`` have one entry per response token (may be empty:
     then zeros / 1.0 are used). ``advantage`` is the sequence's (token-constant) advantage.
+    ``routed_experts``: the engine's experts of positions ``0 .. P + R - 2`` (`Sample.routed_experts`,
+    flat or ``[positions, layers, top_k]``; empty: none, the actor routes by itself).
     """
 
     prompt_ids: list[int]
@@ -43,6 +46,7 @@ class SequenceData:
     advantage: float = 0.0
     rollout_logprobs: list[float] = field(default_factory=list)
     temperatures: list[float] = field(default_factory=list)
+    routed_experts: Any = ()
     index: int = -1  # position in the step's batch; -1 marks a dummy (all-masked) filler
 
     @property
@@ -200,17 +204,19 @@ def collate_packed(seqs: Sequence[SequenceData], *, seq_multiple: int = 1, row_m
     pos = torch.arange(total) - torch.tensor(cu[:-1])[seg]
     take = pos < width  # positions of a span beyond the longest sequence are padding
 
-    def pack(t: torch.Tensor, fill) -> torch.Tensor:
-        out = torch.full((total,), fill, dtype=t.dtype)
+    def pack(t: torch.Tensor, fill) -> torch.Tensor:  # [b, s, ...] rows -> [1, total, ...]
+        out = torch.full((total,) + tuple(t.shape[2:]), fill, dtype=t.dtype)
         out[take] = t[seg[take], pos[take]]
         return out.unsqueeze(0)
 
+    routes = rows.routed_experts
     return MicroBatch(
         input_ids=pack(rows.input_ids, PAD_ID), position_ids=pos.unsqueeze(0), labels=pack(rows.labels, PAD_ID),
         loss_mask=pack(rows.loss_mask, 0.0), advantages=pack(rows.advantages, 0.0),
         rollout_logprobs=pack(rows.rollout_logprobs, 0.0), temperatures=pack(rows.temperatures, 1.0),
         seq_index=rows.seq_index, engine_temperatures=rows.engine_temperatures,
-        cu_seqlens=torch.tensor(cu, dtype=torch.int32), segment_ids=seg.unsqueeze(0))
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32), segment_ids=seg.unsqueeze(0),
+        routed_experts=pack(routes, NO_ROUTE) if routes is not None else None)
 
 
 def token_efficiency(plan: list[list[list[int]]], lengths: Sequence[int], *, pack: bool,
@@ -277,12 +283,32 @@ def collate(seqs: Sequence[SequenceData], *, pad_multiple: int = 1) -> MicroBatc
         if len(x.temperatures):
             temps[i, sl] = torch.from_numpy(np.asarray(x.temperatures, dtype=np.float32).reshape(-1))
     return MicroBatch(
-        input_ids=input_ids,
+        input_ids=input_ids, routed_experts=collate_routes(seqs, s),
         position_ids=torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous(),
         labels=labels, loss_mask=loss_mask, advantages=advantages, rollout_logprobs=rollout_lp,
         temperatures=temps, seq_index=torch.tensor([x.index for x in seqs], dtype=torch.long),
         engine_temperatures=torch.tensor([x.index >= 0 and len(x.temperatures) > 0 for x in seqs],
                                          dtype=torch.bool))
+
+
+def collate_routes(seqs: Sequence[SequenceData], width: int) -> Optional[torch.Tensor]:
+    """``[b, width, L * k]`` int16 of the sequences' `SequenceData.routed_experts` (position ``t``:
+    the experts of input token ``t``), `NO_ROUTE` where a sequence has none; None when no
+    sequence has routes. Every sequence with routes must have them for positions ``0 .. n - 2``."""
+    flat = [np.asarray(x.routed_experts, dtype=np.int16).reshape(-1) for x in seqs]
+    if not any(r.size for r in flat):
+        return None
+    first = next(i for i, r in enumerate(flat) if r.size)
+    per_position = flat[first].size // max(seqs[first].num_tokens - 1, 1)  # layers x top-k
+    bad = [x.index for x, r in zip(seqs, flat) if r.size and r.size != (x.num_tokens - 1) * per_position]
+    if bad or per_position == 0:
+        raise ValueError(f"routed_experts of sequences {bad or [seqs[first].index]} do not cover positions "
+                         f"0 .. n-2 with {per_position} experts each (layers x top-k of the other sequences)")
+    out = torch.full((len(seqs), width, per_position), NO_ROUTE, dtype=torch.int16)
+    for i, (x, r) in enumerate(zip(seqs, flat)):
+        if r.size:
+            out[i, : x.num_tokens - 1] = torch.from_numpy(r.reshape(x.num_tokens - 1, -1))
+    return out
 
 
 def dummy_sequence(template: SequenceData) -> SequenceData:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from hapo_megatron.config import HapoConfig
 from hapo_megatron.data import PromptSampler
 from hapo_megatron.dtypes import torch_dtype
+from hapo_megatron.models.hf_config import is_moe
 from hapo_megatron.models.moe import check_moe_training_layout
 from hapo_megatron.parallel.collectives import all_gather_objects
 from hapo_megatron.parallel.groups import ParallelGroups
@@ -80,6 +81,23 @@ def start_fresh(run_dir: str, ckpt_root: str) -> None:
         warnings.warn(f"starting a new run in {run_dir}: previous checkpoints moved to {old}")
 
 
+ROUTES_SERVER_FLAG = "--enable-return-routed-experts"  # SGLang answers return_routed_experts requests
+
+
+def routing_mode(cfg, hf_config) -> str:
+    """The actor's MoE routing (`MegatronActor` ``routing``): replay, measure or off."""
+    if not is_moe(hf_config):
+        return "off"
+    if cfg.model.routing_replay:
+        return "replay"
+    return "measure" if cfg.model.measure_routing_mismatch else "off"
+
+
+def engine_returns_routes(cfg, hf_config) -> bool:
+    """Whether training rollouts ask the engine for its routed experts."""
+    return routing_mode(cfg, hf_config) != "off"
+
+
 def launches_node_servers(cfg) -> bool:
     """SGLang servers the trainer starts itself: on every node (rollout.node_servers)."""
     return cfg.rollout.engine == "sglang" and not cfg.rollout.sglang.server_urls
@@ -99,6 +117,8 @@ def build_engine(cfg, hf_config, tokenizer):
         from dataclasses import replace
 
         extra = sglang_context_args(cfg, rollout.sglang.extra_server_args)
+        if engine_returns_routes(cfg, hf_config) and ROUTES_SERVER_FLAG not in extra:
+            extra = (*extra, ROUTES_SERVER_FLAG)
         rollout = replace(rollout, sglang=replace(rollout.sglang, extra_server_args=extra))
         keys["key_file"] = os.path.join(cfg.trainer.run_dir, KEY_FILE_NAME)  # the servers' API key
     if launches_node_servers(cfg):
@@ -149,6 +169,9 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
     check_moe_training_layout(hf_config, tp=p.tensor_model_parallel_size, ep=p.expert_model_parallel_size,
                               etp=p.expert_tensor_parallel_size, pp=p.pipeline_model_parallel_size,
                               cp=p.context_parallel_size, sequence_parallel=p.sequence_parallel)
+    if cfg.model.routing_replay and not is_moe(hf_config):
+        raise ValueError(f"model.routing_replay=true needs a MoE model; {cfg.model.hf_model_path} "
+                         f"({hf_config.model_type}) has no experts")
     actor = MegatronActor(
         hf_config, groups=groups, optim=cfg.optim, total_optimizer_steps=total_opt,
         dtype=cfg.model.dtype if torch.cuda.is_available() else "fp32", use_te=cfg.model.use_te,
@@ -157,7 +180,7 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
         fused_output_layer=cfg.model.fused_output_layer,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         init_hf_path=init_hf, init_megatron_path=cfg.model.megatron_load_path,
-        moe_aux_loss_coef=cfg.model.moe_aux_loss_coef)
+        moe_aux_loss_coef=cfg.model.moe_aux_loss_coef, routing=routing_mode(cfg, hf_config))
     ckpt_root = os.path.join(cfg.trainer.run_dir, "checkpoints")
     resume_from = resolve_resume(cfg.trainer.resume, ckpt_root)
     if resume_from is None and rank == 0:

@@ -18,9 +18,10 @@ from hapo_megatron.training.ragged import Ragged
 
 
 # per-token fields and their dtypes (ids fit int32; log-probs and temperatures are float32 on the
-# trainer side, so storing them as float32 loses nothing the layout would keep)
+# trainer side, so storing them as float32 loses nothing the layout would keep; expert ids fit
+# int16, a row holds positions x layers x top-k of them: `Sample.routed_experts` flattened)
 RAGGED_FIELDS = {"prompt_ids": np.int32, "response_ids": np.int32, "rollout_logprobs": np.float32,
-                 "temperatures": np.float32}
+                 "temperatures": np.float32, "routed_experts": np.int16}
 
 
 @dataclass(eq=False)
@@ -37,6 +38,7 @@ class RolloutBatch:
     response_ids: Ragged = field(default_factory=lambda: Ragged(dtype=np.int32))
     rollout_logprobs: Ragged = field(default_factory=lambda: Ragged(dtype=np.float32))
     temperatures: Ragged = field(default_factory=lambda: Ragged(dtype=np.float32))
+    routed_experts: Ragged = field(default_factory=lambda: Ragged(dtype=np.int16))
     finish_reasons: list[str] = field(default_factory=list)
     group_ids: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
@@ -243,7 +245,8 @@ def to_sequences(batch: RolloutBatch, advantages: torch.Tensor) -> list[Sequence
         raise ValueError(f"advantages has {len(advantages)} entries for {len(batch)} sequences")
     return [SequenceData(prompt_ids=batch.prompt_ids[i], response_ids=batch.response_ids[i],
                          advantage=float(advantages[i]), rollout_logprobs=batch.rollout_logprobs[i],
-                         temperatures=batch.temperatures[i], index=i) for i in range(len(batch))]
+                         temperatures=batch.temperatures[i], routed_experts=batch.routed_experts[i], index=i)
+            for i in range(len(batch))]
 
 
 def rollout_metrics(batch: RolloutBatch, *, max_response_length: int) -> dict[str, float]:

@@ -88,7 +88,8 @@ class RankBatch:
             raise KeyError(f"sequence {i} is not held by this rank (it holds {len(self.held)} of {len(self)})")
         t = self.tokens
         return SequenceData(prompt_ids=t.prompt_ids[k], response_ids=t.response_ids[k], advantage=float(advantage),
-                            rollout_logprobs=t.rollout_logprobs[k], temperatures=t.temperatures[k], index=int(i))
+                            rollout_logprobs=t.rollout_logprobs[k], temperatures=t.temperatures[k],
+                            routed_experts=t.routed_experts[k], index=int(i))
 
 
 # one PPO mini-batch: its sequences (global indices) and plan[rank][micro_batch] (positions in them)

@@ -51,6 +51,7 @@ def _generate_round(rt: Runtime, step: int, gen_index: int, group_offset: int,
     records = rt.rl.sampler.next_batch()
     params = SamplingParams.from_config(cfg.rollout, cfg.algo, entropy_stats=rt.rl.rollout_entropy_stats,
                                         seed=rt.sampling_seed(step, gen_index), stop_token_ids=_stop_ids(rt))
+    params = params.with_(return_routes=rt.actor.routing != "off")  # MoE: the experts of every token
     scoring = rt.scorer.start(records, decode=lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True))
     samples = rt.engine.generate([r.prompt_ids for r in records], params, on_samples=scoring.add)
     batch = build_batch(samples, records, scoring.results(samples, counts), group_offset=group_offset)
@@ -258,7 +259,8 @@ def old_logprob_pass(rt: Runtime, minis: Minis) -> tuple[Minis, EntropyStats, di
     flat = _flat(minis)
     chunk = DEFAULT_LOGPROB_CHUNK  # the loss's chunking (LossConfig.logprob_chunk_size's default): same numbers
     t_base = cfg.rollout.temperature
-    policy = rt.actor.compute_logprobs_entropy(flat, temperature=t_base, chunk_size=chunk)
+    with rt.actor.counting_routing_mismatch():
+        policy = rt.actor.compute_logprobs_entropy(flat, temperature=t_base, chunk_size=chunk)
     ref = (rt.actor.compute_logprobs_entropy(flat, temperature=t_base, model=rt.reference, chunk_size=chunk)
            if rt.reference is not None else None)
     sums: dict[str, float] = {}
@@ -285,7 +287,18 @@ def old_logprob_pass(rt: Runtime, minis: Minis) -> tuple[Minis, EntropyStats, di
     n = max(tot.get("n", 0.0), 1.0)
     metrics = {"entropy/mean": tot.get("ent", 0.0) / n, "rollout/logprob_abs_diff": tot.get("diff", 0.0) / n,
                **{f"entropy/{k}": float(v) for k, v in stats.to_dict().items()}, **_temperature_metrics(tot)}
+    if rt.actor.routing != "off":
+        metrics["rollout/routing_mismatch"] = _routing_mismatch(rt)
     return _regroup(flat, minis), stats, metrics
+
+
+def _routing_mismatch(rt: Runtime) -> float:
+    """Share of the (token, MoE layer) pairs the engine routed whose top-k set the actor chose
+    otherwise in the old-log-prob pass (collective: every rank counts its own tokens / layers, see
+    `MegatronActor.take_routing_mismatch`); NaN when the engine returned no routes."""
+    differing, compared = rt.actor.take_routing_mismatch()
+    tot = sum_metrics({"differing": differing, "compared": compared})
+    return tot["differing"] / tot["compared"] if tot["compared"] else float("nan")
 
 
 def loss_config(rt: Runtime) -> LossConfig:
