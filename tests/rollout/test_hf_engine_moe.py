@@ -19,3 +19,51 @@ def test_update_weights_takes_per_expert_names_of_a_moe_export():
     broken = {n: t for n, t in exported.items() if n != "model.layers.0.mlp.experts.2.gate_proj.weight"}
     with pytest.raises(ValueError, match="gate/up/down_proj"):
         engine.update_weights(broken.items())
+
+
+def _own_top_k(model, ids):
+    """transformers' router top-k of every position of ``ids`` ``[n, L * k]`` (dense layers 0), from
+    one full forward pass: what the engine must have recorded step by step."""
+    cfg = model.config
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), output_router_logits=True).router_logits
+    out = torch.zeros(len(ids), cfg.num_hidden_layers, cfg.num_experts_per_tok, dtype=torch.long)
+    sparse = [i for i in range(cfg.num_hidden_layers) if i not in (cfg.mlp_only_layers or [])]
+    for layer, lg in zip(sparse, logits, strict=True):
+        out[:, layer] = torch.topk(lg, cfg.num_experts_per_tok, dim=-1).indices
+    return out.reshape(len(ids), -1)
+
+
+def test_the_engine_records_the_experts_of_every_token_it_ran():
+    from hapo_megatron.rollout.engine import SamplingParams
+    from hapo_megatron.rollout.routed_experts import routing_mismatch
+
+    cfg, source = moe_model(seed=4)
+    engine = HFRolloutEngine(source, dtype=torch.float32, max_batch_size=3)  # 2 chunks: left padding differs
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22], [30]]
+    # stop tokens end some responses early: rows finish at different steps
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=6, seed=3, stop_token_ids=(40, 41, 42, 43, 44),
+                            return_routes=True)
+    samples = [s for group in engine.generate(prompts, params) for s in group]
+    assert len({len(s.response_ids) for s in samples}) > 1 or any(s.finish_reason == "stop" for s in samples)
+    k = cfg.num_experts_per_tok
+    for s in samples:
+        ids = [int(t) for t in s.prompt_ids] + [int(t) for t in s.response_ids]
+        assert s.has_routes and s.routed_experts.shape == (len(ids) - 1, cfg.num_hidden_layers * k)
+        want = _own_top_k(engine.model, ids)[:-1].numpy()
+        got = s.routed_experts.reshape(len(ids) - 1, cfg.num_hidden_layers, k)
+        assert routing_mismatch(got, want.reshape(got.shape)) == 0.0
+        assert routing_mismatch(got[1:], want.reshape(got.shape)[:-1]) > 0.0  # the comparison can fail
+    # not asked: no routes
+    plain = engine.generate(prompts[:1], params.with_(return_routes=False))[0][0]
+    assert not plain.has_routes
+
+
+def test_a_dense_model_refuses_to_record_routes():
+    from hapo_megatron.rollout.engine import SamplingParams
+    from tests.convert.dist_checks import random_hf_model
+
+    _, dense = random_hf_model("qwen3")
+    engine = HFRolloutEngine(dense, dtype=torch.float32)
+    with pytest.raises(ValueError, match="no MoE layers"):
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2, return_routes=True))

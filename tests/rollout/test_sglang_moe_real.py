@@ -88,27 +88,27 @@ def test_tensor_sync_of_expert_weights_reaches_the_server(moe_server, real_api_k
 
 
 def test_routed_experts_are_the_router_top_k(moe_server, real_api_key, moe_dir):
+    """The engine asks for routes (`SamplingParams.return_routes`) and each sample carries the
+    server's experts of every token it ran: transformers' router top-k on the same sequence."""
     from hapo_megatron.convert import per_expert_state
-    from hapo_megatron.rollout.sglang_client import SGLangHTTP
+    from hapo_megatron.rollout.engine import SamplingParams
 
     model = _perturbed(_hf(moe_dir), seed=11)
-    _engine(moe_server.url, real_api_key).update_weights(iter(per_expert_state(model.state_dict()).items()))
+    eng = _engine(moe_server.url, real_api_key)
+    eng.update_weights(iter(per_expert_state(model.state_dict()).items()))
     cfg = model.config
-    http = SGLangHTTP(timeout_s=300, max_retries=0, api_key=real_api_key)
-    answers = http.request(moe_server, "/generate", {
-        "input_ids": PROMPTS, "return_routed_experts": True,
-        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True}})
-    for prompt, answer in zip(PROMPTS, answers, strict=True):
-        routed = decode_routed_experts(answer["meta_info"]["routed_experts"], cfg.num_hidden_layers,
-                                       cfg.num_experts_per_tok)
-        ids = prompt + answer["output_ids"]
-        assert routed.shape == (len(ids) - 1, cfg.num_hidden_layers, cfg.num_experts_per_tok)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=NEW_TOKENS, ignore_eos=True, return_routes=True)
+    samples = [s for group in eng.generate(PROMPTS, params) for s in group]
+    for s in samples:
+        ids = [int(t) for t in s.prompt_ids] + [int(t) for t in s.response_ids]
+        routed = s.routed_experts.reshape(len(ids) - 1, cfg.num_hidden_layers, cfg.num_experts_per_tok)
         with torch.no_grad():
             logits = model(torch.tensor([ids]), output_router_logits=True).router_logits
         hf = np.stack([torch.topk(l, cfg.num_experts_per_tok, dim=-1).indices.numpy() for l in logits], axis=1)
         assert routing_mismatch(routed, hf[:-1]) == 0.0
         # and the comparison can fail: the routes vary over positions
         assert routing_mismatch(routed[1:], hf[:-2]) > 0.0
+    assert not eng.generate(PROMPTS[:1], params.with_(return_routes=False, n=1))[0][0].has_routes
 
 
 def test_routing_mismatch_by_hand():
@@ -119,6 +119,8 @@ def test_routing_mismatch_by_hand():
     assert routing_mismatch(engine, actor, moe_layers=[1]) == pytest.approx(1 / 3)
     with pytest.raises(ValueError, match="shapes"):
         routing_mismatch(engine, actor[:2])
-    with pytest.raises(ValueError, match="whole number"):
+    with pytest.raises(ValueError, match="same number"):
         import base64
-        decode_routed_experts(base64.b64encode(np.arange(5, dtype=np.int32).tobytes()).decode(), 2, 2)
+        decode_routed_experts(base64.b64encode(np.arange(5, dtype=np.int32).tobytes()).decode(), 2)
+    encoded = base64.b64encode(np.arange(6, dtype=np.int32).tobytes()).decode()
+    assert decode_routed_experts(encoded, 3).tolist() == [[0, 1], [2, 3], [4, 5]]
