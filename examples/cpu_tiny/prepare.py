@@ -1,4 +1,5 @@
-"""Prepare the CPU example: arithmetic prompts, the character tokenizer and a tiny random Llama.
+"""Prepare the CPU example: arithmetic prompts, the character tokenizer and a tiny random Llama
+(or, with ``--arch qwen3_moe``, a tiny Qwen3-MoE: the MoE variant, examples/cpu_tiny_moe).
 
     python examples/cpu_tiny/prepare.py --out runs/cpu_tiny_data
 
@@ -22,6 +23,9 @@ def parse_args(argv=None):
     p.add_argument("--n-val", type=int, default=128)
     p.add_argument("--max-digits", type=int, default=1, help="digits per operand")
     p.add_argument("--ops", default="+-", help="operators, e.g. '+' or '+-*'")
+    p.add_argument("--arch", choices=("llama", "qwen3_moe"), default="llama")
+    p.add_argument("--experts", type=int, default=8, help="qwen3_moe: experts per MoE layer")
+    p.add_argument("--top-k", type=int, default=2, help="qwen3_moe: experts per token")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
@@ -60,10 +64,13 @@ def main(argv=None) -> str:
                 row["extra_info"]["solution"] = f"{row['extra_info']['expression']} = {shown}\nAnswer: {shown}"
         write_rows(rows, os.path.join(args.out, f"{name}.jsonl"))
     model_dir = os.path.join(args.out, "model")
-    write_tiny_char_model(model_dir, "llama", seed=args.seed, hidden_size=args.hidden,
+    # MoE: each expert a quarter of the dense FFN, so top-2 of 8 costs half the dense FFN per token
+    moe = dict(num_experts=args.experts, num_experts_per_tok=args.top_k, moe_intermediate_size=args.hidden,
+               head_dim=args.hidden // args.heads) if args.arch == "qwen3_moe" else {}
+    write_tiny_char_model(model_dir, args.arch, seed=args.seed, hidden_size=args.hidden,
                           intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
                           num_attention_heads=args.heads, num_key_value_heads=args.heads,
-                          max_position_embeddings=256, tie_word_embeddings=False)
+                          max_position_embeddings=256, tie_word_embeddings=False, **moe)
     mark_prepared(args.out, vars(args))
     print(f"prepared {args.out}: {args.n_train} train / {args.n_val} val prompts, model {model_dir}")
     return args.out

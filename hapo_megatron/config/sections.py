@@ -266,6 +266,11 @@ class RolloutConfig(_Section):
     repeat until the batch is full."""
     hf_max_batch_size: int = 64
     """Sequences decoded together by the "hf" engine."""
+    dtype: Optional[str] = None
+    """Dtype of the rollout engine's weights and compute: bf16, fp16 or fp32 (null = model.dtype on
+    a GPU, fp32 on CPU). The weight sync casts the trainer's weights to it. A precision apart from
+    the trainer's is what makes engine and actor disagree (rollout/logprob_abs_diff, and for MoE
+    models rollout/routing_mismatch); the CPU MoE example uses bf16 to show routing replay."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang server options."""
 
@@ -273,6 +278,8 @@ class RolloutConfig(_Section):
         _check_choice("rollout.engine", self.engine, ROLLOUT_ENGINES)
         for name in ("n", "max_response_length", "val_n", "hf_max_batch_size"):
             _check_min(f"rollout.{name}", getattr(self, name), 1)
+        if self.dtype is not None:
+            _check_choice("rollout.dtype", self.dtype, DTYPES)
         _check_min("rollout.temperature", self.temperature, 0.0, strict=True)
         _check_min("rollout.val_temperature", self.val_temperature, 0.0)
         _check_open_unit("rollout.top_p", self.top_p, right_closed=True)

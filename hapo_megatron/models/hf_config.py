@@ -108,8 +108,9 @@ def has_qk_norm(hf_config) -> bool:
 
 
 def is_moe(hf_config) -> bool:
-    """Whether `hf_config` has Mixture-of-Experts layers (Qwen3-MoE with num_experts > 0)."""
-    return arch_of(hf_config) == "qwen3_moe" and int(getattr(hf_config, "num_experts", 0) or 0) > 0
+    """Whether `hf_config` has Mixture-of-Experts layers (Qwen3-MoE with num_experts > 0); False for
+    anything else, None or a config of no supported architecture included (a predicate, not a check)."""
+    return getattr(hf_config, "model_type", None) == "qwen3_moe" and int(getattr(hf_config, "num_experts", 0) or 0) > 0
 
 
 def moe_layer_pattern(hf_config) -> list[int]:

@@ -111,7 +111,7 @@ def build_engine(cfg, hf_config, tokenizer):
     if not launches_node_servers(cfg) and dist.get_rank() != 0:
         return None
     on_gpu = torch.cuda.is_available()
-    dtype = torch_dtype(cfg.model.dtype) if on_gpu else torch.float32
+    dtype = torch_dtype(cfg.rollout.dtype or (cfg.model.dtype if on_gpu else "fp32"))
     rollout, keys = cfg.rollout, {}
     if rollout.engine == "sglang":  # launched servers get model.max_position_embeddings too
         from dataclasses import replace

@@ -26,8 +26,9 @@ class Ragged:
 
     @classmethod
     def from_rows(cls, rows: Iterable[Any], dtype: Any) -> "Ragged":
-        """From per-row sequences (lists, numpy arrays or tensors; one conversion per row)."""
-        arrays = [np.asarray(r, dtype=dtype).reshape(-1) for r in rows]
+        """From per-row sequences (lists, numpy arrays or tensors; one conversion per row; None is an
+        empty row)."""
+        arrays = [np.zeros(0, dtype) if r is None else np.asarray(r, dtype=dtype).reshape(-1) for r in rows]
         return cls._join(arrays, np.dtype(dtype))
 
     @classmethod

@@ -22,6 +22,8 @@ from hapo_megatron.training.ragged import Ragged
 # int16, a row holds positions x layers x top-k of them: `Sample.routed_experts` flattened)
 RAGGED_FIELDS = {"prompt_ids": np.int32, "response_ids": np.int32, "rollout_logprobs": np.float32,
                  "temperatures": np.float32, "routed_experts": np.int16}
+# per-token fields a batch may lack (dense models, engines not asked for routes): absent rows are empty
+OPTIONAL_RAGGED = ("routed_experts",)
 
 
 @dataclass(eq=False)
@@ -54,10 +56,21 @@ class RolloutBatch:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RolloutBatch):
             return NotImplemented
-        return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(self))
+        return all(self.column(f.name) == other.column(f.name) for f in fields(self))
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    def column(self, name: str) -> Any:
+        """Field ``name``. An optional per-token field (`OPTIONAL_RAGGED`) left out (a dense model's
+        rollout, rows appended without it) reads as one empty row per sequence."""
+        value = getattr(self, name)
+        if name in OPTIONAL_RAGGED and len(value) != len(self):
+            if len(value):
+                raise ValueError(f"RolloutBatch.{name} has {len(value)} rows for {len(self)} sequences")
+            value = Ragged(np.zeros(0, RAGGED_FIELDS[name]), np.zeros(len(self) + 1, np.int64))
+            object.__setattr__(self, name, value)
+        return value
 
     @property
     def response_lengths(self) -> np.ndarray:
@@ -70,21 +83,21 @@ class RolloutBatch:
     def select(self, idx: Sequence[int]) -> "RolloutBatch":
         """A new batch with the sequences ``idx`` (in that order)."""
         idx = [int(i) for i in idx]
-        return RolloutBatch(**{f.name: (getattr(self, f.name).select(idx) if f.name in RAGGED_FIELDS
+        return RolloutBatch(**{f.name: (self.column(f.name).select(idx) if f.name in RAGGED_FIELDS
                                         else [getattr(self, f.name)[i] for i in idx]) for f in fields(self)})
 
     @staticmethod
     def concat(batches: Sequence["RolloutBatch"]) -> "RolloutBatch":
         kw: dict[str, Any] = {}
         for f in fields(RolloutBatch):
-            parts = [getattr(b, f.name) for b in batches]
+            parts = [b.column(f.name) for b in batches]
             kw[f.name] = (Ragged.concat(parts, RAGGED_FIELDS[f.name]) if f.name in RAGGED_FIELDS
                           else [x for p in parts for x in p])
         return RolloutBatch(**kw)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain lists (JSON: the dynamic-sampling buffer in rl_state.json)."""
-        return {f.name: (getattr(self, f.name).tolist() if f.name in RAGGED_FIELDS else list(getattr(self, f.name)))
+        return {f.name: (self.column(f.name).tolist() if f.name in RAGGED_FIELDS else list(getattr(self, f.name)))
                 for f in fields(self)}
 
     @staticmethod
@@ -125,7 +138,7 @@ def build_batch(samples: Sequence[Sequence[Any]], records: Sequence[Any], result
             raise ValueError(f"prompt {p} has {len(group)} samples but {len(scored)} rewards")
         for smp, res in zip(group, scored):
             for name in RAGGED_FIELDS:  # arrays (or lists) as the engine returned them: converted per row
-                kw[name].append(getattr(smp, name))
+                kw[name].append(getattr(smp, name, None) if name in OPTIONAL_RAGGED else getattr(smp, name))
             kw["finish_reasons"].append(str(smp.finish_reason))
             kw["group_ids"].append(group_offset + p)
             kw["scores"].append(float(res.score))
@@ -245,7 +258,7 @@ def to_sequences(batch: RolloutBatch, advantages: torch.Tensor) -> list[Sequence
         raise ValueError(f"advantages has {len(advantages)} entries for {len(batch)} sequences")
     return [SequenceData(prompt_ids=batch.prompt_ids[i], response_ids=batch.response_ids[i],
                          advantage=float(advantages[i]), rollout_logprobs=batch.rollout_logprobs[i],
-                         temperatures=batch.temperatures[i], routed_experts=batch.routed_experts[i], index=i)
+                         temperatures=batch.temperatures[i], routed_experts=batch.column("routed_experts")[i], index=i)
             for i in range(len(batch))]
 
 
