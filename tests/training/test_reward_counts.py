@@ -56,7 +56,8 @@ def _runtime(engine, truths, *, n, filter_groups=False, **reward):
     records = [SimpleNamespace(prompt_ids=[1, 2], ground_truth=t, data_source="d", extra_info=None) for t in truths]
     sampler = SimpleNamespace(next_batch=lambda: records, state_dict=lambda: {})
     return SimpleNamespace(
-        cfg=cfg, engine=engine, memory=EngineMemory(engine), actor=SimpleNamespace(routing="off"), control=SimpleNamespace(send=lambda kind, body: None),
+        cfg=cfg, engine=engine, memory=EngineMemory(engine), actor=SimpleNamespace(routing="off"),
+        control=SimpleNamespace(send=lambda kind, body: None),
         sampling_seed=lambda step, i: 0,
         tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: "".join(map(chr, ids)), eos_token_id=None),
         reward_fn=get_reward_fn(cfg.reward.reward_fn), scorer=RewardScorer.from_config(cfg.reward),
