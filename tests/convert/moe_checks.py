@@ -21,6 +21,19 @@ def moe_model(seed: int = 0):
     return random_hf_model(ARCH, seed, num_hidden_layers=2, mlp_only_layers=[1])
 
 
+def own_top_k(model, ids) -> torch.Tensor:
+    """transformers' own router top-k ``[n, L, k]`` of every position of ``ids`` (0 in dense layers),
+    from one full forward pass of ``model``."""
+    cfg = model.config
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), output_router_logits=True).router_logits
+    out = torch.zeros(len(ids), cfg.num_hidden_layers, cfg.num_experts_per_tok, dtype=torch.long)
+    sparse = [i for i in range(cfg.num_hidden_layers) if i not in (cfg.mlp_only_layers or [])]
+    for layer, lg in zip(sparse, logits, strict=True):
+        out[:, layer] = torch.topk(lg, cfg.num_experts_per_tok, dim=-1).indices
+    return out
+
+
 def check_layout(name: str, tmpdir: str, save: bool = False) -> dict:
     from hapo_megatron.convert import export_hf_weights, load_hf_weights_into_mcore, save_megatron_checkpoint
     from hapo_megatron.models import PADDED_VOCAB_LOGIT, build_gpt_model

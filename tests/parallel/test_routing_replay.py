@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tests.convert.dist_checks import hf_state
-from tests.convert.moe_checks import moe_model
+from tests.convert.moe_checks import moe_model, own_top_k
 from tests.distributed import run_distributed
 
 LR = 1.0  # one step; large so the weights carry the update to float32 precision (norms are ~1)
@@ -28,17 +28,6 @@ LR = 1.0  # one step; large so the weights carry the update to float32 precision
 LAYOUTS = {"ep1-dp2": (1, 1, False, False, "replay"), "ep2": (1, 2, False, False, "replay"),
            "tp2-ep2-sp": (2, 2, True, False, "replay"), "ep2-recompute": (1, 2, False, True, "replay"),
            "ep2-measure": (1, 2, False, False, "measure")}
-
-
-def _own_routes(cfg, hf, ids):
-    """transformers' own top-k experts ``[n, L, k]`` of every position (0 in dense layers)."""
-    with torch.no_grad():
-        logits = hf(torch.tensor([ids]), output_router_logits=True).router_logits
-    out = torch.zeros(len(ids), cfg.num_hidden_layers, cfg.num_experts_per_tok, dtype=torch.long)
-    sparse = [i for i in range(cfg.num_hidden_layers) if i not in (cfg.mlp_only_layers or [])]
-    for layer, lg in zip(sparse, logits, strict=True):
-        out[:, layer] = torch.topk(lg, cfg.num_experts_per_tok, dim=-1).indices
-    return out
 
 
 def _sequences():
@@ -52,7 +41,7 @@ def _sequences():
     for i in range(4):
         prompt = torch.randint(4, 150, (4 + i,), generator=gen).tolist()
         response = torch.randint(4, 150, (3 + i,), generator=gen).tolist()
-        routes = _own_routes(cfg, hf, prompt + response)[:-1].clone()
+        routes = own_top_k(hf, prompt + response)[:-1].clone()
         for t in range(1, len(routes), 2):
             for layer in range(cfg.num_hidden_layers):
                 routes[t, layer] = torch.randperm(cfg.num_experts, generator=gen)[:cfg.num_experts_per_tok]
@@ -115,7 +104,7 @@ def _mismatch_reference() -> float:
     differ = compared = 0
     for seq in _sequences():
         ids = seq.prompt_ids + seq.response_ids
-        own = _own_routes(cfg, hf, ids)[:-1]
+        own = own_top_k(hf, ids)[:-1]
         given = torch.from_numpy(seq.routed_experts).long().view(len(own), cfg.num_hidden_layers, -1)
         for layer in range(cfg.num_hidden_layers):
             if layer in (cfg.mlp_only_layers or []):

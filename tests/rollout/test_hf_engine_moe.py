@@ -5,7 +5,7 @@ import torch
 
 from hapo_megatron.rollout.hf_engine import HFRolloutEngine
 from tests.convert.dist_checks import hf_state
-from tests.convert.moe_checks import moe_model
+from tests.convert.moe_checks import moe_model, own_top_k
 
 
 def test_update_weights_takes_per_expert_names_of_a_moe_export():
@@ -19,19 +19,6 @@ def test_update_weights_takes_per_expert_names_of_a_moe_export():
     broken = {n: t for n, t in exported.items() if n != "model.layers.0.mlp.experts.2.gate_proj.weight"}
     with pytest.raises(ValueError, match="gate/up/down_proj"):
         engine.update_weights(broken.items())
-
-
-def _own_top_k(model, ids):
-    """transformers' router top-k of every position of ``ids`` ``[n, L * k]`` (dense layers 0), from
-    one full forward pass: what the engine must have recorded step by step."""
-    cfg = model.config
-    with torch.no_grad():
-        logits = model(torch.tensor([ids]), output_router_logits=True).router_logits
-    out = torch.zeros(len(ids), cfg.num_hidden_layers, cfg.num_experts_per_tok, dtype=torch.long)
-    sparse = [i for i in range(cfg.num_hidden_layers) if i not in (cfg.mlp_only_layers or [])]
-    for layer, lg in zip(sparse, logits, strict=True):
-        out[:, layer] = torch.topk(lg, cfg.num_experts_per_tok, dim=-1).indices
-    return out.reshape(len(ids), -1)
 
 
 def test_the_engine_records_the_experts_of_every_token_it_ran():
@@ -50,7 +37,7 @@ def test_the_engine_records_the_experts_of_every_token_it_ran():
     for s in samples:
         ids = [int(t) for t in s.prompt_ids] + [int(t) for t in s.response_ids]
         assert s.has_routes and s.routed_experts.shape == (len(ids) - 1, cfg.num_hidden_layers * k)
-        want = _own_top_k(engine.model, ids)[:-1].numpy()
+        want = own_top_k(engine.model, ids)[:-1].reshape(len(ids) - 1, -1).numpy()
         got = s.routed_experts.reshape(len(ids) - 1, cfg.num_hidden_layers, k)
         assert routing_mismatch(got, want.reshape(got.shape)) == 0.0
         assert routing_mismatch(got[1:], want.reshape(got.shape)[:-1]) > 0.0  # the comparison can fail
