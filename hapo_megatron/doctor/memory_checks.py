@@ -13,7 +13,8 @@ def check_memory_plan(config: str, overrides=(), *, world_size: int | None = Non
                       device_memory_gb: float | None = None) -> tuple[CheckResult, str]:
     """(the doctor line, the full plan text). The device is this GPU unless ``device_memory_gb``
     is given (on CPU the default is an 80 GB card); the world is the visible GPUs x 1 node
-    unless ``world_size`` is given (at least TP x PP x CP)."""
+    unless ``world_size`` is given (at least TP x PP x CP). ValueError (from
+    ``ParallelConfig.validate_world``) when the layout cannot run on that world."""
     from hapo_megatron.config import load_config
     from hapo_megatron.training.memory_plan import format_plan, plan_from_config
     from hapo_megatron.training.sources import load_hf_config
@@ -33,6 +34,14 @@ def check_memory_plan(config: str, overrides=(), *, world_size: int | None = Non
         device = torch.cuda.get_device_properties(0).total_memory if cuda else 80 * 10**9
     mp = cfg.parallel.model_parallel_size
     world = world_size or max(torch.cuda.device_count() if cuda else 8, mp)
+    # an impossible layout for this world (TP x PP x CP or the expert grid ETP x EP x PP does not
+    # divide it) fails here with the fields to change, as `hapo train` would refuse it at start
+    try:
+        cfg.parallel.validate_world(world)
+    except ValueError as e:
+        e.fix = (f"plan for the run's world size (--world-size NODES x GPUS_PER_NODE; {world} was "
+                 f"{'given' if world_size else 'assumed'}) or change the parallel.* fields the message names")
+        raise
     plan = plan_from_config(cfg, hf_config, world_size=world, device_bytes=device)
     text = format_plan(plan, f"memory plan per GPU of {config} ({world} ranks, {device / GiB:.0f} GiB device)")
     fig = f"peak {plan.peak / GiB:.1f} of {device / GiB:.1f} GiB ({max(plan.phases, key=plan.phases.get)})"
