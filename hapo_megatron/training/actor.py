@@ -381,6 +381,8 @@ class MegatronActor:
         opt_sd = self.optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading,
             metadata=optimizer_sharding_metadata(optimizer_format, chained_prefix=chained_prefix))
+        if not is_loading:
+            _drop_unsaved_param_state(opt_sd)
         return {"model": model_sd, "optimizer": opt_sd}
 
     def save(self, path: str, optimizer_format: str = OPTIMIZER_FORMAT) -> None:
@@ -424,3 +426,14 @@ class MegatronActor:
         self.num_skipped = int(state.get("num_skipped_updates", 0))
         if state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _drop_unsaved_param_state(opt_sd: dict) -> None:
+    """Saving the mem-efficient "fully_reshardable" format, the DP ranks other than 0 get
+    ``param_state: None`` (DP rank 0 holds the gathered state, see `optimizer_sharding_metadata`).
+    That None would sit in their common state dict only, which dist_checkpointing reports as
+    "Rank N common state dict differs"; nothing of it is stored, so it goes."""
+    parts = [opt_sd] if "param_state" in opt_sd else [v for v in opt_sd.values() if isinstance(v, dict)]
+    for part in parts:
+        if "param_state" in part and part["param_state"] is None:
+            del part["param_state"]
