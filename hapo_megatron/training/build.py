@@ -85,8 +85,12 @@ ROUTES_SERVER_FLAG = "--enable-return-routed-experts"  # SGLang answers return_r
 
 
 def routing_mode(cfg, hf_config) -> str:
-    """The actor's MoE routing (`MegatronActor` ``routing``): replay, measure or off."""
+    """The actor's MoE routing (`MegatronActor` ``routing``): replay, measure or off. Replay on a
+    dense model is a config error."""
     if not is_moe(hf_config):
+        if cfg.model.routing_replay:
+            raise ValueError(f"model.routing_replay=true needs a MoE model; {cfg.model.hf_model_path} "
+                             f"({getattr(hf_config, 'model_type', None)}) has no experts")
         return "off"
     if cfg.model.routing_replay:
         return "replay"
@@ -103,6 +107,22 @@ def launches_node_servers(cfg) -> bool:
     return cfg.rollout.engine == "sglang" and not cfg.rollout.sglang.server_urls
 
 
+def engine_settings(cfg, hf_config, *, on_gpu: bool):
+    """The rollout section the engine is built from and its dtype: ``rollout.dtype``, else the
+    model's on a GPU and fp32 on CPU; launched SGLang servers also get the context length
+    (`sglang_context_args`) and, when training replays or measures routes, the routes flag."""
+    dtype = torch_dtype(cfg.rollout.dtype or (cfg.model.dtype if on_gpu else "fp32"))
+    rollout = cfg.rollout
+    if rollout.engine == "sglang":
+        from dataclasses import replace
+
+        extra = sglang_context_args(cfg, rollout.sglang.extra_server_args)
+        if engine_returns_routes(cfg, hf_config) and ROUTES_SERVER_FLAG not in extra:
+            extra = (*extra, ROUTES_SERVER_FLAG)
+        rollout = replace(rollout, sglang=replace(rollout.sglang, extra_server_args=extra))
+    return rollout, dtype
+
+
 def build_engine(cfg, hf_config, tokenizer):
     """The rollout engine of this rank (every rank calls it). Rank 0 gets the engine that
     generates. Launched SGLang servers start on every node, each node's first rank starting its
@@ -111,16 +131,8 @@ def build_engine(cfg, hf_config, tokenizer):
     if not launches_node_servers(cfg) and dist.get_rank() != 0:
         return None
     on_gpu = torch.cuda.is_available()
-    dtype = torch_dtype(cfg.rollout.dtype or (cfg.model.dtype if on_gpu else "fp32"))
-    rollout, keys = cfg.rollout, {}
-    if rollout.engine == "sglang":  # launched servers get model.max_position_embeddings too
-        from dataclasses import replace
-
-        extra = sglang_context_args(cfg, rollout.sglang.extra_server_args)
-        if engine_returns_routes(cfg, hf_config) and ROUTES_SERVER_FLAG not in extra:
-            extra = (*extra, ROUTES_SERVER_FLAG)
-        rollout = replace(rollout, sglang=replace(rollout.sglang, extra_server_args=extra))
-        keys["key_file"] = os.path.join(cfg.trainer.run_dir, KEY_FILE_NAME)  # the servers' API key
+    rollout, dtype = engine_settings(cfg, hf_config, on_gpu=on_gpu)
+    keys = {"key_file": os.path.join(cfg.trainer.run_dir, KEY_FILE_NAME)} if rollout.engine == "sglang" else {}
     if launches_node_servers(cfg):
         sync_dir = os.environ.get("HAPO_SGLANG_SYNC_DIR")  # disk sync across nodes: run_dir is shared
         if not sync_dir and int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) < dist.get_world_size():
@@ -169,9 +181,6 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
     check_moe_training_layout(hf_config, tp=p.tensor_model_parallel_size, ep=p.expert_model_parallel_size,
                               etp=p.expert_tensor_parallel_size, pp=p.pipeline_model_parallel_size,
                               cp=p.context_parallel_size, sequence_parallel=p.sequence_parallel)
-    if cfg.model.routing_replay and not is_moe(hf_config):
-        raise ValueError(f"model.routing_replay=true needs a MoE model; {cfg.model.hf_model_path} "
-                         f"({hf_config.model_type}) has no experts")
     actor = MegatronActor(
         hf_config, groups=groups, optim=cfg.optim, total_optimizer_steps=total_opt,
         dtype=cfg.model.dtype if torch.cuda.is_available() else "fp32", use_te=cfg.model.use_te,
