@@ -9,15 +9,16 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def prepare_tiny(out: str, n_train: int = 400, n_val: int = 8) -> str:
-    """Data + tokenizer + random tiny model under ``out`` (cheap: hidden 32, 2 layers)."""
+def prepare_tiny(out: str, n_train: int = 400, n_val: int = 8, *extra: str) -> str:
+    """Data + tokenizer + random tiny model under ``out`` (cheap: hidden 32, 2 layers); ``extra``:
+    more prepare.py arguments (``--arch qwen3_moe``)."""
     sys.path.insert(0, os.path.join(ROOT, "examples", "cpu_tiny"))
     try:
         import prepare
     finally:
         sys.path.pop(0)
     prepare.main(["--out", out, "--n-train", str(n_train), "--n-val", str(n_val), "--hidden", "32",
-                  "--layers", "2", "--heads", "4"])
+                  "--layers", "2", "--heads", "4", *extra])
     return out
 
 
