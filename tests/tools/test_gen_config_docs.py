@@ -65,7 +65,7 @@ def test_docs_relative_links_resolve():
                 continue
             path, _, anchor = target.partition("#")
             page = path or name
-            if page.endswith(".md"):
+            if page.endswith(".md") and "/" not in page:  # a page of docs/: its anchors are checked too
                 assert page in pages, f"{name}: broken link {target}"
                 assert not anchor or anchor in anchors[page], f"{name}: missing anchor {target}"
             else:
