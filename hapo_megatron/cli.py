@@ -8,6 +8,7 @@
     hapo config presets | hapo config docs [SECTION]
     hapo data make-arithmetic --out PATH --n N --seed S [--min-digits ...]
     hapo data make-char-tokenizer --out DIR
+    hapo data prepare {dapo-math-17k,aime-2024,aime-2025,math-500,amc-2023,paper} --out DIR [--from PATH] ...
 
 ``train``, ``eval``, ``convert`` and ``doctor`` hand their remaining arguments untouched to the
 ``main(argv)`` of their module, imported only when used (so ``hapo --help`` stays fast).
@@ -101,6 +102,68 @@ def _data_make_char_tokenizer(args) -> int:
     return 0
 
 
+def _from_paths(name: str, entries: list[str]) -> dict[str, str]:
+    """``--from PATH`` (one set) or ``--from SET=PATH`` (any set of the bundle) -> {set: path}."""
+    from hapo_megatron.data.prepare import set_names
+
+    names, out = set_names(name), {}
+    for entry in entries:
+        key, sep, path = entry.partition("=")
+        if not sep or key not in names:
+            if len(names) > 1:
+                raise ValueError(f"--from {entry!r}: with {name!r} give --from SET=PATH, SET one of {list(names)}")
+            key, path = names[0], entry
+        if key in out:
+            raise ValueError(f"--from names {key!r} twice")
+        out[key] = path
+    return out
+
+
+def _load_tokenizer(name: str):
+    if name.lower() == "none":
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--tokenizer {name!r}: cannot load it ({err}); give a local tokenizer directory, a hub "
+                         "name in the HF cache, or --tokenizer none to skip the length report") from None
+
+
+def _data_prepare(args) -> int:
+    from hapo_megatron.data.prepare import prepare
+
+    from_paths = _from_paths(args.name, args.from_paths or [])
+    tokenizer = _load_tokenizer(args.tokenizer)
+    prepare(args.name, args.out, from_paths=from_paths, tokenizer=tokenizer, tokenizer_name=args.tokenizer,
+            max_prompt_length=args.max_prompt_length, apply_chat_template=args.apply_chat_template,
+            progress=not args.no_progress)
+    return 0
+
+
+def _add_prepare_parser(dsub) -> None:
+    from hapo_megatron.data.math_sources import SOURCES
+
+    names = [*SOURCES, "paper"]
+    pr = dsub.add_parser("prepare", help="download, convert and check the paper's math sets (docs/data.md)",
+                         description="Write the paper's training / validation sets as prompt files in the project's "
+                                     "layout with the DAPO prompt template (docs/data.md). 'paper' writes all five "
+                                     "under the names the GPU recipes' configs read.")
+    pr.add_argument("name", choices=names, help="the set, or 'paper' for all five")
+    pr.add_argument("--out", required=True, help="output directory (the recipes read data/)")
+    pr.add_argument("--from", dest="from_paths", action="append", metavar="[SET=]PATH",
+                    help="read a local copy (.parquet / .jsonl / .json file, a saved dataset or a copy of the hub "
+                         "repository) instead of the hub; with 'paper' give SET=PATH (repeatable)")
+    pr.add_argument("--tokenizer", default="Qwen/Qwen2.5-Math-7B",
+                    help="tokenizer for the length report (hub name or directory; 'none' skips it)")
+    pr.add_argument("--max-prompt-length", type=int, default=1024, help="data.max_prompt_length of the recipe")
+    pr.add_argument("--no-chat-template", dest="apply_chat_template", action="store_false",
+                    help="measure lengths without the chat template (as data.apply_chat_template=false)")
+    pr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    pr.set_defaults(func=_data_prepare)
+
+
 def _add_config_parser(sub) -> None:
     p = sub.add_parser("config", help="show the resolved config, presets, field docs")
     csub = p.add_subparsers(dest="config_command", metavar="{show,presets,docs}", required=True)
@@ -118,8 +181,10 @@ def _add_config_parser(sub) -> None:
 
 
 def _add_data_parser(sub) -> None:
-    p = sub.add_parser("data", help="make the offline arithmetic dataset and character tokenizer")
-    dsub = p.add_subparsers(dest="data_command", metavar="{make-arithmetic,make-char-tokenizer}", required=True)
+    p = sub.add_parser("data", help="prepare the paper's math sets; make the offline arithmetic set and tokenizer")
+    dsub = p.add_subparsers(dest="data_command", metavar="{prepare,make-arithmetic,make-char-tokenizer}",
+                            required=True)
+    _add_prepare_parser(dsub)
     ar = dsub.add_parser("make-arithmetic", help="write a generated integer-arithmetic prompt file")
     ar.add_argument("--out", required=True, help="output file (.jsonl or .parquet)")
     ar.add_argument("--n", type=int, required=True, help="number of problems")
