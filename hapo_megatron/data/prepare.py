@@ -65,6 +65,15 @@ def percentile(values: Sequence[int], p: float) -> int:
     return ordered[max(1, math.ceil(p / 100 * len(ordered))) - 1]
 
 
+def _datasets():
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError("hapo data prepare reads the sets with the `datasets` library: "
+                         "pip install -e '.[data]' (or pip install datasets)") from None
+    return datasets
+
+
 def _pick_split(obj, split: str, origin: str):
     from datasets import DatasetDict
 
@@ -78,8 +87,7 @@ def _pick_split(obj, split: str, origin: str):
 
 
 def _load_local(path: str, split: str):
-    import datasets
-
+    datasets = _datasets()
     if not os.path.exists(path):
         raise FileNotFoundError(f"--from {path}: no such file or directory")
     if os.path.isdir(path):
@@ -98,8 +106,7 @@ def load_source(source: MathSource, from_path: Optional[str] = None):
     """``(dataset, origin)``: the set from ``from_path`` when given, else from the hub."""
     if from_path is not None:
         return _load_local(from_path, source.split), from_path
-    import datasets
-
+    datasets = _datasets()
     try:
         ds = datasets.load_dataset(source.hub_id, source.config, split=source.split)
     except (ConnectionError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as err:
@@ -209,7 +216,7 @@ def format_summary(reports: Sequence[SetReport], tokenizer_name: Optional[str], 
     fmt = "  ".join(f"{{:<{w}}}" if i in (0, len(head) - 1) else f"{{:>{w}}}" for i, w in enumerate(widths))
     unit = (f"prompt lengths in tokens of {tokenizer_name} (data.max_prompt_length {max_prompt_length})"
             if tokenizer_name else "prompt lengths not measured (--tokenizer none)")
-    return "\n".join([unit, fmt.format(*head), *[fmt.format(*row) for row in lines]])
+    return "\n".join([unit, *(fmt.format(*row).rstrip() for row in [head, *lines])])
 
 
 def prepare(name: str, out_dir: str, *, from_paths: Optional[dict[str, str]] = None, tokenizer=None,

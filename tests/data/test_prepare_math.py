@@ -241,3 +241,17 @@ def test_hub_name_offline_from_the_datasets_cache(tmp_path, tok):
     assert empty.returncode == 2
     assert "hapo: error: aime-2024: cannot load 'Maxwell-Jia/AIME_2024'" in empty.stderr
     assert "HF_HUB_OFFLINE='1'" in empty.stderr and "--from PATH" in empty.stderr
+
+
+def test_tokenizer_none_skips_lengths_but_still_reads_the_file_back(tmp_path, capsys):
+    assert cli.main(["data", "prepare", "aime-2024", "--out", str(tmp_path / "out"), "--tokenizer", "none",
+                     "--no-progress", "--from", tiny.aime_2024(str(tmp_path))]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "prompt lengths not measured (--tokenizer none)"
+    assert lines[2].split()[:8] == ["aime-2024", "3", "1", "2", "-", "-", "-", "-"]
+
+
+def test_without_the_datasets_library_the_command_says_what_to_install(tmp_path, tok, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
+    assert _prepare("aime-2024", tmp_path / "out", tok, "--from", str(tmp_path)) == 2
+    assert "pip install -e '.[data]'" in capsys.readouterr().err
