@@ -89,7 +89,8 @@ def test_each_set_converts_loads_and_verifies(name, tmp_path, tok, capsys):
 
 
 def test_counts_of_the_dapo_copies(tmp_path, tok, capsys):
-    """7 rows: 3 copies of one prompt (2 removed), a prompt whose 2 copies disagree (both dropped)."""
+    """7 rows: 3 copies of one prompt (2 removed), a prompt whose 2 copies disagree (both dropped;
+    fails with the conflict drop removed from convert_rows)."""
     assert _prepare("dapo-math-17k", tmp_path / "out", tok, "--from", tiny.dapo(str(tmp_path))) == 0
     err = capsys.readouterr().err
     assert ("7 rows read from" in err and "3 duplicated prompts removed, 1 prompts with conflicting answers "
@@ -97,7 +98,8 @@ def test_counts_of_the_dapo_copies(tmp_path, tok, capsys):
 
 
 def test_amc_keeps_2023_and_reads_the_float_answer(tmp_path, tok, capsys):
-    """AMC 2022 rows are skipped; the float64 answer 144.0 becomes "144" (math reward's string)."""
+    """AMC 2022 rows are skipped; the float64 answer 144.0 becomes "144" (fails with the year filter
+    removed, or with the float answer written as repr: "144.0")."""
     assert _prepare("amc-2023", tmp_path / "out", tok, "--from", tiny.from_path("amc-2023", str(tmp_path))) == 0
     assert "1 not in the set, 1 duplicated prompts removed" in capsys.readouterr().err
     assert _pairs(str(tmp_path / "out" / "amc23.parquet")) == [("What is $12 \\cdot 12$?", "144")]
@@ -143,7 +145,9 @@ def test_the_loader_check_catches_a_row_an_adapter_got_wrong():
 
 
 def test_a_prompt_in_another_template_is_refused():
-    """A verl-layout row whose prompt asks for another answer format is not templated twice."""
+    """A verl-layout row whose prompt asks for another answer format is not templated twice (and
+    DAPO-Math-17k's own template is taken off before it is put back: test_each_set_converts fails
+    for dapo-math-17k without strip_template)."""
     row = {"prompt": [{"role": "user", "content": "Solve the following math problem step by step. Put the answer "
                                                   "in \\boxed{}.\n\n1+1"}],
            "reward_model": {"ground_truth": "2"}}
@@ -161,7 +165,8 @@ def test_lengths_in_tokens_and_the_count_over_max_prompt_length(tmp_path, tok, c
     """The character tokenizer makes one token per character plus 4 of its chat template (bos,
     <|user|>, eos, <|assistant|>). The template has 178 + 62 characters around the problem, so the two
     AIME 2024 prompts (22 and 36 characters) are 178 + 62 + 22 + 4 = 266 and 280 tokens; with
-    --max-prompt-length 270 one is over. Without the chat template: 262 and 276."""
+    --max-prompt-length 270 one is over. Without the chat template: 262 and 276 (fails when
+    --no-chat-template is not passed on to the length measurement)."""
     assert len(DAPO_TEMPLATE_PREFIX) == 178 and len(DAPO_TEMPLATE_SUFFIX) == 62
     capsys.readouterr()
     assert _prepare("aime-2024", tmp_path / "out", tok, "--from", tiny.aime_2024(str(tmp_path)),
@@ -255,3 +260,23 @@ def test_without_the_datasets_library_the_command_says_what_to_install(tmp_path,
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
     assert _prepare("aime-2024", tmp_path / "out", tok, "--from", str(tmp_path)) == 2
     assert "pip install -e '.[data]'" in capsys.readouterr().err
+
+
+def test_gpu_recipe_readmes_prepare_their_data_with_their_tokenizer():
+    """Each GPU recipe's README gives the command, measuring lengths with the tokenizer of its own
+    model (the default --tokenizer where none is given; fails with the 1.5B README's tokenizer set to
+    the 7B one); the 7B one names the authors' 32k model."""
+    import re
+    default = cli.build_parser().parse_args(["data", "prepare", "paper", "--out", "x"]).tokenizer
+    for recipe in GPU_RECIPES:
+        with open(os.path.join(ROOT, "examples", recipe, "README.md")) as f:
+            readme = f.read()
+        with open(os.path.join(ROOT, "examples", recipe, "config.yaml")) as f:
+            model = yaml.safe_load(f)["model"]["hf_model_path"]
+        found = re.search(r"hapo data prepare paper --out data(?: --tokenizer ([^\s`]+))?", readme)
+        assert found, f"{recipe}/README.md does not give `hapo data prepare paper --out data`"
+        assert (found.group(1) or default) == model, recipe
+    with open(os.path.join(ROOT, "examples", "qwen2.5-math-7b", "README.md")) as f:
+        readme = f.read()
+    assert "model.hf_model_path=starriver030515/Qwen2.5-Math-7B-32k" in readme
+    assert "max_position_embeddings: 32768" in readme
