@@ -155,7 +155,7 @@ SOURCES: dict[str, MathSource] = {s.name: s for s in (
     MathSource("aime-2024", "Maxwell-Jia/AIME_2024", "train", "aime24.parquet", "aime24",
                _columns("Problem", "Answer", "ID"), "ID, Problem, Solution, Answer"),
     MathSource("aime-2025", "yentinglin/aime_2025", "train", "aime25.parquet", "aime25",
-               _columns("problem", "answer", "id"), "problem, answer (+ id, solution, url, year)"),
+               _columns("problem", "answer", "id"), "problem, answer, id"),
     MathSource("math-500", "HuggingFaceH4/MATH-500", "test", "math500.parquet", "math500",
                _columns("problem", "answer", "unique_id"), "problem, solution, answer, subject, level, unique_id"),
     MathSource("amc-2023", "AI-MO/aimo-validation-amc", "train", "amc23.parquet", "amc23",
