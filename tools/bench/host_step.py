@@ -306,6 +306,7 @@ def role_rank0_new(d: dict, out_dir: str, cap: int, chunk: int, gen_s: float, dp
     rt = SimpleNamespace(
         cfg=cfg, engine=engine, memory=EngineMemory(engine), control=SimpleNamespace(send=lambda kind, body: None),
         sampling_seed=lambda step, i: 0,
+        actor=SimpleNamespace(routing="off"),  # a dense model: no experts to return
         tokenizer=SimpleNamespace(decode=lambda ids, **_: decode(ids), eos_token_id=None),
         reward_fn=get_reward_fn("math"), scorer=scorer,
         rl=SimpleNamespace(dyn=DynamicSampler(enabled=True, max_num_gen_batches=1),
