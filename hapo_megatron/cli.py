@@ -4,14 +4,15 @@
     hapo eval    ...                                                          (hapo_megatron.evaluate)
     hapo convert hf-to-megatron|megatron-to-hf ...                            (hapo_megatron.convert.cli)
     hapo doctor  [--config X.yaml] [--only GROUPS] [--strict]                 (hapo_megatron.doctor)
+    hapo analyze rollouts|compare|paired-stats|plot-run|plot-tokens ...       (hapo_megatron.analysis.cli)
     hapo config show [--config X] [--preset P] [overrides ...]
     hapo config presets | hapo config docs [SECTION]
     hapo data make-arithmetic --out PATH --n N --seed S [--min-digits ...]
     hapo data make-char-tokenizer --out DIR
     hapo data prepare {dapo-math-17k,aime-2024,aime-2025,math-500,amc-2023,paper} --out DIR [--from PATH] ...
 
-``train``, ``eval``, ``convert`` and ``doctor`` hand their remaining arguments untouched to the
-``main(argv)`` of their module, imported only when used (so ``hapo --help`` stays fast).
+``train``, ``eval``, ``convert``, ``doctor`` and ``analyze`` hand their remaining arguments untouched
+to the ``main(argv)`` of their module, imported only when used (so ``hapo --help`` stays fast).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ DISPATCH = {
     "eval": ("hapo_megatron.evaluate", "evaluate a checkpoint (avg@k / pass@k per data source)"),
     "convert": ("hapo_megatron.convert.cli", "convert checkpoints: hf-to-megatron | megatron-to-hf"),
     "doctor": ("hapo_megatron.doctor", "check this machine (GPU, NCCL, TE, kernels, SGLang, memory plan)"),
+    "analyze": ("hapo_megatron.analysis.cli",
+                "analyze runs: rollouts | compare | paired-stats | plot-run | plot-tokens"),
 }
 
 
@@ -208,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     from hapo_megatron import __version__
 
     parser.add_argument("--version", action="version", version=f"hapo_megatron {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{train,eval,convert,doctor,config,data}", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="{train,eval,convert,doctor,analyze,config,data}",
+                                required=True)
     for name, (module_name, help_text) in DISPATCH.items():
         # Listed for --help only: main() hands these commands to their module before parsing.
         sub.add_parser(name, help=help_text, add_help=False)

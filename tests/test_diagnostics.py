@@ -211,7 +211,7 @@ def test_rollout_file_roundtrip_and_report(tmp_path, suffix, capsys):
              torch.tensor([e for r in recs for e in r["entropy"]], dtype=torch.float64))})
     assert sum(r["count"] for r in report["histogram"]) == sum(len(r["entropy"]) for r in recs)
     assert "most clipped tokens, low side" in format_report(report)
-    assert main([path, "--top-k", "2", "--json", str(tmp_path / "r.json")]) == 0
+    assert main(["rollouts", path, "--top-k", "2", "--json", str(tmp_path / "r.json")]) == 0
     assert "entropy histogram" in capsys.readouterr().out
 
 

@@ -116,7 +116,7 @@ def test_token_diagnostics_logged_and_rollouts_saved(full_run, tiny):
     assert max(abs(x - 1) for r in rows if r["uid"] not in first for x in r["ratio"]) > 1e-6
     report = analyze_rollouts(rows)
     assert report["metrics"]["diag/entropy_mean"] > 0 and "top_clipped_low" in report
-    assert diag_main([rollout_path(run_dir, 2), "--tokenizer", os.path.join(tiny, "model")]) == 0
+    assert diag_main(["rollouts", rollout_path(run_dir, 2), "--tokenizer", os.path.join(tiny, "model")]) == 0
 
 
 def test_killed_run_resumes_to_identical_metrics(tiny, full_run, tmp_path):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Shared body of examples/<task>/compare.sh (called by them with the settings in the environment):
 # every variant x seed as its own run of examples/$TASK/run.sh, one at a time; a rerun of
-# RERUN_VARIANT (default hapo) at the first seed; then tools/compare_runs.py writes $OUT.
+# RERUN_VARIANT (default hapo) at the first seed; then `hapo analyze compare` writes $OUT.
 # Variants are preset names ("hapo", "dapo", "dapo+clip", ...) or "hapo_ref" (HAPO with
 # algo.h_hat_mode=reference).
 # Settings: TASK SEEDS VARIANTS BASELINE OUT RUNS TITLE TOKEN_ARGS; optional BASE_ARGS (the
@@ -62,6 +62,6 @@ fi
 command="SEEDS=\"$SEEDS\" VARIANTS=\"$VARIANTS\" bash $CALLER"  # as run, for the results page
 [[ -n "$EXTRA" ]] && command="EXTRA=\"$EXTRA\" $command"
 # shellcheck disable=SC2086
-python tools/compare_runs.py "${cmp_args[@]}" --baseline "${BASELINE:-${first_v}}" --out "$OUT" \
+python -m hapo_megatron.cli analyze compare "${cmp_args[@]}" --baseline "${BASELINE:-${first_v}}" --out "$OUT" \
     --title "$TITLE" --command "$command" $TOKEN_ARGS
 echo "results: $OUT/results.md"

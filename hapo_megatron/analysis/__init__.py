@@ -1,6 +1,20 @@
-"""Token diagnostics of HAPO: the summable accumulator the trainer logs ``diag/*`` metrics with
-(`token_stats`) and the saved-rollout files it writes, read back and reported offline
-(`rollouts`; ``python -m hapo_megatron.analysis <file>``, see `cli`). Pure python/torch."""
+"""The offline analysis of HAPO runs, behind ``hapo analyze`` (`cli`; docs/evaluation.md). Modules:
+
+- `token_stats`: the summable token-diagnostics accumulator the trainer logs ``diag/*`` with;
+- `rollouts`: the saved-rollout files the trainer writes, read back and reported
+  (``hapo analyze rollouts``, also ``python -m hapo_megatron.analysis <file>``);
+- `run_metrics`: a run's `metrics.jsonl` as step records, series, seed bands, run specs;
+- `paired_stats`: paired differences over seeds, Student-t and bootstrap intervals
+  (``hapo analyze paired-stats``);
+- `run_comparison`: variants over seeds, results.md / results.json (``hapo analyze compare``);
+- `run_tokens`: token summaries by entropy class and role from runs' saved rollouts
+  (``hapo analyze plot-tokens``);
+- `plots`: the PNGs (``hapo analyze plot-run`` and the token figures), matplotlib imported
+  only when drawing (the ``plot`` extra);
+- `cli`: the ``hapo analyze`` command.
+
+Pure python/torch (docs/architecture.md, "Packages"); the package front re-exports the
+accumulator and the saved-rollout format the trainer uses."""
 
 from hapo_megatron.analysis.rollouts import (
     ROLLOUT_FIELDS,

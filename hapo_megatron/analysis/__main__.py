@@ -1,5 +1,5 @@
 import sys
 
-from hapo_megatron.analysis.cli import main
+from hapo_megatron.analysis.cli import rollouts_main
 
-sys.exit(main())
+sys.exit(rollouts_main())

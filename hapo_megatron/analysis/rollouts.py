@@ -5,7 +5,7 @@ Format (`write_rollouts` / `read_rollouts`): one file per step,
 `<run_dir>/rollouts/step_<step:06d>.jsonl` (optionally `.jsonl.gz` or `.parquet`), one record per
 response with the fields of `ROLLOUT_FIELDS`. Per-token lists all have the response's length;
 a missing optional field is `null`/absent and the diagnostics that need it are skipped.
-Offline: `python -m hapo_megatron.analysis <file> [--tokenizer DIR] [--top-k 20]`.
+Offline: `hapo analyze rollouts <file> [--tokenizer DIR] [--top-k 20]` (or `python -m hapo_megatron.analysis`).
 """
 
 from __future__ import annotations

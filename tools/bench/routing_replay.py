@@ -11,7 +11,7 @@ otherwise; under replay it is the actor's own choice given the replayed layers b
 mean |actor - engine| log-prob over all response tokens and over the tokens routing touches (those
 whose actor log-prob differs between the two passes: a token routed otherwise, or one attending to
 such a token); then the paired differences (measure - replay) over seeds with their Student-t 95%
-intervals (tools/paired_stats.py).
+intervals (hapo_megatron/analysis/paired_stats.py).
 
     python tools/bench/routing_replay.py                        # 5 seeds, bf16 engine
     python tools/bench/routing_replay.py --engine-dtype fp32    # control: no precision gap
@@ -27,7 +27,6 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 MODES = ("measure", "replay")
 
@@ -124,7 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--json", help="also write the per-seed rows here")
     args = ap.parse_args(argv)
-    from paired_stats import paired_t_interval
+    from hapo_megatron.analysis.paired_stats import paired_t_interval
 
     groups = _setup()
     print(f"# engine {args.engine_dtype}, actor fp32; {args.experts} experts top-{args.top_k}, {args.layers} layers; "

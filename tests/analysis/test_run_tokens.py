@@ -1,14 +1,12 @@
-"""tools/plot_tokens.py: token summary by role (hand case) and the plots from saved rollouts."""
+"""hapo_megatron.analysis.run_tokens (`hapo analyze plot-tokens`): token summary by role (hand
+case) and the plots from saved rollouts."""
 
 import json
 import os
 
 import pytest
 
-from hapo_megatron.analysis import rollout_path, write_rollouts
-from tests.tools._load import load_tool
-
-plot_tokens = load_tool("plot_tokens")
+from hapo_megatron.analysis import rollout_path, run_tokens, write_rollouts
 
 
 def record(step, ids, entropy, h_hat, **extra):
@@ -22,7 +20,7 @@ def test_token_summary_hand_case():
     recs = [record(1, [1, 2, 3, 4], [0.01, 0.02, 1.0, 0.5], [-1.0, -0.5, 1.0, 0.2]),
             record(1, [1, 2], [0.03, 0.04], [-0.2, -0.1])]
     roles = {1: "format", 2: "format", 3: "result", 4: "result"}
-    s = plot_tokens.token_summary(recs, lambda r: [roles[i] for i in r["response_ids"]])
+    s = run_tokens.token_summary(recs, lambda r: [roles[i] for i in r["response_ids"]])
     assert s["num_tokens"] == 6 and s["share_above_pivot"] == pytest.approx(2 / 6)
     # sorted entropies .01 .02 .03 .04 .5 1.0: nearest rank round(0.8 * 5) = 4 -> 0.5
     assert s["entropy_quantiles"]["0.8"] == 0.5 and s["pivot_median_over_steps"] == 0.5
@@ -50,8 +48,8 @@ def test_token_diagnostics_writes_plots_and_numbers(tmp_path):
                                 "loss/cliphigh_low_entropy": 0.0, "loss/adv_scale_high_entropy": 1.1,
                                 "loss/adv_scale_low_entropy": 0.5}) + "\n")
     out = tmp_path / "out"
-    result, paths = plot_tokens.token_diagnostics({"hapo": [str(run)]}, str(out), roles="steps",
-                                                  tokenizer=str(tmp_path / "tok"))
+    result, paths = run_tokens.token_diagnostics({"hapo": [str(run)]}, str(out), roles="steps",
+                                                 tokenizer=str(tmp_path / "tok"))
     roles = result["tokens"]["hapo"]["roles"]
     assert roles["result"]["share_above_pivot"] == 1.0 and roles["answer"]["share_above_pivot"] == 1.0
     assert roles["format"]["share_above_pivot"] == 0.0 and roles["end"]["share_of_tokens"] == pytest.approx(1 / n)
@@ -59,6 +57,6 @@ def test_token_diagnostics_writes_plots_and_numbers(tmp_path):
     assert sorted(os.path.basename(p) for p in paths) == ["adv_scale.png", "clip_side_entropy.png",
                                                           "entropy_hist.png", "temperature_vs_entropy.png"]
     assert json.loads((out / "tokens.json").read_text())["tokens"]["hapo"]["num_tokens"] == n
-    assert "| hapo | result | " in plot_tokens.format_summary(result)
+    assert "| hapo | result | " in run_tokens.format_summary(result)
     with pytest.raises(ValueError, match="needs --tokenizer"):
-        plot_tokens.role_labeller("steps", None)
+        run_tokens.role_labeller("steps", None)

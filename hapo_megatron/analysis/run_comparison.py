@@ -1,7 +1,7 @@
-#!/usr/bin/env python
-"""Compare variants (HAPO, DAPO, ablations) over seeds: a Markdown table plus plots.
+"""Compare variants (HAPO, DAPO, ablations) over seeds: a Markdown table plus plots
+(``hapo analyze compare``; docs/evaluation.md, "Plots and comparisons").
 
-    python tools/compare_runs.py \
+    hapo analyze compare \
         --variant hapo=runs/hapo_s1,runs/hapo_s2 --variant dapo=runs/dapo_s1,runs/dapo_s2 \
         --out docs/results/cpu_tiny --last-n 5
 
@@ -9,36 +9,35 @@ For every run (a directory with `metrics.jsonl`): the final accuracy (last logge
 accuracy key: the largest-k `eval/all/avg@k` when the runs logged evaluations, else
 `rollout/acc`) and the mean over its last N logged steps of training accuracy, reward, mean
 entropy and response length. Per variant: mean +- sample standard deviation over its runs
-(seeds). Writes `<out>/results.md`, `<out>/results.json` and the plots of `tools/plot_run.py`
-(variants overlaid, seeds as mean + min-max band); prints the table.
+(seeds). `compare_runs` writes `<out>/results.md`, `<out>/results.json` and the plots of
+`plots.plot_runs` (variants overlaid, seeds as mean + min-max band).
 
-Paired comparisons (`--baseline NAME`): runs are matched by seed (`trainer.seed` of each run's
+Paired comparisons (`baseline`): runs are matched by seed (`trainer.seed` of each run's
 resolved `config.yaml`); for every other variant, the per-seed differences to the baseline of the
 final (held-out) accuracy and of the last-N training accuracy, their mean and a 95% Student-t
-interval over seeds (`mean +- t_{n-1} sd / sqrt(n)`, `tools/paired_stats.py`), plus a percentile
+interval over seeds (`mean +- t_{n-1} sd / sqrt(n)`, `paired_stats`), plus a percentile
 bootstrap interval; an interval containing 0 is reported as "no measurable difference".
 
 A hand-written `<out>/notes.md`, when present, is appended to `results.md` (context that a
 rerun of the comparison must not erase).
 
-Determinism (`--rerun RUN_DIR=RERUN_DIR`): every logged metric of the two runs must be equal
-(timing and throughput keys excepted); a mismatch is reported and the exit status is 1.
+Determinism (`reruns`, `RUN_DIR=RERUN_DIR`): every logged metric of the two runs must be equal
+(timing and throughput keys excepted); a mismatch is reported (the command exits 1).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import re
 import statistics
-import sys
 from typing import Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import paired_stats  # noqa: E402  (sibling tool)
-import plot_run  # noqa: E402  (sibling tool)
+from hapo_megatron.analysis import paired_stats
+from hapo_megatron.analysis.plots import plot_runs
+from hapo_megatron.analysis.run_metrics import load_metrics, series
+from hapo_megatron.analysis.run_tokens import CLIP_KEYS, format_summary, token_diagnostics
 
 #: metric key prefixes that measure time, not behaviour (left out of the determinism check)
 NONDETERMINISTIC_PREFIXES = ("timing/", "perf/", "time/")
@@ -54,7 +53,7 @@ LAST_N_COLUMNS = [
 
 def final_value(rows: Sequence[dict], key: str) -> float:
     """Last finite value of `key` (NaN when never logged)."""
-    _, vals = plot_run.series(rows, key)
+    _, vals = series(rows, key)
     return vals[-1] if vals else math.nan
 
 
@@ -62,7 +61,7 @@ def last_n_mean(rows: Sequence[dict], key: str, n: int) -> float:
     """Mean of the last `n` finite values of `key` (NaN when never logged)."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    _, vals = plot_run.series(rows, key)
+    _, vals = series(rows, key)
     vals = vals[-n:]
     return math.fsum(vals) / len(vals) if vals else math.nan
 
@@ -175,12 +174,10 @@ def paired_comparison(numbers: dict, seeds: dict[str, list[int]], baseline: str,
             row = {"variant": name, "baseline": baseline, "metric": col, "seeds": sorted(diffs),
                    "differences": [diffs[s] for s in sorted(diffs)]}
             if len(diffs) >= 2:
-                ci = paired_stats.paired_t_interval(list(diffs.values()), confidence)
-                boot = paired_stats.bootstrap_mean_interval(list(diffs.values()), confidence)
-                row.update(ci, bootstrap_lower=boot[0], bootstrap_upper=boot[1],
-                           verdict=paired_stats.verdict(ci["lower"], ci["upper"]))
-                cells = [f"{ci['mean'] * 100:+.1f}", f"[{ci['lower'] * 100:+.1f}, {ci['upper'] * 100:+.1f}]",
-                         f"[{boot[0] * 100:+.1f}, {boot[1] * 100:+.1f}]", row["verdict"]]
+                row.update(paired_stats.paired_summary(list(diffs.values()), confidence))
+                cells = [f"{row['mean'] * 100:+.1f}", f"[{row['lower'] * 100:+.1f}, {row['upper'] * 100:+.1f}]",
+                         f"[{row['bootstrap_lower'] * 100:+.1f}, {row['bootstrap_upper'] * 100:+.1f}]",
+                         row["verdict"]]
             else:
                 row["verdict"] = "fewer than 2 paired seeds: no interval"
                 cells = ["n/a", "n/a", "n/a", row["verdict"]]
@@ -253,23 +250,23 @@ def check_reruns(specs: Sequence[str]) -> list[dict]:
         orig, sep, rerun = spec.partition("=")
         if not sep or not orig or not rerun:
             raise ValueError(f"--rerun {spec!r}: expected RUN_DIR=RERUN_DIR")
-        bad = metric_mismatches(plot_run.load_metrics(orig), plot_run.load_metrics(rerun))
+        bad = metric_mismatches(load_metrics(orig), load_metrics(rerun))
         out.append({"run": orig, "rerun": rerun, "identical": not bad, "mismatches": bad})
     return out
 
 
-def results_page(args, table: str, numbers: dict, seeds: dict, paired: str | None,
-                 reruns: list[dict], plots: list[str]) -> str:
+def results_page(table: str, numbers: dict, seeds: dict, paired: str | None, reruns: list[dict],
+                 plots: list[str], *, title: str, command: str | None, last_n: int, baseline: str | None) -> str:
     """The Markdown of `<out>/results.md`."""
-    body = [f"# {args.title}", ""]
-    if args.command:
-        body += [f"Made by `{args.command}`.", ""]
+    body = [f"# {title}", ""]
+    if command:
+        body += [f"Made by `{command}`.", ""]
     body += ["## Accuracy per variant", "", table,
              f"Accuracy in percent; mean ± sample std over seeds; final acc = `{numbers['acc_key']}` "
-             f"at the end of the run; last-{args.last_n} columns average the last logged training steps.", "",
+             f"at the end of the run; last-{last_n} columns average the last logged training steps.", "",
              "Final accuracy per seed:", "", per_seed_table(numbers, seeds)]
     if paired:
-        body += [f"## Paired differences against {args.baseline}", "", paired,
+        body += [f"## Paired differences against {baseline}", "", paired,
                  "Differences in percentage points, `variant − baseline` per seed (same seed = same data "
                  "order, same warm start). 95% t-interval: mean ± t(0.975, n−1) · sd / √n over the paired "
                  "seeds (sd with n−1); 95% bootstrap: percentile interval of the mean over 10 000 resamples "
@@ -288,19 +285,17 @@ def results_page(args, table: str, numbers: dict, seeds: dict, paired: str | Non
 
 
 def token_section(tokens: dict, plots: Sequence[str]) -> str:
-    """The token-diagnostics part of the results page (`tools/plot_tokens.py`)."""
-    import plot_tokens
-
+    """The token-diagnostics part of the results page (`run_tokens`)."""
     body = ["", "## Token diagnostics", "",
             "From the saved rollouts (`logging.save_rollouts_interval`) of every seed: old-policy entropy at "
             "T_base; \"above pivot\" = h_hat > 0 under the step's own entropy statistics (the trainer's "
             "high-entropy branch). Clip sides: share of each entropy class clipped at the left (1 − ε_L) or "
             "right (1 + ε_R) bound over all PPO updates, mean over steps and seeds. Numbers also in "
-            "`tokens.json`.", "", plot_tokens.format_summary(tokens)]
+            "`tokens.json`.", "", format_summary(tokens)]
     clip = tokens.get("clip_side_by_entropy", {})
     if clip:
-        keys = [k for _, k in plot_tokens.CLIP_KEYS]
-        body += ["| variant | " + " | ".join(t for t, _ in plot_tokens.CLIP_KEYS) + " |",
+        keys = [k for _, k in CLIP_KEYS]
+        body += ["| variant | " + " | ".join(t for t, _ in CLIP_KEYS) + " |",
                  "|---|" + "---|" * len(keys)]
         for name, vals in clip.items():
             cells = [f"{vals[k] * 100:.2f}%" if vals.get(k) is not None and math.isfinite(vals[k]) else "n/a"
@@ -311,66 +306,43 @@ def token_section(tokens: dict, plots: Sequence[str]) -> str:
     return "\n".join(body) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variant", action="append", required=True,
-                    help="NAME=RUN_DIR[,RUN_DIR...] (repeat per variant; dirs = seeds)")
-    ap.add_argument("--out", required=True, help="directory for results.md, results.json, PNGs")
-    ap.add_argument("--last-n", type=int, default=5, help="steps averaged at the end of a run")
-    ap.add_argument("--acc-key", default=None, help="metric for the final accuracy (default auto)")
-    ap.add_argument("--baseline", default=None, help="variant the others are paired against (by seed)")
-    ap.add_argument("--rerun", action="append", default=[], help="RUN_DIR=RERUN_DIR: must match exactly")
-    ap.add_argument("--command", default=None, help="the command that made the runs (quoted on the page)")
-    ap.add_argument("--tokens", action="store_true",
-                    help="add the token diagnostics of tools/plot_tokens.py (saved rollouts needed)")
-    ap.add_argument("--roles", default=None, help="token roles for --tokens (plot_tokens --roles)")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer dir for --roles")
-    ap.add_argument("--title", default="Run comparison")
-    ap.add_argument("--no-plots", action="store_true")
-    args = ap.parse_args(argv)
-    try:
-        variants: dict[str, list[list[dict]]] = {}
-        sources: dict[str, list[str]] = {}
-        for spec in args.variant:
-            name, dirs = parse_variant(spec)
-            if name in variants:
-                raise ValueError(f"--variant {name!r} given twice")
-            variants[name] = [plot_run.load_metrics(d) for d in dirs]
-            sources[name] = dirs
-        seeds = {name: seeds_of(dirs) for name, dirs in sources.items()}
-        table, numbers = compare(variants, last_n=args.last_n, acc_key=args.acc_key)
-        paired, paired_rows = (paired_comparison(numbers, seeds, args.baseline) if args.baseline
-                               else (None, []))
-        reruns = check_reruns(args.rerun)
-    except ValueError as e:
-        print(f"compare_runs: error: {e}", file=sys.stderr)
-        return 2
-    os.makedirs(args.out, exist_ok=True)
-    plots = [] if args.no_plots else plot_run.plot_runs(variants, args.out)
-    numbers.update(runs=sources, seeds=seeds, paired=paired_rows, reruns=reruns)
-    page = results_page(args, table, numbers, seeds, paired, reruns, plots)
-    if args.tokens:
-        import plot_tokens
-
-        tokens, token_plots = plot_tokens.token_diagnostics(sources, args.out, roles=args.roles,
-                                                            tokenizer=args.tokenizer)
-        numbers["token_diagnostics"] = tokens
-        page += token_section(tokens, token_plots)
-    notes = os.path.join(args.out, "notes.md")  # hand-written context kept across reruns
+def compare_runs(variant_specs: Sequence[str], out: str, *, last_n: int = 5, acc_key: str | None = None,
+                 baseline: str | None = None, reruns: Sequence[str] = (), command: str | None = None,
+                 title: str = "Run comparison", plots: bool = True, tokens: bool = False,
+                 roles: str | None = None, tokenizer: str | None = None) -> dict:
+    """Read the runs of `variant_specs` (`NAME=RUN_DIR[,RUN_DIR...]`, the dirs being seeds), write
+    `<out>/results.md`, `<out>/results.json` and the plots (`plots=False`: none; `tokens`: the
+    token diagnostics of `run_tokens` too, `roles` / `tokenizer` as there). Returns the Markdown
+    table, the paired table (None without `baseline`), the determinism checks of `reruns`
+    (`RUN_DIR=RERUN_DIR`) and the numbers of `results.json`. Bad arguments raise ValueError
+    before anything is written."""
+    variants: dict[str, list[list[dict]]] = {}
+    sources: dict[str, list[str]] = {}
+    for spec in variant_specs:
+        name, dirs = parse_variant(spec)
+        if name in variants:
+            raise ValueError(f"--variant {name!r} given twice")
+        variants[name] = [load_metrics(d) for d in dirs]
+        sources[name] = dirs
+    seeds = {name: seeds_of(dirs) for name, dirs in sources.items()}
+    table, numbers = compare(variants, last_n=last_n, acc_key=acc_key)
+    paired, paired_rows = paired_comparison(numbers, seeds, baseline) if baseline else (None, [])
+    checks = check_reruns(reruns)
+    os.makedirs(out, exist_ok=True)
+    plot_paths = plot_runs(variants, out) if plots else []
+    numbers.update(runs=sources, seeds=seeds, paired=paired_rows, reruns=checks)
+    page = results_page(table, numbers, seeds, paired, checks, plot_paths, title=title, command=command,
+                        last_n=last_n, baseline=baseline)
+    if tokens:
+        token_numbers, token_plots = token_diagnostics(sources, out, roles=roles, tokenizer=tokenizer)
+        numbers["token_diagnostics"] = token_numbers
+        page += token_section(token_numbers, token_plots)
+    notes = os.path.join(out, "notes.md")  # hand-written context kept across reruns
     if os.path.isfile(notes):
         with open(notes, encoding="utf-8") as f:
             page += "\n" + f.read()
-    with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out, "results.md"), "w", encoding="utf-8") as f:
         f.write(page)
-    with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as f:
         json.dump(_json_safe(numbers), f, indent=2)
-    print(table + ("\n" + paired if paired else ""))
-    for r in reruns:
-        print(f"determinism: {r['rerun']} vs {r['run']}: " + ("identical" if r["identical"] else
-              "MISMATCH " + "; ".join(r["mismatches"][:5])))
-    return 1 if any(not r["identical"] for r in reruns) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return {"table": table, "paired": paired, "reruns": checks, "numbers": numbers}

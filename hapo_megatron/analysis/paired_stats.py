@@ -1,9 +1,9 @@
-#!/usr/bin/env python
 """Paired comparisons over seeds: differences, Student-t confidence intervals, a bootstrap.
 
 Pure python (no scipy): the two-sided Student-t quantile for an integer number of degrees of
 freedom comes from the closed-form t distribution function (Abramowitz & Stegun 26.7.3-4),
-inverted by bisection. Used by `tools/compare_runs.py`.
+inverted by bisection. Used by `run_comparison` and on its own by ``hapo analyze paired-stats``
+(docs/evaluation.md, "Plots and comparisons").
 
     paired_differences({1: .6, 2: .7}, {1: .5, 2: .6})  -> {1: .1, 2: .1}
     paired_t_interval([.1, .2, .0])                      -> mean, lower, upper, sd, n, t
@@ -17,7 +17,7 @@ import statistics
 from typing import Mapping, Sequence
 
 __all__ = ["t_two_sided_prob", "t_quantile", "paired_differences", "paired_t_interval",
-           "bootstrap_mean_interval", "verdict"]
+           "bootstrap_mean_interval", "verdict", "paired_summary"]
 
 
 def t_two_sided_prob(t: float, df: int) -> float:
@@ -101,3 +101,13 @@ def verdict(lower: float, upper: float, scale: float = 100.0, unit: str = " poin
     if lower > 0:
         return f"higher (by {lower * scale:.1f} to {upper * scale:.1f}{unit})"
     return f"lower (by {-upper * scale:.1f} to {-lower * scale:.1f}{unit})"
+
+
+def paired_summary(diffs: Sequence[float], confidence: float = 0.95, *, n_boot: int = 10000, seed: int = 0,
+                   scale: float = 100.0, unit: str = " points") -> dict:
+    """The t-interval of `paired_t_interval`, the bootstrap interval of `bootstrap_mean_interval`
+    (keys ``bootstrap_lower`` / ``bootstrap_upper``) and the `verdict` of the t-interval."""
+    ci = paired_t_interval(diffs, confidence)
+    lo, hi = bootstrap_mean_interval(diffs, confidence, n_boot=n_boot, seed=seed)
+    return {**ci, "bootstrap_lower": lo, "bootstrap_upper": hi,
+            "verdict": verdict(ci["lower"], ci["upper"], scale=scale, unit=unit)}
