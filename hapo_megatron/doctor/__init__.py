@@ -49,7 +49,7 @@ def collect_checks(args) -> list:
 
         def memory():
             res, text = check_memory_plan(args.config, args.overrides, world_size=args.world_size,
-                                          device_memory_gb=args.device_memory_gb)
+                                          device_memory_gib=args.device_memory_gib)
             print(text, flush=True)
             return res
         checks.append(("memory", "memory plan", memory, "fix the config fields the warning names"))
@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true",
                    help="a compiled component that does not import is a failure even without a GPU (image build)")
     p.add_argument("--world-size", type=int, default=None, help="ranks of the planned run (default: the GPUs here)")
-    p.add_argument("--device-memory-gb", type=float, default=None, help="plan for devices of this size (GB)")
+    p.add_argument("--device-memory-gib", "--device-memory-gb", dest="device_memory_gib", type=float, default=None,
+                   help="plan for devices of this size in GiB (2^30 bytes, as torch.cuda reports it: an 80 GB H100 "
+                        "has 79.6 GiB; default: this GPU, or 79.6 without one)")
     p.add_argument("--sglang-model", default=None, help="model directory for the SGLang check (default: tiny random)")
     return p
 
