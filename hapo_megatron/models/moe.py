@@ -15,15 +15,18 @@ from hapo_megatron.parallel.collectives import all_reduce_tensor, rank_and_world
 AUX_LOSS_NAME = "load_balancing_loss"
 
 
-def moe_config_fields(hf_config, etp: int = 1) -> dict:
+def moe_config_fields(hf_config, etp: int = 1, fused: bool = False) -> dict:
     """TransformerConfig fields of a Qwen3-MoE config's sparse layers.
 
     The router: HF takes softmax over all experts, then the top-k, then (norm_topk_prob)
     renormalises them to sum 1. That equals Megatron's top-k of the logits followed by a softmax
     over the k chosen (moe_router_pre_softmax=False); without renormalisation it is Megatron's
     pre-softmax routing (softmax over all, then top-k). No capacity limit or token dropping (HF
-    drops none), SequentialMLP experts without grouped GEMM (exact on CPU; TE's grouped GEMM is a
-    GPU option of `layer_spec_for`). The aux-loss coefficient comes from router_aux_loss_coef;
+    drops none). Experts: with ``fused`` (Transformer Engine on a GPU) TE's grouped MLP (one grouped
+    GEMM for all local experts, not a loop with a host sync per expert) and TE's fused token
+    permutation; otherwise SequentialMLP and the unfused permutation (exact, and the only ones on
+    CPU). `hapo doctor` checks each fused path against the unfused one on the GPU
+    (docs/moe.md, "GPU speed settings"). The aux-loss coefficient comes from router_aux_loss_coef;
     the training config may override it (`moe_aux_loss_coeff=` in `kw`). Tokens travel with the
     alltoall dispatcher, except with ETP > 1 without CUDA: its uneven all-gather over the expert-TP
     group is not supported by gloo, so the allgather dispatcher (same results) is used there.
@@ -40,8 +43,8 @@ def moe_config_fields(hf_config, etp: int = 1) -> dict:
         moe_aux_loss_coeff=float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0),
         moe_router_dtype="fp32",
         moe_token_dispatcher_type="allgather" if etp > 1 and not torch.cuda.is_available() else "alltoall",
-        moe_grouped_gemm=False,
-        moe_permute_fusion=False,
+        moe_grouped_gemm=bool(fused),
+        moe_permute_fusion=bool(fused),
         moe_shared_expert_intermediate_size=None,
     )
 
