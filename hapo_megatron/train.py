@@ -183,7 +183,8 @@ def print_memory_plan(cfg, world_size: int) -> None:
     from hapo_megatron.training.sources import load_hf_config
     hf_config = load_hf_config(cfg.model.hf_model_path, cfg.model.max_position_embeddings)
     device = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    plan = plan_from_config(cfg, hf_config, world_size=world_size, device_bytes=device)
+    plan = plan_from_config(cfg, hf_config, world_size=world_size, device_bytes=device,
+                            gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count())))
     print(format_plan(plan, f"memory plan per GPU ({torch.cuda.get_device_name()}, estimate)"), flush=True)
     if plan.warnings:
         warnings.warn("the memory plan does not fit the device: " + "; ".join(plan.warnings))

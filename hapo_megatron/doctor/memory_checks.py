@@ -44,7 +44,8 @@ def check_memory_plan(config: str, overrides=(), *, world_size: int | None = Non
         e.fix = (f"plan for the run's world size (--world-size NODES x GPUS_PER_NODE; {world} was "
                  f"{'given' if world_size else 'assumed'}) or change the parallel.* fields the message names")
         raise
-    plan = plan_from_config(cfg, hf_config, world_size=world, device_bytes=device)
+    gpus_per_node = torch.cuda.device_count() if cuda else 8  # the recipes' 8-GPU nodes
+    plan = plan_from_config(cfg, hf_config, world_size=world, device_bytes=device, gpus_per_node=gpus_per_node)
     text = format_plan(plan, f"memory plan per GPU of {config} ({world} ranks, {device / GiB:.1f} GiB device)")
     fig = f"peak {plan.peak / GiB:.1f} of {device / GiB:.1f} GiB ({max(plan.phases, key=plan.phases.get)})"
     if plan.warnings:

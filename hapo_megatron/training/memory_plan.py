@@ -25,7 +25,11 @@ fp32 logits and their gradient (2 x 4*s*V/t). With routing replay (or mismatch m
 engine's routes of this rank's whole step (int16, k per token and layer:
 `MicroBatch.routed_experts`) sit on the device during the old-log-prob pass, which takes all its
 micro-batches there at once (at full length: the bound, not the typical step). Everything else
-(CUDA context, NCCL, allocator slack) is a fixed overhead per process.
+(CUDA context, NCCL, allocator slack) is a fixed overhead per process. With colocated tensor-mode
+weight sync, each node's leader serialises every bucket for every server TP rank of its node from
+its own GPU, so every server worker on another GPU of the node opens a CUDA context on the
+leader's GPU (`PEER_CONTEXT_BYTES` each, for the server's lifetime): the plan adds them to that
+GPU, the busiest one (docs/multinode.md, "Colocated memory").
 """
 
 from __future__ import annotations
@@ -36,12 +40,13 @@ from typing import Optional
 GiB = 1024**3
 CONTEXT_BYTES = 1 * GiB  # CUDA context + NCCL buffers of one process (rough, deliberately round)
 ROUTE_INDEX_BYTES = 2  # int16 expert ids of MicroBatch.routed_experts
+PEER_CONTEXT_BYTES = GiB // 2  # a CUDA context another process opens on this GPU (0.3-0.5 GiB; the upper end)
 ACT_BYTES = 2  # activations in bf16 (the GPU dtype; the per-layer constants above are bf16 bytes)
 HEADROOM = 0.95  # plan against 95% of the device (fragmentation)
 
 __all__ = ["ModelShape", "MemoryPlan", "activation_bytes", "expert_param_count", "layer_activation_bytes",
            "output_layer_bytes", "param_count", "plan_memory", "plan_from_config", "format_plan",
-           "shape_from_hf_config"]
+           "shape_from_hf_config", "tensor_sync_peer_contexts"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,7 @@ class MemoryPlan:
     offload: bool
     reference: int = 0  # the KL reference model's params (algo.kl_loss_coef > 0)
     routes: int = 0  # the routing-replay tensors of this rank's step (part of `activations`)
+    peer_contexts: int = 0  # server workers' CUDA contexts on the node leader's GPU (part of `overhead`)
     phases: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)
 
@@ -171,9 +177,11 @@ def plan_memory(shape: ModelShape, *, tp: int = 1, pp: int = 1, cp: int = 1, dp:
                 distributed_optimizer: bool = True, sequence_parallel: bool = False, tokens_per_micro_batch: int,
                 recompute: bool = False, sglang_fraction: float = 0.0, server_tp: int = 1, colocated: bool = False,
                 offload: bool = False, device_bytes: int, fused_output_layer: bool = False,
-                logprob_chunk: int = 1024, reference_model: bool = False, routed_tokens: int = 0) -> MemoryPlan:
+                logprob_chunk: int = 1024, reference_model: bool = False, routed_tokens: int = 0,
+                peer_contexts: int = 0) -> MemoryPlan:
     """The per-GPU plan (see the module docstring for every formula). ``routed_tokens``: tokens of
-    this rank's step whose engine routes go to the device (0: no routes travel)."""
+    this rank's step whose engine routes go to the device (0: no routes travel);
+    ``peer_contexts``: CUDA contexts of other processes on this GPU (`tensor_sync_peer_contexts`)."""
     etp = tp if etp is None else etp
     experts = expert_param_count(shape)
     dense_n, expert_n = (param_count(shape) - experts) / (tp * pp), experts / (ep * etp * pp)
@@ -190,8 +198,10 @@ def plan_memory(shape: ModelShape, *, tp: int = 1, pp: int = 1, cp: int = 1, dp:
     optimizer = dense_n * opt_bytes_per_param / shard + expert_n * opt_bytes_per_param / expert_shard
     plan = MemoryPlan(params=int(n * param_bytes), grads=int(n * 4), optimizer=int(optimizer),
                       activations=int(acts) + routes, sglang_pool=pool, sglang_weights=server_weights,
-                      overhead=CONTEXT_BYTES * (2 if colocated else 1), device=int(device_bytes), offload=offload,
-                      reference=int(n * param_bytes) if reference_model else 0, routes=routes)
+                      overhead=CONTEXT_BYTES * (2 if colocated else 1) + peer_contexts * PEER_CONTEXT_BYTES,
+                      device=int(device_bytes), offload=offload,
+                      reference=int(n * param_bytes) if reference_model else 0, routes=routes,
+                      peer_contexts=peer_contexts * PEER_CONTEXT_BYTES)
     held_in_rollout = plan.overhead + plan.reference + (0 if offload else plan.trainer_state)
     plan.phases = {"training": plan.static + plan.activations + plan.overhead}
     if colocated:
@@ -232,9 +242,24 @@ def shape_from_hf_config(hf_config) -> ModelShape:
                       qkv_bias=has_qkv_bias(hf_config), qk_norm=has_qk_norm(hf_config))
 
 
-def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int) -> MemoryPlan:
+def tensor_sync_peer_contexts(cfg, gpus_per_node: int) -> int:
+    """Server workers that open a CUDA context on a node leader's GPU: with colocated tensor-mode
+    sync (`rollout/node_servers.py`) every server TP rank of the node maps the leader's buckets,
+    all but the one on the leader's own GPU; 0 with disk / distributed sync or separate servers."""
+    from hapo_megatron.rollout.sglang_engine import resolve_weight_sync
+    sg = cfg.rollout.sglang
+    if cfg.rollout.engine != "sglang" or not sg.colocate:
+        return 0
+    if resolve_weight_sync(sg.weight_sync, colocate=True) != "tensor":
+        return 0
+    per_node = gpus_per_node // sg.server_tp_size if not sg.num_servers else sg.num_servers
+    workers = min(per_node * sg.server_tp_size, gpus_per_node)
+    return max(workers - 1, 0)
+
+
+def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int, gpus_per_node: int = 8) -> MemoryPlan:
     """The plan of ``cfg`` on GPUs (its dtype, its offload choice) with ``world_size`` ranks on
-    devices of ``device_bytes``."""
+    devices of ``device_bytes``, ``gpus_per_node`` of them per node (at most ``world_size``)."""
     from hapo_megatron.training.offload import offload_planned
     p, sg = cfg.parallel, cfg.rollout.sglang
     dp = world_size // p.model_parallel_size
@@ -256,7 +281,8 @@ def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int) -> M
                        sglang_fraction=sg.mem_fraction_static, server_tp=sg.server_tp_size, colocated=colocated,
                        offload=offload, device_bytes=device_bytes, fused_output_layer=cfg.model.fused_output_layer,
                        reference_model=cfg.algo.kl_loss_coef > 0,
-                       routed_tokens=step_tokens // max(dp, 1) if routes_travel else 0)
+                       routed_tokens=step_tokens // max(dp, 1) if routes_travel else 0,
+                       peer_contexts=tensor_sync_peer_contexts(cfg, min(gpus_per_node, world_size)))
 
 
 def format_plan(plan: MemoryPlan, title: Optional[str] = None) -> str:
@@ -269,7 +295,9 @@ def format_plan(plan: MemoryPlan, title: Optional[str] = None) -> str:
              + (f"; routes {g(plan.routes).strip()}" if plan.routes else "") + ")",
              f"  SGLang pool     {g(plan.sglang_pool)}  (mem_fraction_static x device; weights "
              f"{g(plan.sglang_weights).strip()})",
-             f"  overhead        {g(plan.overhead)}  (CUDA context per process)",
+             f"  overhead        {g(plan.overhead)}  (CUDA context per process"
+             + (f"; {plan.peer_contexts // PEER_CONTEXT_BYTES} server workers' contexts for the tensor sync"
+                if plan.peer_contexts else "") + ")",
              f"  trainer state offloaded during generation: {'yes' if plan.offload else 'no'}"]
     for phase, need in plan.phases.items():
         lines.append(f"  {phase + ' peak':<16}{g(need)}  of {g(plan.device).strip()}")

@@ -2,9 +2,9 @@
 
 import pytest
 
-from hapo_megatron.training.memory_plan import (CONTEXT_BYTES, GiB, ModelShape, activation_bytes, expert_param_count,
-                                                format_plan, layer_activation_bytes, output_layer_bytes, param_count,
-                                                plan_memory)
+from hapo_megatron.training.memory_plan import (CONTEXT_BYTES, PEER_CONTEXT_BYTES, GiB, ModelShape, activation_bytes,
+                                                expert_param_count, format_plan, layer_activation_bytes,
+                                                output_layer_bytes, param_count, plan_memory)
 
 # 2 layers, hidden 8, 2 heads x 4 dims, 1 KV head, MLP 16, vocab 10, untied, no bias:
 # attention 8*(8+4+4) + 8*8 = 192, MLP 3*8*16 = 384, norms 16 -> 592 per layer;
@@ -178,3 +178,15 @@ def test_gpu_recipes_fit_an_80gb_card(recipe):
     cfg = load_config(os.path.join(ROOT, "examples", recipe, "config.yaml"), [])
     plan = plan_from_config(cfg, hf, world_size=8, device_bytes=80 * 10**9)
     assert plan.fits, format_plan(plan)
+
+
+def test_tensor_sync_contexts_on_the_leaders_gpu():
+    """Colocated tensor sync: each server worker on another GPU of the node opens a CUDA context on
+    the node leader's GPU (PEER_CONTEXT_BYTES each), in every phase: 7 of them = 3.5 GiB."""
+    kw = dict(tp=1, dp=1, tokens_per_micro_batch=4, sglang_fraction=0.5, server_tp=1, colocated=True,
+              device_bytes=80 * GiB)
+    base, p = plan_memory(TINY, **kw), plan_memory(TINY, peer_contexts=7, **kw)
+    assert PEER_CONTEXT_BYTES == GiB // 2 and p.peer_contexts == 7 * GiB // 2
+    assert p.overhead == 2 * CONTEXT_BYTES + 7 * GiB // 2
+    assert all(p.phases[k] == base.phases[k] + 7 * GiB // 2 for k in base.phases)
+    assert "7 server workers' contexts" in format_plan(p) and "server workers" not in format_plan(base)

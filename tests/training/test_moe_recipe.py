@@ -192,3 +192,21 @@ def test_memory_plan_reads_the_config_fields(cfg, hf_config):
     assert 11.5 * GiB < logits < 12.75 * GiB
     _, text = check_memory_plan(CONFIG, SHAPE, world_size=16, device_memory_gib=H100_GIB)
     assert "(16 ranks, 79.6 GiB device)" in text and f"of {int(H100_GIB * GiB) / GiB:.1f} GiB" in text
+
+
+def test_tensor_sync_contexts_follow_the_server_layout(cfg):
+    """tensor_sync_peer_contexts wiring: the recipe's 8-GPU nodes with two TP4 servers each (colocated,
+    weight_sync auto = tensor) put 7 other workers' contexts on the leader's GPU; none with disk sync
+    or separate servers; a 4-GPU node 3; one server per node 3. Fails when plan_from_config drops
+    the term or a config field is not read (tried: returning 0, ignoring num_servers)."""
+    import dataclasses
+
+    from hapo_megatron.training.memory_plan import tensor_sync_peer_contexts
+
+    def sg(**kw):
+        return dataclasses.replace(cfg, rollout=dataclasses.replace(
+            cfg.rollout, sglang=dataclasses.replace(cfg.rollout.sglang, **kw)))
+    assert tensor_sync_peer_contexts(cfg, 8) == 7 and tensor_sync_peer_contexts(cfg, 4) == 3
+    assert tensor_sync_peer_contexts(sg(weight_sync="disk"), 8) == 0
+    assert tensor_sync_peer_contexts(sg(colocate=False), 8) == 0
+    assert tensor_sync_peer_contexts(sg(num_servers=1), 8) == 3
