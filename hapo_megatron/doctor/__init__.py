@@ -8,9 +8,10 @@ table with its measured figure and, on failure, the fix.
 Checks: torch/CUDA/NCCL versions and visibility; imports of megatron-core, Transformer Engine's
 torch extension, sgl_kernel, flashinfer, SGLang (apex optional); TE layer spec vs local spec on a
 tiny GPTModel (GPU); the MoE fused paths (grouped MLP, permute fusion, RoPE fusion) vs unfused
-on a tiny Qwen3-MoE (GPU); fused log-prob + entropy vs float64 (+ memory bandwidth on a GPU); TP=2 and
-CP=2 on two ranks (two GPUs, else gloo on CPU); a real SGLang server (GPU); the trainer's colocated
-sync sequence on a TP=2 server checked against transformers (2+ GPUs); the memory plan.
+on a tiny Qwen3-MoE (GPU) and that model trained at EP=2 (2 GPUs); fused log-prob + entropy vs
+float64 (+ memory bandwidth on a GPU); TP=2 and CP=2 on two ranks (two GPUs, else gloo on CPU);
+a real SGLang server (GPU); the trainer's colocated sync sequence on a TP=2 server checked against
+transformers (2+ GPUs); the memory plan.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ GROUPS = ("env", "imports", "model", "moe", "kernel", "parallel", "sglang", "mem
 def collect_checks(args) -> list:
     """[(group, name, fn, default fix)] for the selected groups."""
     from hapo_megatron.doctor import (colocated_checks, env_checks, kernel_checks, model_checks, moe_checks,
-                                      parallel_checks, sglang_checks)
+                                      moe_ep_checks, parallel_checks, sglang_checks)
     fix_env = env_checks.IMAGE_FIX
     checks = [("env", "torch", env_checks.check_torch, fix_env),
               ("env", "cuda devices", env_checks.check_cuda_devices, fix_env)]
@@ -39,6 +40,7 @@ def collect_checks(args) -> list:
                ("model", "packed == padded (TE THD)", model_checks.check_packed_vs_padded,
                 "set parallel.pack_sequences=false and report the error"),
                *[("moe", n, fn, moe_checks.FIX) for n, fn in moe_checks.moe_fused_checks()],
+               ("moe", moe_ep_checks.NAME, moe_ep_checks.check_moe_ep2, moe_ep_checks.FIX),
                ("kernel", "logprob+entropy", kernel_checks.check_logprob_entropy,
                 "run python -m pytest tests/parallel/test_vocab_parallel.py and report the failure")]
     checks += [("parallel", n, fn, "check NCCL (NCCL_DEBUG=INFO) and the GPUs' peer access")
