@@ -197,8 +197,9 @@ def test_memory_plan_reads_the_config_fields(cfg, hf_config):
 def test_tensor_sync_contexts_follow_the_server_layout(cfg):
     """tensor_sync_peer_contexts wiring: the recipe's 8-GPU nodes with two TP4 servers each (colocated,
     weight_sync auto = tensor) put 7 other workers' contexts on the leader's GPU; none with disk sync
-    or separate servers; a 4-GPU node 3; one server per node 3. Fails when plan_from_config drops
-    the term or a config field is not read (tried: returning 0, ignoring num_servers)."""
+    or separate servers; a 4-GPU node 3; one server per node 3. Fails when a config field is not
+    read (tried: returning 0, ignoring num_servers); plan_from_config dropping the term fails
+    test_memory_plan_at_16_ranks_fits_80gb (the README's overhead line)."""
     import dataclasses
 
     from hapo_megatron.training.memory_plan import tensor_sync_peer_contexts
