@@ -50,7 +50,9 @@ def _sequences(hf_model):
     return out
 
 
-def _rank_body(rank: int, tmpdir: str) -> dict:
+def _rank_body(rank: int, tmpdir: str, packed_rows: bool = True) -> dict:
+    """One rank's part; ``packed_rows=False`` leaves the packed pass out (its "packed" figure is
+    then the padded one: CPU runs, whose local-spec MoE attention has no packed path)."""
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -87,7 +89,8 @@ def _rank_body(rank: int, tmpdir: str) -> dict:
     packed = build_rank_micro_batches(seqs, dp_rank=g.dp_rank, dp_size=g.dp_size, pack=True,
                                       max_tokens_per_micro_batch=ROW_TOKENS, seq_multiple=8, row_multiple=8)
     sums = torch.tensor([sum(float(lp.double().sum()) for lp, _ in actor.compute_logprobs_entropy(mbs))
-                         for mbs in (padded, packed)], dtype=torch.float64, device=actor.device)
+                         for mbs in (padded, packed if packed_rows else padded)], dtype=torch.float64,
+                        device=actor.device)
     dist.all_reduce(sums, group=g.dp)
     result = actor.train_step(padded, cross_entropy_loss_factory(g.tp))
     metrics = actor.moe_step_metrics()
