@@ -158,3 +158,30 @@ def test_recipes_keep_nccl_timeouts_in_minutes():
         assert cfg.trainer.dist_timeout_minutes <= 60, path
         check_dist_timeout(cfg, 16)
         assert cfg.trainer.control_timeout_minutes >= cfg.trainer.dist_timeout_minutes, path
+
+
+def test_fit_gives_each_group_its_timeout(monkeypatch):
+    """`fit` wiring: Megatron's (NCCL) groups get trainer.dist_timeout_minutes, the stop-agreement
+    gloo group trainer.control_timeout_minutes (fails when either reads the other field; tried).
+    The control channel of `build_runtime` reads the same field (training/build.py)."""
+    import pytest
+
+    import hapo_megatron.parallel.groups as groups
+    from hapo_megatron.config import HapoConfig
+    from hapo_megatron.training import trainer
+
+    seen = {}
+
+    class Built(Exception):
+        pass
+
+    def build_runtime(*a, **k):
+        raise Built
+    monkeypatch.setattr(groups, "initialize_parallel", lambda **kw: seen.setdefault("nccl", kw["timeout_minutes"]))
+    monkeypatch.setattr(trainer, "shield_checkpoint_writer", lambda signals: None)
+    monkeypatch.setattr(trainer, "cpu_group_over_world", lambda minutes: seen.__setitem__("control", minutes))
+    monkeypatch.setattr(trainer, "build_runtime", build_runtime)
+    cfg = HapoConfig.from_dict({"trainer": {"dist_timeout_minutes": 17, "control_timeout_minutes": 123}})
+    with pytest.raises(Built):
+        trainer.fit(cfg)
+    assert seen == {"nccl": 17, "control": 123}
