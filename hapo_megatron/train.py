@@ -42,43 +42,40 @@ def check_parallel_fits_model(hf_config, parallel) -> None:
                          f"num_hidden_layers={hf_config.num_hidden_layers}")
 
 
-def rollout_round_bound_s(cfg, world_size: int = 1) -> Optional[float]:
-    """Longest one generation round of the sglang engine may take (seconds; None for an engine
-    without a per-request bound): its ``generate_batch_size x n`` rows go out as calls of
-    REQUESTS_PER_CALL rows, ``workers`` at a time (SGLangEngine.generate), so in
-    ``ceil(calls / workers)`` waves, each call giving up after request_timeout_s x (max_retries + 1).
-    num_servers=0 colocated means one server per server_tp_size of the ``world_size`` training
-    GPUs; not colocated, their number is known only at launch and one is assumed (the fewest
-    workers, the most waves)."""
+def collective_wait_bounds_s(cfg) -> dict[str, float]:
+    """The longest single waits a trainer collective (the NCCL groups) can span, in seconds, by
+    what causes them: while a node leader waits for one weight-sync request
+    (rollout.sglang.request_timeout_s; not retried) or for the servers it launched to answer
+    (`start_node_servers`' launch timeout), the other ranks wait in the next collective. Empty for
+    the HF engine. Generation and evaluation are not here: their waits run on the control group."""
     if cfg.rollout.engine != "sglang":
-        return None
-    from hapo_megatron.rollout.sglang_engine import generate_call_plan
+        return {}
+    import inspect
+
+    from hapo_megatron.rollout.node_servers import start_node_servers
     s = cfg.rollout.sglang
-    rows = (cfg.rollout.generate_batch_size or cfg.data.train_batch_size) * cfg.rollout.n
-    servers = len(s.server_urls) if s.server_urls else s.num_servers
-    if not servers and s.colocate:
-        servers = int(world_size) // int(s.server_tp_size)
-    calls, workers = generate_call_plan(rows, servers)
-    waves = -(-calls // workers)
-    return waves * float(s.request_timeout_s) * (int(s.max_retries) + 1)
+    bounds = {f"one weight-sync request (rollout.sglang.request_timeout_s={s.request_timeout_s:g})":
+              float(s.request_timeout_s)}
+    if not s.server_urls:
+        launch = float(inspect.signature(start_node_servers).parameters["launch_timeout_s"].default)
+        bounds[f"the start of the servers the trainer launches ({launch:g} s)"] = launch
+    return bounds
 
 
 def check_dist_timeout(cfg, world_size: int = 1) -> None:
-    """trainer.dist_timeout_minutes must outlast one generation round: a round that may run longer
-    than the job's timeout is refused at start, not discovered hours in. (The other ranks wait on
-    rank 0's CPU-group heartbeats, training/rollout_protocol.py, not in one collective per round.)"""
-    bound = rollout_round_bound_s(cfg, world_size)
+    """trainer.dist_timeout_minutes (the NCCL collectives' timeout) must outlast the longest single
+    wait a collective can see (`collective_wait_bounds_s`): a shorter one would abort a healthy run,
+    so it is refused at start. A generation round is no such wait (the other ranks wait on the
+    control group, training/rollout_protocol.py), so the timeout stays in minutes and a real hang
+    stops the job soon. ``world_size`` is kept for the callers (the bounds do not depend on it)."""
     timeout_s = 60.0 * cfg.trainer.dist_timeout_minutes
-    if bound is not None and timeout_s <= bound:
-        s = cfg.rollout.sglang
-        rows = (cfg.rollout.generate_batch_size or cfg.data.train_batch_size) * cfg.rollout.n
-        waves = round(bound / (float(s.request_timeout_s) * (int(s.max_retries) + 1)))
+    too_long = {what: b for what, b in collective_wait_bounds_s(cfg).items() if timeout_s <= b}
+    if too_long:
+        what, bound = max(too_long.items(), key=lambda kv: kv[1])
         raise ValueError(
             f"trainer.dist_timeout_minutes={cfg.trainer.dist_timeout_minutes:g} ({timeout_s:.0f} s) is not longer than "
-            f"one generation round may take ({bound:.0f} s = {waves} waves of /generate calls for {rows} rows x "
-            f"rollout.sglang.request_timeout_s={s.request_timeout_s:g} x "
-            f"(rollout.sglang.max_retries={s.max_retries} + 1)"
-            "): raise trainer.dist_timeout_minutes, lower rollout.sglang.request_timeout_s or add servers")
+            f"{what}, {bound:.0f} s, which a collective of the trainer may wait through: raise "
+            f"trainer.dist_timeout_minutes above {bound / 60:.0f} minutes (or lower rollout.sglang.request_timeout_s)")
 
 
 def check_server_placement(cfg, world_size: int, env=None) -> None:
@@ -186,7 +183,8 @@ def print_memory_plan(cfg, world_size: int) -> None:
     from hapo_megatron.training.sources import load_hf_config
     hf_config = load_hf_config(cfg.model.hf_model_path, cfg.model.max_position_embeddings)
     device = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    plan = plan_from_config(cfg, hf_config, world_size=world_size, device_bytes=device)
+    plan = plan_from_config(cfg, hf_config, world_size=world_size, device_bytes=device,
+                            gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count())))
     print(format_plan(plan, f"memory plan per GPU ({torch.cuda.get_device_name()}, estimate)"), flush=True)
     if plan.warnings:
         warnings.warn("the memory plan does not fit the device: " + "; ".join(plan.warnings))

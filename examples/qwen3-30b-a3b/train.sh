@@ -5,7 +5,7 @@
 # Extra arguments (--preset, --resume, section.field=value) go to hapo_megatron.train.
 # The config's layout (TP2 x PP2 x EP8) needs 16 GPUs; on one 8-GPU node the expert grid
 # ETP1 x EP x PP2 must divide 8, so this runs EP4 (32 experts per GPU). The memory plan of that
-# layout needs about 82 GiB per GPU (README.md): GPUs of 96 GB or more (H200); on 80 GB cards
+# layout needs about 107 GiB per GPU (README.md): H200 GPUs (140 GiB); on 80 GB cards
 # use two nodes (train_multinode.sh).
 exec bash "$(dirname "$0")/../launch.sh" "examples/qwen3-30b-a3b/config.yaml" \
     parallel.expert_model_parallel_size=4 "$@"

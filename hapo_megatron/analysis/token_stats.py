@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from hapo_megatron.parallel.collectives import all_gather_objects
+from hapo_megatron.parallel.collectives import all_gather_objects, all_reduce_tensor
 
 # Fixed log-spaced entropy bins (nats): 4 per decade from 1e-6 to 10, plus an underflow bin
 # [0, 1e-6) in front and an overflow bin [10, inf) at the end, so histograms of every step and
@@ -256,7 +256,7 @@ class TokenDiagnostics:
 
         flat = torch.cat([torch.as_tensor(getattr(self, n), dtype=torch.float64).reshape(-1)
                           for n in self._SUM_FIELDS]).to(device)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        all_reduce_tensor(flat, group)  # checks the device against the group's backend
         flat = flat.cpu()
         offset = 0
         for name in self._SUM_FIELDS:
@@ -272,7 +272,7 @@ class TokenDiagnostics:
                         else float(chunk))
         ext = torch.tensor([-self.temp_min, self.temp_max, -self.length_min, self.length_max],
                            dtype=torch.float64, device=device)
-        dist.all_reduce(ext, op=dist.ReduceOp.MAX, group=group)
+        all_reduce_tensor(ext, group, dist.ReduceOp.MAX)
         ext = ext.cpu()
         self.temp_min, self.temp_max = -float(ext[0]), float(ext[1])
         self.length_min, self.length_max = -float(ext[2]), float(ext[3])

@@ -174,12 +174,19 @@ class TrainerConfig(_Section):
     """Abort after this many consecutive skipped steps (no usable group or a non-finite loss)."""
     sft_warmup_steps: int = 0
     """Supervised warm-up steps on reference solutions before RL (the CPU example)."""
-    dist_timeout_minutes: float = 180.0
-    """Timeout of every collective of the process group. While rank 0 generates or evaluates, the
-    other ranks wait on a CPU (gloo) group with this timeout for its heartbeats (sent during the
-    work, every minute at most). It must still exceed one generation round of the sglang engine:
-    its calls go out in waves of 8 per server, each call bounded by rollout.sglang.request_timeout_s
-    x (max_retries + 1) (checked at start, with the number of waves)."""
+    dist_timeout_minutes: float = 30.0
+    """Timeout of the trainer's collectives: the default process group and Megatron's
+    TP/PP/CP/DP/EP groups (NCCL on GPUs). No such collective spans a generation round or an
+    evaluation (the other ranks wait on the control group, trainer.control_timeout_minutes), so
+    minutes suffice and a real hang stops the job soon. It must exceed the longest single wait
+    that one of them can see (checked at start): a weight-sync request to a server
+    (rollout.sglang.request_timeout_s) and, when the trainer launches servers, their start (900 s)."""
+    control_timeout_minutes: float = 180.0
+    """Timeout of the CPU (gloo) control group over which the other ranks wait while rank 0
+    generates or evaluates (a heartbeat from rank 0 every minute, or a tenth of this timeout when
+    that is shorter), receive their share of the step's batch, and agree on a stop signal. It
+    bounds the longest gap between two messages of rank 0 (sharing out a large batch), not a
+    whole generation round (docs/multinode.md, "Timeouts and waiting ranks")."""
     exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
     """Signals that stop the run cleanly: every rank stops at the next safe point between stages,
     the last finished step is saved, launched SGLang servers are shut down and the ranks exit with
@@ -198,6 +205,7 @@ class TrainerConfig(_Section):
                          ("max_consecutive_skips", 0), ("sft_warmup_steps", 0)):
             _check_min(f"trainer.{name}", getattr(self, name), lo)
         _check_min("trainer.dist_timeout_minutes", self.dist_timeout_minutes, 0.0, strict=True)
+        _check_min("trainer.control_timeout_minutes", self.control_timeout_minutes, 0.0, strict=True)
         _check_min("trainer.exit_grace_s", self.exit_grace_s, 0.0, strict=True)
         _check_min("trainer.exit_after_minutes", self.exit_after_minutes, 0.0, strict=True)
         parse_signal_names(self.exit_signals)

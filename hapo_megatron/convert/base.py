@@ -13,13 +13,16 @@ HF tensors it is made of and a layout `kind`:
 
 MoE expert weights (`ParamMap.expert` set) use the "fc1" / "row" layouts over the expert-TP
 group (ETP) instead of TP; each expert-parallel rank holds whole experts, its `local_experts.{j}`
-being global expert `experts[j]` of that rank (`stage_maps(..., experts=...)`).
+being global expert `experts[j]` of that rank (`stage_maps(..., experts=...)`). With
+Transformer Engine's grouped MLP (moe_grouped_gemm, GPU) the same tensor is named
+`experts.linear_fc1.weight{j}` (`grouped_expert_name`; the model I/O looks both names up).
 
 All conversions are slicing and concatenation, so a round trip is bit-exact.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -33,6 +36,28 @@ TE_ALIASES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
+# Expert weights: SequentialMLP (local spec; what the maps name) keeps one module per local expert,
+# Transformer Engine's grouped MLP (TEGroupedMLP, moe_grouped_gemm on GPU) one GroupedLinear per
+# projection with a parameter per local expert (`weight{j}`, the same [out, in] layout as expert
+# j's linear). The two names of local expert j's projection:
+_SEQUENTIAL_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_GROUPED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(linear_fc[12])\.weight(\d+)$")
+
+
+def grouped_expert_name(name: str) -> str | None:
+    """``...mlp.experts.local_experts.{j}.linear_fc1.weight`` -> ``...mlp.experts.linear_fc1.weight{j}``
+    (TEGroupedMLP's name of the same tensor); None for any other name."""
+    m = _SEQUENTIAL_EXPERT.match(name)
+    return f"{m.group(1)}.{m.group(3)}.weight{m.group(2)}" if m else None
+
+
+def sequential_expert_name(name: str) -> str | None:
+    """Inverse of `grouped_expert_name`: a TEGroupedMLP parameter name -> the SequentialMLP name
+    the maps use; None for any other name."""
+    m = _GROUPED_EXPERT.match(name)
+    return f"{m.group(1)}.local_experts.{m.group(3)}.{m.group(2)}.weight" if m else None
+
+
 # HF tensors that carry no weights (old checkpoints store RoPE buffers); ignored on load.
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 

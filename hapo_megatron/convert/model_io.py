@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from hapo_megatron.convert.adapters import get_adapter
-from hapo_megatron.convert.base import TE_ALIASES, ModelAdapter, ParamMap, check_hf_state, split_dim
+from hapo_megatron.convert.base import (TE_ALIASES, ModelAdapter, ParamMap, check_hf_state, grouped_expert_name,
+                                        split_dim)
 from hapo_megatron.convert.hf_io import HFCheckpointReader
 from hapo_megatron.parallel.collectives import all_gather_objects
 
@@ -52,6 +53,8 @@ def chunk_entries(adapter: ModelAdapter, chunk) -> list[tuple[ParamMap, torch.nn
             local, _, rest = suffix.partition(".")
             alias = f"{prefix}layers.{local}.{TE_ALIASES.get(rest, rest)}"
             name = alias if alias in params else name
+        if name not in params and grouped_expert_name(pm.mcore) in params:
+            name = grouped_expert_name(pm.mcore)  # TEGroupedMLP (moe_grouped_gemm): weight{j} of a GroupedLinear
         if name not in params:
             raise ValueError(f"model has no parameter {pm.mcore!r} (nor a Transformer Engine alias)")
         out.append((pm, params[name]))

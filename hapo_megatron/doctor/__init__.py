@@ -7,9 +7,11 @@ table with its measured figure and, on failure, the fix.
 
 Checks: torch/CUDA/NCCL versions and visibility; imports of megatron-core, Transformer Engine's
 torch extension, sgl_kernel, flashinfer, SGLang (apex optional); TE layer spec vs local spec on a
-tiny GPTModel (GPU); fused log-prob + entropy vs float64 (+ memory bandwidth on a GPU); TP=2 and
-CP=2 on two ranks (two GPUs, else gloo on CPU); a real SGLang server (GPU); the trainer's colocated
-sync sequence on a TP=2 server checked against transformers (2+ GPUs); the memory plan.
+tiny GPTModel (GPU); the MoE fused paths (grouped MLP, permute fusion, RoPE fusion) vs unfused
+on a tiny Qwen3-MoE (GPU) and that model trained at EP=2 (2 GPUs); fused log-prob + entropy vs
+float64 (+ memory bandwidth on a GPU); TP=2 and CP=2 on two ranks (two GPUs, else gloo on CPU);
+a real SGLang server (GPU); the trainer's colocated sync sequence on a TP=2 server checked against
+transformers (2+ GPUs); the memory plan.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ from hapo_megatron.doctor.report import FAIL, PASS, SKIP, CheckResult, format_ta
 
 __all__ = ["main", "collect_checks", "run_checks", "CheckResult", "format_table", "PASS", "FAIL", "SKIP"]
 
-GROUPS = ("env", "imports", "model", "kernel", "parallel", "sglang", "memory")
+GROUPS = ("env", "imports", "model", "moe", "kernel", "parallel", "sglang", "memory")
 
 
 def collect_checks(args) -> list:
     """[(group, name, fn, default fix)] for the selected groups."""
-    from hapo_megatron.doctor import (colocated_checks, env_checks, kernel_checks, model_checks, parallel_checks,
-                                      sglang_checks)
+    from hapo_megatron.doctor import (colocated_checks, env_checks, kernel_checks, model_checks, moe_checks,
+                                      moe_ep_checks, parallel_checks, sglang_checks)
     fix_env = env_checks.IMAGE_FIX
     checks = [("env", "torch", env_checks.check_torch, fix_env),
               ("env", "cuda devices", env_checks.check_cuda_devices, fix_env)]
@@ -37,6 +39,8 @@ def collect_checks(args) -> list:
                 "set model.use_te=false to train without Transformer Engine, and report the error"),
                ("model", "packed == padded (TE THD)", model_checks.check_packed_vs_padded,
                 "set parallel.pack_sequences=false and report the error"),
+               *[("moe", n, fn, moe_checks.FIX) for n, fn in moe_checks.moe_fused_checks()],
+               ("moe", moe_ep_checks.NAME, moe_ep_checks.check_moe_ep2, moe_ep_checks.FIX),
                ("kernel", "logprob+entropy", kernel_checks.check_logprob_entropy,
                 "run python -m pytest tests/parallel/test_vocab_parallel.py and report the failure")]
     checks += [("parallel", n, fn, "check NCCL (NCCL_DEBUG=INFO) and the GPUs' peer access")
@@ -49,7 +53,7 @@ def collect_checks(args) -> list:
 
         def memory():
             res, text = check_memory_plan(args.config, args.overrides, world_size=args.world_size,
-                                          device_memory_gb=args.device_memory_gb)
+                                          device_memory_gib=args.device_memory_gib)
             print(text, flush=True)
             return res
         checks.append(("memory", "memory plan", memory, "fix the config fields the warning names"))
@@ -75,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true",
                    help="a compiled component that does not import is a failure even without a GPU (image build)")
     p.add_argument("--world-size", type=int, default=None, help="ranks of the planned run (default: the GPUs here)")
-    p.add_argument("--device-memory-gb", type=float, default=None, help="plan for devices of this size (GB)")
+    p.add_argument("--device-memory-gib", "--device-memory-gb", dest="device_memory_gib", type=float, default=None,
+                   help="plan for devices of this size in GiB (2^30 bytes, as torch.cuda reports it: an 80 GB H100 "
+                        "has 79.6 GiB; default: this GPU, or 79.6 without one)")
     p.add_argument("--sglang-model", default=None, help="model directory for the SGLang check (default: tiny random)")
     return p
 

@@ -7,12 +7,14 @@ import torch
 from hapo_megatron.doctor.report import FAIL, PASS, CheckResult
 
 GiB = 1024**3
+H100_80GB_GIB = 79.6  # what torch.cuda reports for an "80 GB" H100: the default device without a GPU
 
 
 def check_memory_plan(config: str, overrides=(), *, world_size: int | None = None,
-                      device_memory_gb: float | None = None) -> tuple[CheckResult, str]:
-    """(the doctor line, the full plan text). The device is this GPU unless ``device_memory_gb``
-    is given (on CPU the default is an 80 GB card); the world is the visible GPUs x 1 node
+                      device_memory_gib: float | None = None) -> tuple[CheckResult, str]:
+    """(the doctor line, the full plan text). The device is this GPU unless ``device_memory_gib``
+    (GiB, 2^30 bytes, as torch reports a GPU's memory) is given; on CPU the default is an 80 GB
+    H100's 79.6 GiB. The world is the visible GPUs x 1 node
     unless ``world_size`` is given (at least TP x PP x CP). ValueError (from
     ``ParallelConfig.validate_world``) when the layout cannot run on that world."""
     from hapo_megatron.config import load_config
@@ -28,10 +30,10 @@ def check_memory_plan(config: str, overrides=(), *, world_size: int | None = Non
                    "--config, e.g. hapo doctor --config X.yaml model.hf_model_path=/models/Qwen2.5-Math-7B")
         raise err from None
     cuda = torch.cuda.is_available()
-    if device_memory_gb:
-        device = int(device_memory_gb * 1e9)
+    if device_memory_gib:
+        device = int(device_memory_gib * GiB)
     else:
-        device = torch.cuda.get_device_properties(0).total_memory if cuda else 80 * 10**9
+        device = torch.cuda.get_device_properties(0).total_memory if cuda else int(H100_80GB_GIB * GiB)
     mp = cfg.parallel.model_parallel_size
     world = world_size or max(torch.cuda.device_count() if cuda else 8, mp)
     # an impossible layout for this world (TP x PP x CP or the expert grid ETP x EP x PP does not
@@ -42,8 +44,9 @@ def check_memory_plan(config: str, overrides=(), *, world_size: int | None = Non
         e.fix = (f"plan for the run's world size (--world-size NODES x GPUS_PER_NODE; {world} was "
                  f"{'given' if world_size else 'assumed'}) or change the parallel.* fields the message names")
         raise
-    plan = plan_from_config(cfg, hf_config, world_size=world, device_bytes=device)
-    text = format_plan(plan, f"memory plan per GPU of {config} ({world} ranks, {device / GiB:.0f} GiB device)")
+    gpus_per_node = torch.cuda.device_count() if cuda else 8  # the recipes' 8-GPU nodes
+    plan = plan_from_config(cfg, hf_config, world_size=world, device_bytes=device, gpus_per_node=gpus_per_node)
+    text = format_plan(plan, f"memory plan per GPU of {config} ({world} ranks, {device / GiB:.1f} GiB device)")
     fig = f"peak {plan.peak / GiB:.1f} of {device / GiB:.1f} GiB ({max(plan.phases, key=plan.phases.get)})"
     if plan.warnings:
         return CheckResult("memory plan", FAIL, fig, " | ".join(plan.warnings)), text

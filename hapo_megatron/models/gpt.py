@@ -120,13 +120,15 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, cp: int =
         bias_activation_fusion=use_te,
         masked_softmax_fusion=use_te,
         bias_dropout_fusion=use_te,
-        apply_rope_fusion=False,
+        # TE's fused RoPE on GPU, THD included (the unfused THD path loops over the sequences of a
+        # packed row with a host sync, for q and for k, in every layer); `hapo doctor` compares both
+        apply_rope_fusion=use_te,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         **_dtype_flags(dtype),
     )
     if is_moe(hf_config):
-        fields.update(moe_config_fields(hf_config, etp))
+        fields.update(moe_config_fields(hf_config, etp, fused=use_te))
     fields.update(kw)
     return TransformerConfig(**fields)
 

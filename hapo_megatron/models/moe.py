@@ -8,23 +8,25 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
-
 from hapo_megatron.models.hf_config import is_moe, moe_layer_pattern
+from hapo_megatron.parallel.collectives import all_reduce_tensor, rank_and_world
 
 # Megatron's name of the router load-balancing loss in its aux-loss tracker (moe_utils).
 AUX_LOSS_NAME = "load_balancing_loss"
 
 
-def moe_config_fields(hf_config, etp: int = 1) -> dict:
+def moe_config_fields(hf_config, etp: int = 1, fused: bool = False) -> dict:
     """TransformerConfig fields of a Qwen3-MoE config's sparse layers.
 
     The router: HF takes softmax over all experts, then the top-k, then (norm_topk_prob)
     renormalises them to sum 1. That equals Megatron's top-k of the logits followed by a softmax
     over the k chosen (moe_router_pre_softmax=False); without renormalisation it is Megatron's
     pre-softmax routing (softmax over all, then top-k). No capacity limit or token dropping (HF
-    drops none), SequentialMLP experts without grouped GEMM (exact on CPU; TE's grouped GEMM is a
-    GPU option of `layer_spec_for`). The aux-loss coefficient comes from router_aux_loss_coef;
+    drops none). Experts: with ``fused`` (Transformer Engine on a GPU) TE's grouped MLP (one grouped
+    GEMM for all local experts, not a loop with a host sync per expert) and TE's fused token
+    permutation; otherwise SequentialMLP and the unfused permutation (exact, and the only ones on
+    CPU). `hapo doctor` checks each fused path against the unfused one on the GPU
+    (docs/moe.md, "GPU speed settings"). The aux-loss coefficient comes from router_aux_loss_coef;
     the training config may override it (`moe_aux_loss_coeff=` in `kw`). Tokens travel with the
     alltoall dispatcher, except with ETP > 1 without CUDA: its uneven all-gather over the expert-TP
     group is not supported by gloo, so the allgather dispatcher (same results) is used there.
@@ -41,8 +43,8 @@ def moe_config_fields(hf_config, etp: int = 1) -> dict:
         moe_aux_loss_coeff=float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0),
         moe_router_dtype="fp32",
         moe_token_dispatcher_type="allgather" if etp > 1 and not torch.cuda.is_available() else "alltoall",
-        moe_grouped_gemm=False,
-        moe_permute_fusion=False,
+        moe_grouped_gemm=bool(fused),
+        moe_permute_fusion=bool(fused),
         moe_shared_expert_intermediate_size=None,
     )
 
@@ -78,37 +80,69 @@ def check_moe_training_layout(hf_config, *, tp: int, ep: int, etp: Optional[int]
 class ExpertLoadMonitor:
     """Counts the tokens each router sends to each expert (forward hooks on every MoE router of
     the model chunks) and reads Megatron's aux-loss tracker; `step_metrics` reduces both over
-    the ranks and starts over.
+    the ranks and starts over (docs/moe.md, "Metrics").
 
     Set `recording` around the passes to count. Counts are per (layer, expert) over this rank's
     routed tokens: under sequence parallelism
     each TP rank routes its own slice, without it every TP rank routes the same tokens (so the
-    TP sum is taken only with sequence parallelism).
+    TP sum is taken only with sequence parallelism). The counts stay on the model's device
+    (`device`; default: the first parameter's): no device-to-host copy per router call, one per
+    step in `step_metrics`, whose collectives also run on that device (NCCL takes no CPU tensor).
+    Only router calls under grad count, as Megatron's aux-loss tracker does: under activation
+    recompute the checkpointed no-grad forward and its recompute both route the same tokens.
     """
 
-    def __init__(self, model_chunks, num_layers: int, num_experts: int):
+    def __init__(self, model_chunks, num_layers: int, num_experts: int, device=None):
         self.num_layers, self.num_experts = num_layers, num_experts
-        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
-        self.calls = torch.zeros(num_layers, dtype=torch.float64)
+        chunks = list(model_chunks)
+        if device is None:
+            device = next(iter(chunks[0].parameters())).device if chunks else torch.device("cpu")
+        self.device = torch.device(device)
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=self.device)
+        self.calls = [0] * num_layers  # host ints: counting a call needs no sync
         self.recording = False  # on during training steps only (not the log-prob passes)
         self.handles = []
-        for chunk in model_chunks:
+        for chunk in chunks:
             for module in chunk.modules():
                 if type(module).__name__ == "TopKRouter":
                     self.handles.append(module.register_forward_hook(self._hook))
 
     def _hook(self, router, inputs, output) -> None:
-        if not self.recording:
+        if not self.recording or not torch.is_grad_enabled():
             return
         _, routing_map = output  # [tokens, experts] bool
         layer = router.layer_number - 1
-        self.counts[layer] += routing_map.detach().sum(0).to("cpu", torch.float64)
+        self.counts[layer] += routing_map.detach().sum(0).to(self.device, torch.int64)
         self.calls[layer] += 1
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+    def _reduced_totals(self, *, tp_group=None, pp_group=None, dp_group=None,
+                        sequence_parallel: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(counts ``[L, E]``, router calls ``[L]``, summed aux losses ``[L]``), float64 on
+        `device`, summed over the groups (collective over every group given); resets."""
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        calls = torch.tensor(self.calls, dtype=torch.float64, device=self.device)
+        stats = torch.cat([self.counts.flatten().to(torch.float64), calls])  # counts < 2^53: exact
+        tracker = get_moe_layer_wise_logging_tracker().get(AUX_LOSS_NAME)
+        aux = (tracker["values"].detach().to(self.device, torch.float64) if tracker is not None
+               else torch.zeros(self.num_layers, dtype=torch.float64, device=self.device))
+        if tracker is not None:
+            tracker["values"].zero_()
+        for group in (pp_group, tp_group if sequence_parallel else None, dp_group):
+            if group is not None:
+                all_reduce_tensor(stats, group)
+        for group in (pp_group, tp_group if sequence_parallel else None, dp_group):  # partial sums of one loss
+            if group is not None:
+                all_reduce_tensor(aux, group)
+        self.counts.zero_()
+        self.calls = [0] * self.num_layers
+        n = self.counts.numel()
+        return stats[:n].view(self.num_layers, self.num_experts), stats[n:], aux
 
     def step_metrics(self, *, tp_group=None, pp_group=None, dp_group=None,
                      sequence_parallel: bool = False) -> dict[str, float]:
@@ -117,32 +151,14 @@ class ExpertLoadMonitor:
         most / least loaded expert's share of routed tokens over the uniform share 1/E, and
         `actor/moe_expert_load_cv` their coefficient of variation, per layer over the whole step
         and all ranks, averaged over MoE layers. Collective over every group given; resets."""
-        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
-        stats = torch.cat([self.counts.flatten(), self.calls])
-        tracker = get_moe_layer_wise_logging_tracker().get(AUX_LOSS_NAME)
-        aux = (tracker["values"].detach().to("cpu", torch.float64) if tracker is not None
-               else torch.zeros(self.num_layers, dtype=torch.float64))
-        if tracker is not None:
-            tracker["values"].zero_()
-        for group in (pp_group, tp_group if sequence_parallel else None, dp_group):
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(stats, group=group)
-        for group in (pp_group, tp_group if sequence_parallel else None):  # partial sums of one loss
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(aux, group=group)
-        dp = dist.get_world_size(dp_group) if dp_group is not None else 1
-        if dp_group is not None and dp > 1:
-            dist.all_reduce(aux, group=dp_group)
-        counts = stats[: self.counts.numel()].view(self.num_layers, self.num_experts)
-        calls = stats[self.counts.numel():]
-        self.counts.zero_()
-        self.calls.zero_()
+        counts, calls, aux = (t.cpu() for t in self._reduced_totals(
+            tp_group=tp_group, pp_group=pp_group, dp_group=dp_group, sequence_parallel=sequence_parallel))
         layers = calls > 0
         if not bool(layers.any()):
             return {}
+        dp = rank_and_world(dp_group)[1] if dp_group is not None else 1
         # calls were summed over dp (and tp under SP) ranks: micro-batches per rank = calls / that
-        ranks = dp * (dist.get_world_size(tp_group) if sequence_parallel and tp_group is not None else 1)
+        ranks = dp * (rank_and_world(tp_group)[1] if sequence_parallel and tp_group is not None else 1)
         per_layer_aux = aux[layers] / (calls[layers] / ranks) / dp
         share = counts[layers] / counts[layers].sum(1, keepdim=True).clamp_min(1) * self.num_experts
         return {"actor/moe_aux_loss": float(per_layer_aux.mean()),

@@ -3,9 +3,12 @@ and metric sums across ranks.
 
 Every function takes ``group`` (None = the default group) and works without an initialised
 process group (a single process: rank 0 of 1), so callers never test ``dist.is_initialized()``.
-Tensor collectives stay where their math is (`parallel/stats.py`, `parallel/loss.py`); these
-carry Python objects between ranks: small ones (messages, metric dicts, URLs, keys) to every rank,
-and with `scatter_objects` each rank's own share of a step's rollout.
+Tensor collectives stay where their math is (`parallel/stats.py`, `parallel/loss.py`), but go
+through `all_reduce_tensor`, which checks the tensor can travel over the group's backend (NCCL
+takes device tensors only, and CPU runs have only gloo groups, so the mistake would show first on
+a GPU); the other functions carry Python objects between ranks: small ones (messages, metric
+dicts, URLs, keys) to every rank, and with `scatter_objects` each rank's own share of a step's
+rollout.
 """
 
 from __future__ import annotations
@@ -83,6 +86,26 @@ def scatter_objects(objs: Optional[Sequence[Any]], src: int = 0, group: Any = No
     return objs[rank]
 
 
+def check_collective_device(tensor: torch.Tensor, group: Any = None) -> None:
+    """ValueError when ``tensor`` cannot take part in a collective over ``group``: a CPU tensor
+    needs a backend with a CPU path (gloo, or a ``"cpu:gloo,cuda:nccl"`` mix); NCCL groups (every
+    Megatron group on GPU) take tensors on the model's device only."""
+    backend = str(dist.get_backend(group))
+    if tensor.device.type == "cpu" and "gloo" not in backend:
+        raise ValueError(f"a CPU tensor {tuple(tensor.shape)} {tensor.dtype} in a collective over a {backend!r} "
+                         "group: move it to the model's device first (NCCL takes device tensors only)")
+
+
+def all_reduce_tensor(tensor: torch.Tensor, group: Any = None, op: Any = None) -> torch.Tensor:
+    """In-place all-reduce (SUM unless ``op``) of ``tensor`` over ``group`` after
+    `check_collective_device`; ``tensor`` itself when the group has one rank (or none exists)."""
+    if rank_and_world(group)[1] == 1:
+        return tensor
+    check_collective_device(tensor, group)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    return tensor
+
+
 def sum_metrics(local: Mapping[str, Any], *, contribute: bool = True, group: Any = None) -> dict[str, float]:
     """Metric dicts summed key by key over the ranks of ``group``; a rank with ``contribute``
     False adds nothing (e.g. TP replicas of the same numbers). The same dict on every rank."""
@@ -93,5 +116,5 @@ def sum_metrics(local: Mapping[str, Any], *, contribute: bool = True, group: Any
     return out
 
 
-__all__ = ["all_gather_objects", "broadcast_object", "global_rank", "is_distributed", "rank_and_world",
-           "scatter_objects", "sum_metrics"]
+__all__ = ["all_gather_objects", "all_reduce_tensor", "broadcast_object", "check_collective_device", "global_rank",
+           "is_distributed", "rank_and_world", "scatter_objects", "sum_metrics"]

@@ -43,6 +43,7 @@ from hapo_megatron.algo.entropy import (
     nearest_rank_index,
     stats_from_reductions,
 )
+from hapo_megatron.parallel.collectives import all_reduce_tensor
 
 _DIGIT_BITS = 16
 _ROUNDS = 64 // _DIGIT_BITS
@@ -60,7 +61,7 @@ def _active(group) -> bool:
 
 def _all_reduce(t: torch.Tensor, group, op=None) -> torch.Tensor:
     if _active(group):
-        dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group)
+        all_reduce_tensor(t, group, op)  # checks the device against the group's backend
     return t
 
 

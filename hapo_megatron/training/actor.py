@@ -24,6 +24,7 @@ from hapo_megatron.models.hf_config import is_moe
 from hapo_megatron.models.moe import ExpertLoadMonitor, moe_overrides
 from hapo_megatron.models.routing_replay import (check_consumed, install_route_replay, queue_routes,
                                                  take_mismatch_counts)
+from hapo_megatron.parallel.collectives import all_reduce_tensor
 from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.training.checkpoint import OPTIMIZER_FORMAT, optimizer_sharding_metadata
 from hapo_megatron.training.optimizer_checkpoint import (ensure_adam_state, load_optimizer_state,
@@ -325,8 +326,7 @@ class MegatronActor:
                 if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
                     bad = 1.0
         flag = torch.tensor([bad], device=self.device)  # NCCL groups reduce device tensors only
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        all_reduce_tensor(flag, None, dist.ReduceOp.MAX)
         return flag.item() == 0.0
 
     def train_step(self, micro_batches: list[MicroBatch], make_loss: LossFactory) -> StepResult:

@@ -210,7 +210,7 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
             dyn=DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
                                max_num_gen_batches=cfg.algo.max_num_gen_batches)),
         scorer=RewardScorer.from_config(cfg.reward) if rank == 0 else None)
-    rt.control = Rank0Channel.create(timeout_minutes=cfg.trainer.dist_timeout_minutes)  # collective
+    rt.control = Rank0Channel.create(timeout_minutes=cfg.trainer.control_timeout_minutes)  # collective
     for name, n in rt.data_metrics().items():
         logger.write(f"{name}: dropped {n:.0f} prompt(s) longer than data.max_prompt_length="
                      f"{cfg.data.max_prompt_length} (data.filter_overlong_prompts)")

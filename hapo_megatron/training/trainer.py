@@ -37,7 +37,7 @@ def fit(cfg: HapoConfig, *, tokenizer=None, datasets=None) -> dict[str, Any]:
     t = cfg.trainer
     shield_checkpoint_writer(t.exit_signals)
     stop = StopRequest(signals=t.exit_signals, grace_s=t.exit_grace_s, exit_after_minutes=t.exit_after_minutes,
-                       group=cpu_group_over_world(t.dist_timeout_minutes)).install()
+                       group=cpu_group_over_world(t.control_timeout_minutes)).install()
     try:
         return _fit(cfg, build_runtime(cfg, groups, tokenizer=tokenizer, datasets=datasets), stop)
     finally:

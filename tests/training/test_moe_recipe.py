@@ -16,6 +16,7 @@ RECIPE = os.path.join(ROOT, "examples", "qwen3-30b-a3b")
 CONFIG = os.path.join(RECIPE, "config.yaml")
 HF_CONFIG = os.path.join(RECIPE, "hf_config.json")
 SHAPE = [f"model.hf_model_path={HF_CONFIG}"]  # the architecture without the weights
+H100_GIB = 79.6  # an "80 GB" H100 as torch reports it
 
 
 @pytest.fixture(scope="module")
@@ -120,17 +121,17 @@ def test_two_node_servers_fit_the_nodes(cfg):
 
 def _memory(config_path: str, world: int, overrides=()):
     from hapo_megatron.doctor.memory_checks import check_memory_plan
-    return check_memory_plan(config_path, SHAPE + list(overrides), world_size=world, device_memory_gb=80)
+    return check_memory_plan(config_path, SHAPE + list(overrides), world_size=world, device_memory_gib=H100_GIB)
 
 
 def test_memory_plan_at_16_ranks_fits_80gb(cfg, hf_config):
     from hapo_megatron.doctor.report import PASS
     from hapo_megatron.training.memory_plan import GiB, plan_from_config
     res, text = _memory(CONFIG, 16)
-    plan = plan_from_config(cfg, hf_config, world_size=16, device_bytes=80 * 10**9)
+    plan = plan_from_config(cfg, hf_config, world_size=16, device_bytes=int(H100_GIB * GiB))
     assert plan.fits, text
     assert res.status == PASS and "fits: yes" in text, text
-    assert res.figure.startswith(f"peak {plan.peak / GiB:.1f} of {80 * 10**9 / GiB:.1f} GiB"), res.figure
+    assert res.figure.startswith(f"peak {plan.peak / GiB:.1f} of {H100_GIB:.1f} GiB"), res.figure
     # the README quotes what the doctor prints
     with open(os.path.join(RECIPE, "README.md")) as f:
         readme = f.read()
@@ -149,7 +150,7 @@ def test_dropping_the_expert_parallel_size_is_caught(tmp_path, cfg, hf_config):
     """The mutation the recipe must not suffer: without parallel.expert_model_parallel_size the
     layout still divides 16 ranks (EP 1), but every GPU of a stage then holds all 128 experts of
     its 24 layers, which the plan refuses; the tests above fail on it too (they read the field)."""
-    from hapo_megatron.training.memory_plan import plan_from_config
+    from hapo_megatron.training.memory_plan import GiB, plan_from_config
     with open(CONFIG) as f:
         raw = yaml.safe_load(f)
     del raw["parallel"]["expert_model_parallel_size"]
@@ -158,7 +159,55 @@ def test_dropping_the_expert_parallel_size_is_caught(tmp_path, cfg, hf_config):
     m = load_config(str(mutated), SHAPE)
     assert m.parallel.expert_model_parallel_size == 1
     assert m.parallel.validate_world(16) == 4
-    assert not plan_from_config(m, hf_config, world_size=16, device_bytes=80 * 10**9).fits
+    assert not plan_from_config(m, hf_config, world_size=16, device_bytes=int(H100_GIB * GiB)).fits
     from hapo_megatron.doctor.report import FAIL
     res, _ = _memory(str(mutated), 16)
     assert res.status == FAIL
+
+
+def test_memory_plan_reads_the_config_fields(cfg, hf_config):
+    """plan_from_config wiring of the memory terms the recipe changes (fails when a field is dropped
+    from plan_from_config; tried for each): the fused output layer (off: fp32 logits and their
+    gradient, 2 x 4 x 22528 x 151936 / 2 bytes = 12.75 GiB more on the last stage), routing replay or
+    mismatch measurement (the step's int16 routes: 512 x 16 x 11264 tokens / 4 DP ranks x 48
+    layers x 8 x 2 bytes), the KL reference (one more bf16 copy of this GPU's params), and the
+    device size in GiB."""
+    import dataclasses
+
+    from hapo_megatron.doctor.memory_checks import check_memory_plan
+    from hapo_megatron.training.memory_plan import GiB, plan_from_config
+
+    def plan(**sections):
+        c = dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), **v) for k, v in sections.items()})
+        return plan_from_config(c, hf_config, world_size=16, device_bytes=int(H100_GIB * GiB))
+
+    base = plan()
+    assert cfg.model.fused_output_layer and cfg.model.routing_replay and cfg.algo.kl_loss_coef == 0
+    assert base.routes == 512 * 16 * (1024 + 10240) // 4 * 48 * 8 * 2
+    assert plan(model={"routing_replay": False, "measure_routing_mismatch": False}).routes == 0
+    assert plan(model={"routing_replay": False}).routes == base.routes  # mismatch measurement fetches them too
+    assert base.reference == 0 and plan(algo={"kl_loss_coef": 0.001}).reference == base.params
+    logits = plan(model={"fused_output_layer": False}).activations - base.activations
+    # 12.75 GiB of logits less the fused kernel's ~1 GiB (slices of 1024 x 75968, accumulator, gather)
+    assert 11.5 * GiB < logits < 12.75 * GiB
+    _, text = check_memory_plan(CONFIG, SHAPE, world_size=16, device_memory_gib=H100_GIB)
+    assert "(16 ranks, 79.6 GiB device)" in text and f"of {int(H100_GIB * GiB) / GiB:.1f} GiB" in text
+
+
+def test_tensor_sync_contexts_follow_the_server_layout(cfg):
+    """tensor_sync_peer_contexts wiring: the recipe's 8-GPU nodes with two TP4 servers each (colocated,
+    weight_sync auto = tensor) put 7 other workers' contexts on the leader's GPU; none with disk sync
+    or separate servers; a 4-GPU node 3; one server per node 3. Fails when a config field is not
+    read (tried: returning 0, ignoring num_servers); plan_from_config dropping the term fails
+    test_memory_plan_at_16_ranks_fits_80gb (the README's overhead line)."""
+    import dataclasses
+
+    from hapo_megatron.training.memory_plan import tensor_sync_peer_contexts
+
+    def sg(**kw):
+        return dataclasses.replace(cfg, rollout=dataclasses.replace(
+            cfg.rollout, sglang=dataclasses.replace(cfg.rollout.sglang, **kw)))
+    assert tensor_sync_peer_contexts(cfg, 8) == 7 and tensor_sync_peer_contexts(cfg, 4) == 3
+    assert tensor_sync_peer_contexts(sg(weight_sync="disk"), 8) == 0
+    assert tensor_sync_peer_contexts(sg(colocate=False), 8) == 0
+    assert tensor_sync_peer_contexts(sg(num_servers=1), 8) == 3

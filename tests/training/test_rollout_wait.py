@@ -3,7 +3,6 @@ heartbeats from rank 0 DURING a round, progress between rounds, the batch at the
 failure raised on every rank; every message over the CPU (gloo) control group, never a collective
 of the default group."""
 
-import datetime
 import threading
 from types import SimpleNamespace
 
@@ -107,37 +106,82 @@ def test_rank0_failure_stops_every_rank():
     assert out[1]["kinds"][-1] == "error" and out[0]["foreign"] == out[1]["foreign"] == []
 
 
-def test_timeout_shorter_than_one_round_is_refused():
+def test_nccl_timeout_must_outlast_the_single_waits_not_a_round():
+    """The start check of trainer.dist_timeout_minutes: longer than one weight-sync request and the
+    servers' start (the waits a trainer collective can span), however long a generation round is
+    (8192 rows in 4 waves x 1800 s x 4 tries = 8 h no longer matter: the wait runs on the
+    control group). Fails when the check drops a bound (tried: without the request timeout, 30
+    minutes passes; without the launch bound, 15 minutes passes)."""
     import pytest
 
     from hapo_megatron.config import HapoConfig
-    from hapo_megatron.train import check_dist_timeout, rollout_round_bound_s
-    # the issue's case: 8192 rows (512 prompts x 16) = 128 calls of 64 over 4 servers x 8 = 32
-    # workers -> 4 waves x 1800 s x 4 tries = 28,800 s, against a 180-minute (10,800 s) timeout
+    from hapo_megatron.train import check_dist_timeout, collective_wait_bounds_s
     cfg = HapoConfig.from_dict({"data": {"train_batch_size": 512}, "trainer": {"ppo_mini_batch_size": 512,
-                                                                               "dist_timeout_minutes": 180},
+                                                                               "dist_timeout_minutes": 30},
                                 "rollout": {"engine": "sglang", "n": 16, "sglang": {
                                     "num_servers": 4, "request_timeout_s": 1800, "max_retries": 3}}})
-    assert rollout_round_bound_s(cfg) == 4 * 1800 * 4 == 28800.0
+    assert sorted(collective_wait_bounds_s(cfg).values()) == [900.0, 1800.0]
     with pytest.raises(ValueError) as e:
-        check_dist_timeout(cfg)
+        check_dist_timeout(cfg)  # 1800 s is not longer than one 1800 s weight-sync request
     msg = str(e.value)
-    for part in ("trainer.dist_timeout_minutes=180", "10800 s", "28800 s", "4 waves", "8192 rows",
-                 "rollout.sglang.request_timeout_s=1800", "rollout.sglang.max_retries=3"):
+    for part in ("trainer.dist_timeout_minutes=30", "1800 s", "rollout.sglang.request_timeout_s=1800",
+                 "above 30 minutes"):
         assert part in msg, msg
-    cfg.trainer.dist_timeout_minutes = 481  # 28,860 s
+    cfg.trainer.dist_timeout_minutes = 31
+    check_dist_timeout(cfg)  # minutes, not the 8 hours a round may take
+    cfg.rollout.sglang.request_timeout_s = 300  # now the servers' start (900 s) is the longest wait
+    cfg.trainer.dist_timeout_minutes = 15
+    with pytest.raises(ValueError, match="start of the servers"):
+        check_dist_timeout(cfg)
+    cfg.rollout.sglang.server_urls = ["http://127.0.0.1:30000"]  # attached: the trainer launches none
+    assert list(collective_wait_bounds_s(cfg).values()) == [300.0]
     check_dist_timeout(cfg)
-    cfg.rollout.sglang.num_servers = 16  # 128 workers: one wave
-    assert rollout_round_bound_s(cfg) == 1800 * 4
-    cfg.rollout.sglang.num_servers = 0  # colocated: one per server_tp_size training GPUs
-    cfg.rollout.sglang.colocate, cfg.rollout.sglang.server_tp_size = True, 2
-    assert rollout_round_bound_s(cfg, world_size=8) == 4 * 1800 * 4  # 4 servers
-    assert rollout_round_bound_s(cfg, world_size=16) == 2 * 1800 * 4  # 8 servers
-    cfg.rollout.sglang.colocate = False  # not known before launch: one server, 8 workers, 16 waves
-    assert rollout_round_bound_s(cfg, world_size=8) == 16 * 1800 * 4
-    cfg.rollout.generate_batch_size = 1024  # the rows of a round follow the generation batch
-    assert rollout_round_bound_s(cfg) == 32 * 1800 * 4
-    cfg.rollout.engine = "hf"  # no per-request bound to check against
+    cfg.rollout.engine = "hf"  # no server: nothing to outlast
     cfg.trainer.dist_timeout_minutes = 1
     check_dist_timeout(cfg)
-    assert datetime.timedelta(minutes=cfg.trainer.dist_timeout_minutes)
+    assert collective_wait_bounds_s(cfg) == {}
+
+
+def test_recipes_keep_nccl_timeouts_in_minutes():
+    """The GPU recipes' NCCL timeout is sized for the collectives (under an hour), and passes the
+    start check; the long wait is the control group's (fails with the old 500-1000 minutes)."""
+    import glob
+    import os
+
+    from hapo_megatron.config import load_config
+    from hapo_megatron.train import check_dist_timeout
+    from tests.training.tiny_setup import ROOT
+    recipes = [p for p in glob.glob(os.path.join(ROOT, "examples", "*", "config.yaml")) if "cpu" not in p]
+    assert len(recipes) >= 5
+    for path in recipes:
+        cfg = load_config(path, [])
+        assert cfg.trainer.dist_timeout_minutes <= 60, path
+        check_dist_timeout(cfg, 16)
+        assert cfg.trainer.control_timeout_minutes >= cfg.trainer.dist_timeout_minutes, path
+
+
+def test_fit_gives_each_group_its_timeout(monkeypatch):
+    """`fit` wiring: Megatron's (NCCL) groups get trainer.dist_timeout_minutes, the stop-agreement
+    gloo group trainer.control_timeout_minutes (fails when either reads the other field; tried).
+    The control channel of `build_runtime` reads the same field (training/build.py)."""
+    import pytest
+
+    import hapo_megatron.parallel.groups as groups
+    from hapo_megatron.config import HapoConfig
+    from hapo_megatron.training import trainer
+
+    seen = {}
+
+    class Built(Exception):
+        pass
+
+    def build_runtime(*a, **k):
+        raise Built
+    monkeypatch.setattr(groups, "initialize_parallel", lambda **kw: seen.setdefault("nccl", kw["timeout_minutes"]))
+    monkeypatch.setattr(trainer, "shield_checkpoint_writer", lambda signals: None)
+    monkeypatch.setattr(trainer, "cpu_group_over_world", lambda minutes: seen.__setitem__("control", minutes))
+    monkeypatch.setattr(trainer, "build_runtime", build_runtime)
+    cfg = HapoConfig.from_dict({"trainer": {"dist_timeout_minutes": 17, "control_timeout_minutes": 123}})
+    with pytest.raises(Built):
+        trainer.fit(cfg)
+    assert seen == {"nccl": 17, "control": 123}
