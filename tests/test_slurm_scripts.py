@@ -99,7 +99,8 @@ def test_the_task_srun_starts_is_torchrun(which, tmp_path, standins):
     `bash -c`, leaves a shell in between and the pids differ)."""
     got = run_sbatch(which, tmp_path, standins, job_id="11")
     assert got["torchrun_pid"] == got["task_pid"]
-    assert "--signals-to-handle" in got["argv"] and "SIGUSR1" in got["argv"][got["argv"].index("--signals-to-handle") + 1]
+    argv = got["argv"]
+    assert "SIGUSR1" in argv[argv.index("--signals-to-handle") + 1]
 
 
 @pytest.mark.parametrize("which", sorted(SCRIPTS))
