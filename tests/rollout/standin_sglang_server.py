@@ -33,7 +33,8 @@ DELAY_S = float(os.environ.get("HAPO_TEST_STANDIN_UPDATE_DELAY_S", "0"))
 VOCAB = int(os.environ.get("HAPO_TEST_STANDIN_VOCAB", "0"))
 HOLD_AFTER = os.environ.get("HAPO_TEST_STANDIN_HOLD_AFTER")
 SIGNAL_PID_FILE = os.environ.get("HAPO_TEST_STANDIN_SIGNAL_PID_FILE")
-HOLD_BOUND_S = float(os.environ.get("HAPO_TEST_STANDIN_HOLD_BOUND_S", "600"))  # a held request that is never aborted is answered anyway: the test fails, not hangs
+# a held request that is never aborted is answered anyway after this: the test fails, not hangs
+HOLD_BOUND_S = float(os.environ.get("HAPO_TEST_STANDIN_HOLD_BOUND_S", "600"))
 _lock = threading.Lock()
 _aborted = threading.Event()
 _generate_calls = [0]
