@@ -34,6 +34,30 @@ OVERRIDE_FLAG = "--allow-config-change"
 _SNAPSHOT = re.compile(r"models--([^/]+)--([^/]+)/snapshots/([^/]+)/?$")
 
 
+RUN_CONFIG_NAMES = ("config.yaml", "resolved_config.yaml", "config.yml")
+
+
+def find_run_config(path: str, levels: int = 5) -> Optional[str]:
+    """The saved config of the run that ``path`` (a run dir, its checkpoints dir, a step dir or a
+    file in one) belongs to, searching upwards; None outside a run."""
+    cur = os.path.abspath(path)
+    for _ in range(levels):
+        for name in RUN_CONFIG_NAMES:
+            if os.path.isfile(os.path.join(cur, name)):
+                return os.path.join(cur, name)
+        cur = os.path.dirname(cur)
+    return None
+
+
+def run_context_length(path: str) -> Optional[int]:
+    """``model.max_position_embeddings`` of the run ``path`` belongs to (None: not set, or not a
+    run): what its exports and evaluation servers must declare (docs/conversion.md)."""
+    from hapo_megatron.config.loading import load_config
+
+    found = find_run_config(path)
+    return load_config(found).model.max_position_embeddings if found else None
+
+
 class ConfigChangeError(ValueError):
     """The run directory's saved config has another algorithm than the one asked for."""
 
