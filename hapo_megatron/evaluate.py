@@ -185,13 +185,16 @@ def _resolve_settings(args, cfg):
 
 def eval_context_length(cfg, model: str) -> int | None:
     """The context the evaluated model was trained with: ``model.max_position_embeddings`` of
-    ``--config`` / ``--set`` when set, else of the saved config of the run ``--model`` belongs to
-    (docs/evaluation.md). None: the model's own config.json decides."""
+    ``--config`` / ``--set`` when set, else, for a Megatron checkpoint, of the saved config of the
+    run it belongs to (docs/evaluation.md). None: the model's config.json decides (an export
+    declares its run's context)."""
     from hapo_megatron.config.run_identity import run_context_length
 
     if cfg.model.max_position_embeddings is not None:
         return int(cfg.model.max_position_embeddings)
-    return run_context_length(model) if os.path.exists(model) else None
+    if os.path.exists(model) and not is_hf_model_dir(model):
+        return run_context_length(model)
+    return None
 
 
 def run(args) -> dict:
