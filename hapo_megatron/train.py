@@ -98,6 +98,36 @@ def check_server_placement(cfg, world_size: int, env=None) -> None:
                  gpus_per_node=torch.cuda.device_count() if torch.cuda.is_available() else None)
 
 
+def _import_error(module: str) -> Optional[str]:
+    """Why ``module`` cannot be imported (None: it can)."""
+    import importlib
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - any failure means "not usable"; the message says which
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def check_installs(cfg, *, cuda: Optional[bool] = None) -> None:
+    """What the config turns on is installed (README.md, "Installs"), before the model download:
+    wandb / TensorBoard when logged to (their extras), and Transformer Engine for context
+    parallelism on CUDA (megatron-core's local attention refuses CP without it)."""
+    for on, module, extra, field in ((cfg.logging.wandb, "wandb", "wandb", "logging.wandb"),
+                                     (cfg.logging.tensorboard, "tensorboard", "tensorboard", "logging.tensorboard")):
+        why = _import_error(module) if on else None
+        if why:
+            raise ValueError(f"{field}=true but {module} cannot be imported ({why}): pip install -e '.[{extra}]' "
+                             f"(the image has it), or set {field}=false")
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    cp = cfg.parallel.context_parallel_size
+    if cuda and cp > 1:
+        why = "model.use_te=false" if cfg.model.use_te is False else _import_error("transformer_engine.pytorch")
+        if why:
+            raise ValueError(f"parallel.context_parallel_size={cp} needs Transformer Engine's attention on CUDA, "
+                             f"which is not available ({why}): use the image (docs/docker.md) or the GPU pip "
+                             "install with TE (README.md), or set parallel.context_parallel_size=1")
+
+
 def _load_model_config(path: Optional[str]):
     from hapo_megatron.training.sources import load_hf_config
     if not path:
@@ -133,6 +163,7 @@ def preflight(cfg, world_size: int, *, allow_config_change: bool = False):
     from hapo_megatron.training.sources import build_datasets, initial_hf_weights, load_tokenizer
     from hapo_megatron.training.context import check_sequence_fits, sglang_context_args
     from hapo_megatron.config.run_identity import check_same_algorithm
+    check_installs(cfg)
     resolve_model_sources(cfg)
     hf_config = _load_model_config(cfg.model.hf_model_path)
     check_parallel_fits_model(hf_config, cfg.parallel)
