@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sourced by the sbatch scripts: `hapo_exit_after_minutes` prints the value for
 # trainer.exit_after_minutes, i.e. the job's time left minus STOP_MARGIN_MIN (default 30 min: one
-# training step and a checkpoint save must fit in it), or nothing when SLURM reports no limit.
+# training step and a checkpoint save must fit in it, and the trainer's clock starts after its
+# pre-flight checks and model download), or nothing when SLURM reports no limit.
 # WHY: the trainer then stops at a safe point by itself, before SLURM's --signal; the signal stays
 # as the fallback (docs/troubleshooting.md, "Preemption").
 
