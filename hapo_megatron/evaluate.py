@@ -30,8 +30,6 @@ from hapo_megatron.config.base import DTYPES
 
 logger = logging.getLogger("hapo.eval")
 
-_RUN_CONFIG_NAMES = ("config.yaml", "resolved_config.yaml", "config.yml")
-
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hapo eval", description=__doc__.split("\n\n")[0],
@@ -100,35 +98,37 @@ def find_megatron_checkpoint(path: str) -> str:
 def _hf_config_from_run(path: str) -> str | None:
     """`model.hf_model_path` of a run's saved config, searching upwards from `path`."""
     from hapo_megatron.config import load_config
+    from hapo_megatron.config.run_identity import find_run_config
 
-    cur = os.path.abspath(path)
-    for _ in range(5):
-        for name in _RUN_CONFIG_NAMES:
-            cfg_path = os.path.join(cur, name)
-            if os.path.isfile(cfg_path):
-                return load_config(cfg_path).model.hf_model_path
-        cur = os.path.dirname(cur)
-    return None
+    found = find_run_config(path)
+    return load_config(found).model.hf_model_path if found else None
 
 
-def convert_megatron_checkpoint(ckpt: str, hf_config: str | None, out_dir: str) -> str:
+def convert_megatron_checkpoint(ckpt: str, hf_config: str | None, out_dir: str,
+                                max_position_embeddings: int | None = None) -> str:
     """Convert a Megatron checkpoint to an HF directory with `hapo convert megatron-to-hf`.
 
-    `hf_config` (an HF model dir) is needed only when the checkpoint lacks its `hf/` subdir.
+    `hf_config` (an HF model dir) is needed only when the checkpoint lacks its `hf/` subdir;
+    `max_position_embeddings` goes into the export's config.json (the converter also reads it
+    from the run's saved config by itself).
     """
     from hapo_megatron.convert.cli import main as convert_main
 
     argv = ["megatron-to-hf", "--megatron-path", ckpt, "--hf-model-path", out_dir, "--overwrite"]
     if hf_config:
         argv += ["--hf-config-path", hf_config]
+    if max_position_embeddings:
+        argv += ["--max-position-embeddings", str(int(max_position_embeddings))]
     rc = convert_main(argv)
     if rc not in (0, None):
         raise ValueError(f"conversion of {ckpt} to HF failed (exit status {rc}, see above)")
     return out_dir
 
 
-def resolve_model(model: str, hf_config: str | None, convert_dir: str | None) -> tuple[str, str]:
-    """(HF model dir to load, source description). Converts Megatron checkpoints."""
+def resolve_model(model: str, hf_config: str | None, convert_dir: str | None,
+                  max_position_embeddings: int | None = None) -> tuple[str, str]:
+    """(HF model dir to load, source description). Converts Megatron checkpoints (with the
+    context ``max_position_embeddings`` in the export's config.json when given)."""
     if not os.path.exists(model):
         raise ValueError(f"--model {model!r} does not exist")
     if is_hf_model_dir(model):
@@ -141,7 +141,7 @@ def resolve_model(model: str, hf_config: str | None, convert_dir: str | None) ->
                              "pass --hf-config with the HF model directory it was trained from")
     out = convert_dir or tempfile.mkdtemp(prefix="hapo_eval_hf_")
     logger.info("converting Megatron checkpoint %s to HF in %s", ckpt, out)
-    return convert_megatron_checkpoint(ckpt, hf_config, out), f"megatron:{ckpt}"
+    return convert_megatron_checkpoint(ckpt, hf_config, out, max_position_embeddings), f"megatron:{ckpt}"
 
 
 # ---------------------------------------------------------------------- main
@@ -183,6 +183,20 @@ def _resolve_settings(args, cfg):
     return ro, device, torch_dtype(dtype_name)
 
 
+def eval_context_length(cfg, model: str) -> int | None:
+    """The context the evaluated model was trained with: ``model.max_position_embeddings`` of
+    ``--config`` / ``--set`` when set, else, for a Megatron checkpoint, of the saved config of the
+    run it belongs to (docs/evaluation.md). None: the model's config.json decides (an export
+    declares its run's context)."""
+    from hapo_megatron.config.run_identity import run_context_length
+
+    if cfg.model.max_position_embeddings is not None:
+        return int(cfg.model.max_position_embeddings)
+    if os.path.exists(model) and not is_hf_model_dir(model):
+        return run_context_length(model)
+    return None
+
+
 def run(args) -> dict:
     """Evaluate as described by parsed `args`; returns the JSON-ready results."""
     from transformers import AutoTokenizer
@@ -192,11 +206,17 @@ def run(args) -> dict:
     from hapo_megatron.rewards import get_reward_fn
     from hapo_megatron.rollout.engine import SamplingParams
     from hapo_megatron.rollout.factory import make_engine
+    from hapo_megatron.training.context import sglang_context_args
     from hapo_megatron.training.evaluation import aggregate_results, generate_and_score
 
     cfg = load_config(args.config, args.overrides)
     rollout_cfg, device, dtype = _resolve_settings(args, cfg)
-    model_dir, source = resolve_model(args.model, args.hf_config, args.convert_dir)
+    context = eval_context_length(cfg, args.model)
+    if context is not None and rollout_cfg.engine == "sglang" and not rollout_cfg.sglang.server_urls:
+        cfg.model.max_position_embeddings = context  # launched servers get --context-length (training/context.py)
+        rollout_cfg = dataclasses.replace(rollout_cfg, sglang=dataclasses.replace(
+            rollout_cfg.sglang, extra_server_args=sglang_context_args(cfg, rollout_cfg.sglang.extra_server_args)))
+    model_dir, source = resolve_model(args.model, args.hf_config, args.convert_dir, context)
     # A converted checkpoint carries its tokenizer files (copied from its hf/ or --hf-config).
     tok_path = args.tokenizer or cfg.data.tokenizer_path or model_dir
     tokenizer = AutoTokenizer.from_pretrained(tok_path)

@@ -25,6 +25,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--config", help="YAML config file")
     p.add_argument("--preset", help="algorithm preset (hapo, dapo, grpo, dapo+temp, ...)")
     p.add_argument("--resume", help="'auto' (newest checkpoint in the run dir), 'none', or a checkpoint path")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume the run directory's checkpoints even though the algorithm (algo.*, reward, model, "
+                        "optim, sampling) differs from its saved config.yaml (config/run_identity.py)")
     p.add_argument("overrides", nargs="*", help="dotted overrides such as algo.clip_ratio_high=0.28")
     return p.parse_intermixed_args(list(argv) if argv is not None else None)
 
@@ -92,6 +95,36 @@ def check_server_placement(cfg, world_size: int, env=None) -> None:
                  gpus_per_node=torch.cuda.device_count() if torch.cuda.is_available() else None)
 
 
+def _import_error(module: str) -> Optional[str]:
+    """Why ``module`` cannot be imported (None: it can)."""
+    import importlib
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - any failure means "not usable"; the message says which
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def check_installs(cfg, *, cuda: Optional[bool] = None) -> None:
+    """What the config turns on is installed (README.md, "Installs"), before the model download:
+    wandb / TensorBoard when logged to (their extras), and Transformer Engine for context
+    parallelism on CUDA (megatron-core's local attention refuses CP without it)."""
+    for on, module, extra, field in ((cfg.logging.wandb, "wandb", "wandb", "logging.wandb"),
+                                     (cfg.logging.tensorboard, "tensorboard", "tensorboard", "logging.tensorboard")):
+        why = _import_error(module) if on else None
+        if why:
+            raise ValueError(f"{field}=true but {module} cannot be imported ({why}): pip install -e '.[{extra}]' "
+                             f"(the image has it), or set {field}=false")
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    cp = cfg.parallel.context_parallel_size
+    if cuda and cp > 1:
+        why = "model.use_te=false" if cfg.model.use_te is False else _import_error("transformer_engine.pytorch")
+        if why:
+            raise ValueError(f"parallel.context_parallel_size={cp} needs Transformer Engine's attention on CUDA, "
+                             f"which is not available ({why}): use the image (docs/docker.md) or the GPU pip "
+                             "install with TE (README.md), or set parallel.context_parallel_size=1")
+
+
 def _load_model_config(path: Optional[str]):
     from hapo_megatron.training.sources import load_hf_config
     if not path:
@@ -118,7 +151,7 @@ def resolve_model_sources(cfg) -> None:
     cfg.model.hf_model_path = local
 
 
-def preflight(cfg, world_size: int):
+def preflight(cfg, world_size: int, *, allow_config_change: bool = False):
     """Every check that can fail on the inputs, before any process group or model exists.
 
     Returns ``(tokenizer, (train_dataset, val_dataset))``. Raises ValueError / FileNotFoundError
@@ -126,6 +159,8 @@ def preflight(cfg, world_size: int):
     """
     from hapo_megatron.training.sources import build_datasets, initial_hf_weights, load_tokenizer
     from hapo_megatron.training.context import check_sequence_fits, sglang_context_args
+    from hapo_megatron.config.run_identity import check_same_algorithm
+    check_installs(cfg)
     resolve_model_sources(cfg)
     hf_config = _load_model_config(cfg.model.hf_model_path)
     check_parallel_fits_model(hf_config, cfg.parallel)
@@ -137,7 +172,10 @@ def preflight(cfg, world_size: int):
     if cfg.model.megatron_load_path and not os.path.isdir(cfg.model.megatron_load_path):
         raise FileNotFoundError(f"model.megatron_load_path: {cfg.model.megatron_load_path!r} does not exist")
     initial_hf_weights(cfg.model)  # weights, a Megatron checkpoint, or model.random_init=true
-    resolve_resume(cfg.trainer.resume, os.path.join(cfg.trainer.run_dir, "checkpoints"))
+    resumes_from = resolve_resume(cfg.trainer.resume, os.path.join(cfg.trainer.run_dir, "checkpoints"))
+    changed = check_same_algorithm(cfg, resumes_from, allow_change=allow_config_change)
+    if changed and int(os.environ.get("RANK", 0)) == 0:
+        warnings.warn(f"--allow-config-change: resuming {resumes_from} with a changed algorithm: " + "; ".join(changed))
     for i, f in enumerate(list(cfg.data.train_files) + list(cfg.data.val_files)):
         if not os.path.isfile(f):
             raise FileNotFoundError(f"data file {f!r} does not exist (data.train_files / data.val_files)")
@@ -210,7 +248,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     overrides = list(args.overrides) + ([f"trainer.resume={args.resume}"] if args.resume else [])
     try:
         cfg = load_config(args.config, overrides, preset=args.preset)
-        tokenizer, datasets = preflight(cfg, world)
+        tokenizer, datasets = preflight(cfg, world, allow_config_change=args.allow_config_change)
     except (ValueError, FileNotFoundError) as e:
         if rank == 0:
             print(f"hapo train: error: {e}", file=sys.stderr, flush=True)

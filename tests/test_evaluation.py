@@ -403,3 +403,45 @@ def test_hf_config_found_in_saved_run_config(tmp_path):
     step.mkdir(parents=True)
     assert _hf_config_from_run(str(step)) == "/models/qwen"
     assert _hf_config_from_run(str(tmp_path / "run")) == "/models/qwen"
+
+
+def test_hapo_eval_launches_sglang_at_the_trained_context(tiny_model_and_data, monkeypatch):
+    """`model.max_position_embeddings` (here from --set) reaches the servers hapo eval launches as
+    --context-length and the model override (training/context.py), so prompts past the base
+    model's context are served (mutation: without the sglang_context_args line in evaluate.run the
+    servers get no --context-length). Attached servers (--sglang-url) are left as they are."""
+    import hapo_megatron.rollout.factory as engine_mod
+    from hapo_megatron.evaluate import main
+
+    root, model_dir, data = tiny_model_and_data
+    seen = {}
+
+    def fake_make_engine(cfg, *, hf_config_or_path, tokenizer, device, dtype, **kw):
+        seen["cfg"] = cfg
+        return OracleEngine(tokenizer)
+
+    monkeypatch.setattr(engine_mod, "make_engine", fake_make_engine)
+    common = ["--model", model_dir, "--data", data[0], "--n", "1", "--out", str(root / "ctx.json"), "--device", "cpu",
+              "--set", "model.max_position_embeddings=1024"]
+    assert main([*common, "--engine", "sglang"]) == 0
+    args = seen["cfg"].sglang.extra_server_args
+    assert args[args.index("--context-length") + 1] == "1024"
+    assert '{"max_position_embeddings": 1024}' in args
+    assert main([*common, "--sglang-url", "http://10.0.0.1:30000"]) == 0
+    assert "--context-length" not in seen["cfg"].sglang.extra_server_args
+
+
+def test_eval_context_comes_from_the_run_of_a_megatron_checkpoint(tmp_path):
+    from hapo_megatron.config import load_config, save_config
+    from hapo_megatron.evaluate import eval_context_length
+
+    save_config(load_config(None, ["model.max_position_embeddings=16384"]), str(tmp_path / "run" / "config.yaml"))
+    step = tmp_path / "run" / "checkpoints" / "step_000004" / "model"
+    step.mkdir(parents=True)
+    assert eval_context_length(load_config(None, []), str(tmp_path / "run")) == 16384
+    assert eval_context_length(load_config(None, []), str(step)) == 16384
+    assert eval_context_length(load_config(None, ["model.max_position_embeddings=8192"]), str(step)) == 8192
+    hf_export = tmp_path / "run" / "export"  # an HF directory declares its own context in config.json
+    hf_export.mkdir()
+    (hf_export / "config.json").write_text("{}")
+    assert eval_context_length(load_config(None, []), str(hf_export)) is None

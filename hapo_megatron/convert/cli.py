@@ -124,7 +124,13 @@ def hf_to_megatron(args) -> int:
     from hapo_megatron.convert import save_megatron_checkpoint
     from hapo_megatron.convert.model_io import chunk_entries
 
+    from hapo_megatron.models.hub import resolve_model_path
+
     _check_output_dir(args.megatron_path, args.overwrite)
+    try:  # a hub name -> its local snapshot (weights, config and tokenizer), or a clear error
+        args.hf_model_path = resolve_model_path(args.hf_model_path, "--hf-model-path")
+    except (ValueError, FileNotFoundError) as e:
+        raise ConversionError(str(e)) from None
     hf_config = AutoConfig.from_pretrained(args.hf_model_path)
     adapter = get_adapter(hf_config)  # refuses unsupported architectures
     reader = HFCheckpointReader(args.hf_model_path)
@@ -173,15 +179,27 @@ def _megatron_side(args):
     """(hf_config, tokenizer_src, dtype) of a Megatron checkpoint."""
     from transformers import AutoConfig
 
+    from hapo_megatron.config.run_identity import run_context_length
     from hapo_megatron.convert import read_hf_config
     from hapo_megatron.convert.megatron_ckpt import HF_SUBDIR
+    from hapo_megatron.models.hub import resolve_model_path
 
     if not os.path.isdir(args.megatron_path):
         raise ConversionError(f"--megatron-path {args.megatron_path!r} is not a directory")
     src = getattr(args, "hf_config_path", None)
+    if src:  # a hub name -> its local snapshot, tokenizer included (or a clear error)
+        try:
+            src = resolve_model_path(src, "--hf-config-path")
+        except (ValueError, FileNotFoundError) as e:
+            raise ConversionError(str(e)) from None
     hf_config = AutoConfig.from_pretrained(src) if src else read_hf_config(args.megatron_path)
-    if getattr(args, "max_position_embeddings", None):  # the run's model.max_position_embeddings
-        hf_config.max_position_embeddings = int(args.max_position_embeddings)
+    context = getattr(args, "max_position_embeddings", None)
+    if context is None and hasattr(args, "max_position_embeddings"):  # export: the run's own context
+        context = run_context_length(args.megatron_path)
+        if context is not None:
+            _log(f"max_position_embeddings={context} from the run's saved config (model.max_position_embeddings)")
+    if context:
+        hf_config.max_position_embeddings = int(context)
     meta = _checkpoint_meta(args.megatron_path)
     dtype = torch_dtype(args.dtype) if args.dtype else TORCH_DTYPES.get(meta.get("dtype"), torch.float32)
     return hf_config, src or os.path.join(args.megatron_path, HF_SUBDIR), dtype
@@ -193,6 +211,10 @@ def megatron_to_hf(args) -> int:
 
     _check_output_dir(args.hf_model_path, args.overwrite)
     hf_config, tokenizer_src, dtype = _megatron_side(args)
+    if not any(os.path.isfile(os.path.join(tokenizer_src, f)) for f in ("tokenizer.json", "tokenizer.model",
+                                                                          "vocab.json")):
+        _log(f"warning: no tokenizer files in {tokenizer_src}: SGLang and vLLM cannot load the export without "
+             "them; pass --hf-config-path with the model's directory or hub name (docs/conversion.md)")
     adapter = get_adapter(hf_config)
     groups = _init(args.tp, args.pp, args.ep, args.etp)
     model = _build(hf_config, dtype)
@@ -309,10 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
         s.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     b.add_argument("--hf-config-path", default=None,
-                   help="HF config/tokenizer directory (default: the one stored in the Megatron checkpoint)")
+                   help="HF config/tokenizer directory or hub name (resolved to its local snapshot in the HF "
+                        "cache; default: the one stored in the Megatron checkpoint)")
     b.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="write this max_position_embeddings into the exported config.json (pass the "
-                        "run's model.max_position_embeddings when it was set)")
+                   help="write this max_position_embeddings into the exported config.json (default: "
+                        "model.max_position_embeddings of the run's saved config.yaml, when the checkpoint "
+                        "is in a run directory and it was set)")
     b.add_argument("--max-shard-size-gb", type=float, default=2.0, help="safetensors shard size")
     c.add_argument("--prompt", default=DEFAULT_PROMPT, help="text of the fixed prompt")
     c.add_argument("--tolerance", type=float, default=float("inf"), help="exit 1 when the difference is larger")

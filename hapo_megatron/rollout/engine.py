@@ -258,4 +258,10 @@ def check_prompt_ids(prompt_ids: Any) -> list[list[int]]:
     return out
 
 
-__all__ = ["FINISH_REASONS", "Sample", "SamplingParams", "RolloutEngine", "check_prompt_ids", "drain_weights"]
+class GenerationAborted(RuntimeError):
+    """``generate`` gave up because its ``stop_check`` asked it to (a stop request of the run): the
+    in-flight requests were aborted and no sample is returned (training/stages.py abandons the step)."""
+
+
+__all__ = ["GenerationAborted", "FINISH_REASONS", "Sample", "SamplingParams", "RolloutEngine", "check_prompt_ids",
+           "drain_weights"]

@@ -73,6 +73,16 @@ class NodeServersEngine:
             raise RuntimeError(f"{what} runs on global rank 0 (this is rank {self.ctx.rank})")
         return self.cluster
 
+    @property
+    def stop_check(self) -> Optional[Callable[[], bool]]:
+        """Rank 0: the generating engine's stop check (SGLangEngine.stop_check)."""
+        return self.cluster.stop_check if self.cluster is not None else None
+
+    @stop_check.setter
+    def stop_check(self, check: Optional[Callable[[], bool]]) -> None:
+        if self.cluster is not None:
+            self.cluster.stop_check = check
+
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
                  on_samples: Optional[Callable[[list[Sample]], None]] = None) -> list[list[Sample]]:
         return self._rank0("generation").generate(prompt_ids, params, on_samples)

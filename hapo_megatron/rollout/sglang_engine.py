@@ -57,7 +57,8 @@ import os
 import shutil
 import tempfile
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -68,7 +69,7 @@ from hapo_megatron.config.sections import ROUTER_REFUSED
 from hapo_megatron.parallel.collectives import all_gather_objects, broadcast_object, rank_and_world
 from hapo_megatron.rollout import sglang_launch as launcher
 from hapo_megatron.rollout.api_key import resolve_api_key
-from hapo_megatron.rollout.engine import Sample, SamplingParams, check_prompt_ids, drain_weights
+from hapo_megatron.rollout.engine import GenerationAborted, Sample, SamplingParams, check_prompt_ids, drain_weights
 from hapo_megatron.rollout.routed_experts import decode_routed_experts
 from hapo_megatron.rollout.server_supervisor import ServerPoolError, ServerSupervisor, first_line
 from hapo_megatron.rollout.sglang_client import (EndpointNotFoundError, RequestRefusedError, SGLangError, SGLangHTTP,
@@ -196,6 +197,7 @@ def agree_on_api_key(api_key: Optional[str], key_file: Optional[str], *, create:
 
 
 REQUESTS_PER_CALL = 64  # rows per /generate call
+STOP_POLL_S = 0.5  # a generate() waiting on the servers asks its stop_check this often
 CALLS_PER_SERVER = 8  # concurrent /generate calls per server
 
 
@@ -289,6 +291,10 @@ class SGLangEngine:
                                                 float(launch_timeout_s), log_dir)
         self.supervisor = supervisor if supervisor is not None else ServerSupervisor(
             self.servers, http=self.http, max_restarts=max_restarts)
+        # set by the trainer during a rollout: polled while generate() waits, True aborts the round
+        # (training/stages.py; docs/troubleshooting.md, "Preemption")
+        self.stop_check: Optional[Callable[[], bool]] = None
+        self._aborted = threading.Event()
         self._failed_in_sync: set[int] = set()  # servers of the current weight sync that failed it
         self._joining: list[int] = []  # servers the current weight sync brings back into use
         atexit.register(self.shutdown)  # launched servers run in their own sessions: never leave them behind
@@ -386,6 +392,8 @@ class SGLangEngine:
         seeds = row_seeds(params, range(len(rows))) if self.send_sampling_seed else [None] * len(rows)
 
         def run(ci: int) -> list:
+            if self._aborted.is_set():
+                return []  # the round was given up: send nothing more
             idx = chunks[ci]
             body = generate_payload([prompts[rows[i][0]] for i in idx], params, seeds=[seeds[i] for i in idx])
             # a server that fails hands the same body (same sampling seeds) to another
@@ -403,12 +411,45 @@ class SGLangEngine:
 
         # as many calls at once as the servers in use take: the survivors of a failure get no more
         _, workers = generate_call_plan(len(rows), len(self.supervisor.in_use()), self.requests_per_call)
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            results = [smp for chunk in pool.map(run, range(len(chunks))) for smp in chunk]
+        self._aborted.clear()
+        pool = ThreadPoolExecutor(max_workers=workers)
+        futures = [pool.submit(run, ci) for ci in range(len(chunks))]
+        aborted = False
+        try:
+            aborted = self._wait_or_abort(futures)
+            if aborted:
+                raise GenerationAborted(f"generation stopped by a stop request: {len(rows)} rows' requests aborted")
+            results = [smp for f in futures for smp in f.result()]  # the first failure, in call order
+        finally:  # aborted: the calls in flight end with the servers' abort, nothing waits for them
+            pool.shutdown(wait=not aborted, cancel_futures=aborted)
         out: list[list[Sample]] = [[] for _ in prompts]
         for smp in results:  # rows are prompt-major, so each prompt's samples stay in order
             out[smp.prompt_index].append(smp)
         return out
+
+    def _wait_or_abort(self, futures) -> bool:
+        """Until every call is done or one failed (False), or ``stop_check`` asks to stop (True:
+        the servers were told to abort every request in flight)."""
+        pending = set(futures)
+        while pending:
+            if self.stop_check is not None and self.stop_check():
+                self._aborted.set()
+                self.abort_requests()
+                return True
+            done, pending = wait(pending, timeout=STOP_POLL_S if self.stop_check is not None else None,
+                                 return_when=FIRST_EXCEPTION)
+            if any(not f.cancelled() and f.exception() is not None for f in done):
+                return False
+        return False
+
+    def abort_requests(self) -> None:
+        """``POST /abort_request {"abort_all": true}`` to every server in use (SGLang's endpoint;
+        best effort: a server that does not answer is about to be shut down anyway)."""
+        for i in self.supervisor.in_use():
+            try:
+                self.http.request(self.servers[i], "/abort_request", {"abort_all": True}, retries=0, timeout_s=10.0)
+            except Exception as e:  # noqa: BLE001 - reported, the stop goes on
+                warnings.warn(f"SGLang server {self.servers[i].url}: abort_request failed ({first_line(e)})")
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -195,8 +195,22 @@ def start_process(cmd: list[str], url: str, *, log_path: Optional[str], tp_size:
     return handle
 
 
+# WHY: SLURM's `--signal=USR1@N` (and preemption) signal every process of the job step, the servers
+# included, and SGLang has no handler for SIGUSR1/SIGUSR2, whose default action ends the process: the
+# trainer would lose its servers in the middle of the save it was asked for. Started with them
+# ignored (ignored dispositions survive exec), the servers outlive the signal and the trainer stops
+# them itself. SIGTERM/SIGINT stay: uvicorn handles them, and stop_process uses SIGTERM.
+IGNORED_SIGNALS = ("USR1", "USR2")
+
+
+def _ignoring_stop_signals(cmd: list[str]) -> list[str]:
+    """``cmd`` run through ``sh`` with IGNORED_SIGNALS ignored (``exec``: same pid, no shell left)."""
+    return ["/bin/sh", "-c", f'trap "" {" ".join(IGNORED_SIGNALS)}; exec "$@"', "sh", *cmd]
+
+
 def _popen(cmd: list[str], url: str, *, log_path: Optional[str], tp_size: int, env: Optional[dict],
            api_key: Optional[str]) -> ServerHandle:
+    cmd = _ignoring_stop_signals(cmd)
     env = dict(env if env is not None else os.environ)
     env.pop(API_KEY_ENV, None)  # only the key we mean to hand over
     if api_key:

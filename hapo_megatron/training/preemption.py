@@ -138,6 +138,12 @@ class StopRequest:
             return _TIME_LIMIT
         return 0
 
+    def requested_here(self) -> bool:
+        """Whether this rank has a reason to stop (a signal, or the time limit by its clock); no
+        collective: rank 0 asks it inside the rollout, which it then gives up (training/stages.py).
+        `agreed` then stops every rank, since this rank's code enters its MAX."""
+        return self._local_code() != 0
+
     def agreed(self) -> Optional[str]:
         """Why every rank stops now, or None (collective over ``group``: every rank calls it at
         the same safe point). The reason is the same on every rank."""

@@ -21,6 +21,12 @@ import torch.distributed as dist
 from hapo_megatron.parallel.collectives import broadcast_object
 
 DONE, ERROR, HEARTBEAT, PROGRESS = "done", "error", "heartbeat", "progress"
+ABANDONED = "abandoned"  # rank 0 gave the rollout up on a stop request (training/preemption.py)
+
+
+class RolloutAbandoned(Exception):
+    """The step's rollout was given up because the run is stopping: every rank then saves the last
+    finished step at the trainer's safe point (trainer._fit)."""
 
 
 class Rank0Channel:
@@ -53,11 +59,14 @@ class Rank0Channel:
                 broadcast_object((kind, body), src=self.src, group=self.group)
 
     def wait(self) -> Any:
-        """Every other rank: messages until ``done`` (returns its body); ``error`` raises."""
+        """Every other rank: messages until ``done`` (returns its body); ``error`` raises, and
+        ``abandoned`` raises `RolloutAbandoned`."""
         while True:
             kind, body = broadcast_object(None, src=self.src, group=self.group)
             if kind == DONE:
                 return body
+            if kind == ABANDONED:
+                raise RolloutAbandoned(body)
             if kind == ERROR:
                 raise RuntimeError(f"rank 0 failed during the rollout or evaluation: {body}")
 
@@ -82,4 +91,4 @@ class Rank0Channel:
             thread.join()
 
 
-__all__ = ["Rank0Channel", "DONE", "ERROR", "HEARTBEAT", "PROGRESS"]
+__all__ = ["Rank0Channel", "DONE", "ERROR", "HEARTBEAT", "PROGRESS", "ABANDONED", "RolloutAbandoned"]

@@ -13,7 +13,9 @@ it adds (`MicroBatch.with_`); it never edits the ones it was given.
 from __future__ import annotations
 
 import math
-from typing import Optional
+import warnings
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -24,7 +26,7 @@ from hapo_megatron.parallel.collectives import all_gather_objects, broadcast_obj
 from hapo_megatron.parallel.loss import DEFAULT_LOGPROB_CHUNK, LossConfig, TokenSink
 from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.rewards.counts import RewardCounts
-from hapo_megatron.rollout.engine import SamplingParams, drain_weights
+from hapo_megatron.rollout.engine import GenerationAborted, SamplingParams, drain_weights
 from hapo_megatron.training.actor import LossFactory
 from hapo_megatron.training.batching import collate_micro_batches, pack_multiples, token_efficiency
 from hapo_megatron.training.engine_memory import empty_cache
@@ -32,7 +34,7 @@ from hapo_megatron.training.rl_step import (RolloutBatch, build_batch, rollout_m
                                             shape_rewards)
 from hapo_megatron.training.rollout_share import (MiniPlan, RankBatch, SequenceMeta, held_sequences, split_for_ranks,
                                                   step_plan)
-from hapo_megatron.training.rollout_protocol import DONE, ERROR, PROGRESS
+from hapo_megatron.training.rollout_protocol import ABANDONED, DONE, ERROR, PROGRESS, RolloutAbandoned
 from hapo_megatron.training.runtime import Runtime
 
 Minis = list[list[MicroBatch]]  # this rank's micro-batches of each PPO mini-batch, in training order
@@ -61,10 +63,16 @@ def _generate_round(rt: Runtime, step: int, gen_index: int, group_offset: int,
                          overlong_penalty_factor=cfg.reward.overlong_penalty_factor)
 
 
-def rollout(rt: Runtime, step: int) -> tuple[RankBatch, dict[str, float]]:
+def rollout(rt: Runtime, step: int, stop_check: Optional[Callable[[], bool]] = None
+            ) -> tuple[RankBatch, dict[str, float]]:
     """Generate, score and filter (dynamic sampling) until the step's batch is full; rank 0 works,
     every rank receives its share of the kept batch (`_share_out`). ``rollout/*`` metrics cover
     every generated response.
+
+    ``stop_check`` (rank 0: this rank has a stop request, training/preemption.py) is asked before
+    every generation round and, by an SGLang engine, while it waits on the servers (their requests
+    are then aborted): True gives the rollout up and every rank raises `RolloutAbandoned`, so a
+    stop is honoured within about a second of its arrival, not after up to 16 rounds.
 
     Colocated, every rank first offloads its trainer state (`training.offload`) and reloads it
     after. The other ranks wait on ``rt.control`` (training/rollout_protocol.py: a CPU group,
@@ -76,7 +84,11 @@ def rollout(rt: Runtime, step: int) -> tuple[RankBatch, dict[str, float]]:
         else:
             try:
                 with rt.control.heartbeats({"step": step}):
-                    kept, metrics, sampler_state = _rollout_rank0(rt, step)
+                    kept, metrics, sampler_state = _rollout_rank0(rt, step, stop_check)
+            except (RolloutAbandoned, GenerationAborted) as e:
+                _release_after_abandon(rt)
+                rt.control.send(ABANDONED, str(e))
+                raise RolloutAbandoned(str(e)) from None
             except BaseException as e:
                 rt.control.send(ERROR, f"{type(e).__name__}: {e}")  # the others stop too
                 raise
@@ -86,20 +98,48 @@ def rollout(rt: Runtime, step: int) -> tuple[RankBatch, dict[str, float]]:
     return _share_out(rt, kept, meta), metrics
 
 
-def _rollout_rank0(rt: Runtime, step: int) -> tuple[RolloutBatch, dict[str, float], dict]:
+def _release_after_abandon(rt: Runtime) -> None:
+    """Rank 0, the rollout given up: colocated servers hand the accelerator back before the trainer
+    state reloads for the save (best effort: the run is stopping)."""
+    try:
+        rt.memory.release_generation()
+    except Exception as e:  # noqa: BLE001 - the save matters more; the servers are shut down next
+        warnings.warn(f"after the abandoned rollout the engine did not release its memory: {e}")
+
+
+@contextmanager
+def _engine_stop_check(engine, stop_check: Optional[Callable[[], bool]]) -> Iterator[None]:
+    """``engine.stop_check`` set for the rollout only (SGLang engines poll it while waiting; an
+    evaluation is never abandoned). Engines without one finish the round they are in."""
+    if stop_check is None or not hasattr(engine, "stop_check"):
+        yield
+        return
+    engine.stop_check = stop_check
+    try:
+        yield
+    finally:
+        engine.stop_check = None
+
+
+def _rollout_rank0(rt: Runtime, step: int, stop_check: Optional[Callable[[], bool]] = None
+                   ) -> tuple[RolloutBatch, dict[str, float], dict]:
     target = rt.cfg.data.train_batch_size
     rt.memory.resume_generation()  # the KV cache (the weights came back in sync_weights)
     dyn = rt.rl.dyn
     dyn.reset()
     generated, offset, counts = [], 0, RewardCounts()
-    while True:
-        b = _generate_round(rt, step, dyn.num_gen_batches, offset, counts)
-        generated.append(b)
-        offset += len(set(b.group_ids))
-        dyn.add(b)
-        if not dyn.needs_more(target):
-            break
-        rt.control.send(PROGRESS, {"step": step, "round": dyn.num_gen_batches})
+    with _engine_stop_check(rt.engine, stop_check):
+        while True:
+            if stop_check is not None and stop_check():
+                raise RolloutAbandoned(f"stop requested before generation round {dyn.num_gen_batches + 1} of step "
+                                       f"{step}")
+            b = _generate_round(rt, step, dyn.num_gen_batches, offset, counts)
+            generated.append(b)
+            offset += len(set(b.group_ids))
+            dyn.add(b)
+            if not dyn.needs_more(target):
+                break
+            rt.control.send(PROGRESS, {"step": step, "round": dyn.num_gen_batches})
     kept = dyn.take(target)
     # colocated engines give the accelerator back to the actor; the weights go too unless the step
     # is skipped (no weight sync follows then, and released weights are not kept)

@@ -18,6 +18,7 @@ from hapo_megatron.training.checkpoint import step_dir_name
 from hapo_megatron.training.preemption import (RunStopped, StopRequest, cpu_group_over_world,
                                                 shield_checkpoint_writer)
 from hapo_megatron.training.build import build_runtime, setup_reference
+from hapo_megatron.training.rollout_protocol import RolloutAbandoned
 from hapo_megatron.training.runtime import Runtime, StepSnapshot
 from hapo_megatron.training.sft import run_sft
 
@@ -46,8 +47,9 @@ def fit(cfg: HapoConfig, *, tokenizer=None, datasets=None) -> dict[str, Any]:
 
 def _fit(cfg: HapoConfig, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
     """The loop. ``stop.agreed()`` marks the safe points: before a step (the previous one is
-    finished), and after the rollout and the old-log-prob pass (the step is abandoned: the model
-    is unchanged until the update, the state of the last finished step is ``before``)."""
+    finished), inside and after the rollout and after the old-log-prob pass (the step is
+    abandoned: the model is unchanged until the update, the state of the last finished step is
+    ``before``). Inside the rollout rank 0 alone decides (`stages.rollout`'s ``stop_check``)."""
     rl, t0, timer, start_eval, sft_s = rt.rl, time.time(), rt.timer, {}, 0.0
     if not rl.sft_done and rl.step == 0 and cfg.trainer.sft_warmup_steps > 0:
         sft = run_sft(rt)
@@ -63,8 +65,12 @@ def _fit(cfg: HapoConfig, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
         _stop_if_agreed(rt, stop)
         before = rt.snapshot()
         rl.step, t_step = step, time.time()
-        with timer("rollout"):
-            batch, metrics = stages.rollout(rt, step)
+        try:
+            with timer("rollout"):
+                batch, metrics = stages.rollout(rt, step, stop_check=stop.requested_here)
+        except RolloutAbandoned:  # rank 0 had a stop request, so every rank agrees here
+            _stop_if_agreed(rt, stop, before)
+            raise
         _stop_if_agreed(rt, stop, before)
         if len(batch) == 0:
             _skip(rt, step, metrics, "dynamic sampling kept no group")

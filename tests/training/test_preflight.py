@@ -48,3 +48,33 @@ def test_missing_model_path(tiny, tmp_path, capsys):
 def test_config_that_cannot_learn_is_refused(tiny, tmp_path, capsys):
     """rollout.n=1: every group-relative advantage is 0 (the run would complete and learn nothing)."""
     _fails(capsys, tiny, tmp_path / "run", "rollout.n=1", match="nothing is learned; use rollout.n >= 2")
+
+
+def test_logging_sink_that_is_not_installed_is_refused(tiny, tmp_path, capsys, monkeypatch):
+    """logging.wandb=true without wandb stops at start naming the extra, before the model is read
+    (mutation: without check_installs in train.preflight the run starts and fails at its first
+    log line, after the model download and tokenization)."""
+    import hapo_megatron.train as train
+    real = train._import_error
+    monkeypatch.setattr(train, "_import_error", lambda m: "ModuleNotFoundError: no wandb" if m == "wandb" else real(m))
+    _fails(capsys, tiny, tmp_path / "run2", "logging.wandb=true", f"model.hf_model_path={tmp_path}/nope",
+           match="logging.wandb=true")  # before the model path is even looked at
+    err = _fails(capsys, tiny, tmp_path / "run", "logging.wandb=true", match="logging.wandb=true but wandb")
+    assert "pip install -e '.[wandb]'" in err
+
+
+def test_context_parallel_on_cuda_needs_transformer_engine(monkeypatch):
+    import pytest
+
+    import hapo_megatron.train as train
+    from hapo_megatron.config import HapoConfig
+    cfg = HapoConfig.from_dict({"parallel": {"context_parallel_size": 2}})
+    monkeypatch.setattr(train, "_import_error", lambda m: "ModuleNotFoundError: No module named 'transformer_engine'")
+    with pytest.raises(ValueError, match="context_parallel_size=2 needs Transformer Engine.*transformer_engine"):
+        train.check_installs(cfg, cuda=True)
+    train.check_installs(cfg, cuda=False)  # CPU: the tests exercise CP at the loss level
+    monkeypatch.setattr(train, "_import_error", lambda m: None)
+    train.check_installs(cfg, cuda=True)
+    cfg.model.use_te = False
+    with pytest.raises(ValueError, match="model.use_te=false"):
+        train.check_installs(cfg, cuda=True)

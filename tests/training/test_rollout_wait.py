@@ -49,11 +49,14 @@ def _rollout_protocol(rank, world, fail):
         return out
     rollout_protocol.broadcast_object = counting
 
-    def fake_rank0(rt, step):
+    def fake_rank0(rt, step, stop_check=None):
         for r in range(3):  # three rounds before the batch is full; the first outlasts two heartbeats
             if r == 0:
                 assert beats.wait(timeout=240), "no heartbeat while rank 0 was inside a round"
             rt.control.send("progress", {"step": step, "round": r + 1})
+        if fail == "stop":
+            from hapo_megatron.rollout.engine import GenerationAborted
+            raise GenerationAborted("generation stopped by a stop request")  # what the SGLang engine raises
         if fail:
             raise ValueError("server went away")
         batch = RolloutBatch(prompt_ids=[[1, 2]], response_ids=[[3]], rollout_logprobs=[[-0.5]],
@@ -104,6 +107,17 @@ def test_rank0_failure_stops_every_rank():
     assert out[1]["error"].startswith("RuntimeError: rank 0 failed during the rollout or evaluation: "
                                       "ValueError: server went away")
     assert out[1]["kinds"][-1] == "error" and out[0]["foreign"] == out[1]["foreign"] == []
+
+
+def test_rollout_given_up_on_a_stop_request_reaches_every_rank():
+    """The engine's GenerationAborted on rank 0 becomes RolloutAbandoned on every rank (an
+    ``abandoned`` message, not ``error``), which the trainer answers by saving the last finished
+    step (mutation: without the ABANDONED branch of stages.rollout rank 1 raises RuntimeError)."""
+    out = run_distributed(_rollout_protocol, 2, "stop", timeout=400)
+    for r in out:
+        assert r["error"] == "RolloutAbandoned: generation stopped by a stop request", r
+        assert r["foreign"] == []
+    assert out[1]["kinds"][-1] == "abandoned"
 
 
 def test_nccl_timeout_must_outlast_the_single_waits_not_a_round():
