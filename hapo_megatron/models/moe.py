@@ -100,10 +100,11 @@ class ExpertLoadMonitor:
     def _hook(self, router, inputs, output) -> None:
         if not self.recording:
             return
-        _, routing_map = output  # [tokens, experts] bool
+        _, routing_map = output  # [tokens, experts] bool; padding routes nowhere (models/moe_padding.py)
         layer = router.layer_number - 1
-        self.counts[layer] += routing_map.detach().sum(0).to("cpu", torch.float64)
-        self.calls[layer] += 1
+        routed = routing_map.detach().sum(0).to("cpu", torch.float64)
+        self.counts[layer] += routed
+        self.calls[layer] += float(routed.sum() > 0)  # a filler micro-batch (all padding) is no call
 
     def remove(self) -> None:
         for h in self.handles:

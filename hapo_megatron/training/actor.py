@@ -22,6 +22,7 @@ from hapo_megatron.compat.processes import children_allowed
 from hapo_megatron.dtypes import torch_dtype
 from hapo_megatron.models.hf_config import is_moe
 from hapo_megatron.models.moe import ExpertLoadMonitor, moe_overrides
+from hapo_megatron.models.moe_padding import stage_padding_mask
 from hapo_megatron.models.routing_replay import (check_consumed, install_route_replay, queue_routes,
                                                  take_mismatch_counts)
 from hapo_megatron.parallel.micro_batch import MicroBatch
@@ -199,10 +200,15 @@ class MegatronActor:
             if routers:  # this micro-batch's engine routes, in the order this rank's routers see its tokens
                 queue_routes(routers, mb.routed_experts, training=not forward_only, tp_rank=g.tp_rank,
                              tp_size=g.tp_size, sequence_parallel=bool(self.config.sequence_parallel))
+            kw = {}
             packed = packed_seq_params_of(mb)
-            out = (forward(model, mb.input_ids, mb.position_ids, None) if packed is None else
-                   forward(model, mb.input_ids, mb.position_ids, None, packed_seq_params=packed))
-            return out, make_loss(mb)
+            if packed is not None:
+                kw["packed_seq_params"] = packed
+            if self.moe_monitor is not None and mb.padding_mask is not None:  # MoE: padding routed nowhere
+                kw["padding_mask"] = stage_padding_mask(
+                    mb.padding_mask, pre_process=g.is_pipeline_first, tp_rank=g.tp_rank, tp_size=g.tp_size,
+                    sequence_parallel=bool(self.config.sequence_parallel))
+            return forward(model, mb.input_ids, mb.position_ids, None, **kw), make_loss(mb)
 
         seq_len = max(mb.seq_len for mb in local)
         mbs = max(mb.batch_size for mb in local)

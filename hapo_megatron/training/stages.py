@@ -172,8 +172,8 @@ def layout(rt: Runtime, batch: RankBatch, adv: torch.Tensor) -> tuple[Minis, dic
     mbs = []
     for idx, plan in plans:
         mine = [[batch.sequence(idx[j], float(adv[idx[j]])) for j in b] for b in plan[g.dp_rank]]
-        template = None if mine else batch.meta.head(idx[0])  # a filler copies the mini-batch's first tokens
-        mbs.append(collate_micro_batches(mine, template, pack=p.pack_sequences, **pads))
+        # a filler (an empty entry: ranks run equal counts) copies the mini-batch's first tokens
+        mbs.append(collate_micro_batches(mine, batch.meta.head(idx[0]), pack=p.pack_sequences, **pads))
     real = computed = 0.0
     tokens = batch.meta.num_tokens
     for idx, plan in plans:
