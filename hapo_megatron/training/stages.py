@@ -162,7 +162,8 @@ def layout(rt: Runtime, batch: RankBatch, adv: torch.Tensor) -> tuple[Minis, dic
     """This rank's micro-batches of each PPO mini-batch (DP-balanced by token count; identical
     assignment on every rank, `_plan`), padded or packed (``parallel.pack_sequences``), from the
     sequences it holds with their advantages ``adv``; ``perf/token_efficiency`` is real / computed
-    tokens of the step over every rank (from the assignment, which every rank knows: no collective)."""
+    tokens of the step over every rank (from the assignment, which every rank knows: no collective),
+    ``perf/filler_micro_batches`` the all-masked micro-batches that even the ranks' counts."""
     cfg, g = rt.cfg, rt.groups
     p = cfg.parallel
     seq_multiple, row_multiple = pack_multiples(tp_size=g.tp_size, cp_size=g.cp_size,
@@ -174,12 +175,13 @@ def layout(rt: Runtime, batch: RankBatch, adv: torch.Tensor) -> tuple[Minis, dic
         mine = [[batch.sequence(idx[j], float(adv[idx[j]])) for j in b] for b in plan[g.dp_rank]]
         # a filler (an empty entry: ranks run equal counts) copies the mini-batch's first tokens
         mbs.append(collate_micro_batches(mine, batch.meta.head(idx[0]), pack=p.pack_sequences, **pads))
-    real = computed = 0.0
+    real = computed = fillers = 0.0
     tokens = batch.meta.num_tokens
     for idx, plan in plans:
         eff = token_efficiency(plan, [int(tokens[i]) for i in idx], pack=p.pack_sequences, **pads)
         real, computed = real + eff["real_tokens"], computed + eff["computed_tokens"]
-    return mbs, {"perf/token_efficiency": real / max(computed, 1.0)}
+        fillers += eff["filler_micro_batches"]
+    return mbs, {"perf/token_efficiency": real / max(computed, 1.0), "perf/filler_micro_batches": fillers}
 
 
 def _flat(minis: Minis) -> list[MicroBatch]:
