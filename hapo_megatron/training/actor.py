@@ -29,6 +29,7 @@ from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.training.checkpoint import OPTIMIZER_FORMAT, optimizer_sharding_metadata
 from hapo_megatron.training.optimizer_checkpoint import (ensure_adam_state, load_optimizer_state,
                                                           reshaped_for_this_optimizer, saved_with_chained_prefix)
+from hapo_megatron.training.route_share import route_layer_offset, stage_layer_range
 
 LossFactory = Callable[[MicroBatch], Callable]
 ROUTING_MODES = ("off", "measure", "replay")
@@ -199,7 +200,8 @@ class MegatronActor:
             mb = next(data_iterator)
             if routers:  # this micro-batch's engine routes, in the order this rank's routers see its tokens
                 queue_routes(routers, mb.routed_experts, training=not forward_only, tp_rank=g.tp_rank,
-                             tp_size=g.tp_size, sequence_parallel=bool(self.config.sequence_parallel))
+                             tp_size=g.tp_size, sequence_parallel=bool(self.config.sequence_parallel),
+                             first_layer=self._route_first_layer(mb.routed_experts))
             kw = {}
             packed = packed_seq_params_of(mb)
             if packed is not None:
@@ -225,6 +227,16 @@ class MegatronActor:
             raise
         check_consumed(routers)
         return list(out or [])
+
+    def _route_first_layer(self, routes: Optional[torch.Tensor]) -> int:
+        """The layer of a micro-batch's first route column: routes hold every layer, or (shared
+        out by `stages.rollout`) only this pipeline stage's (`training.route_share`)."""
+        if routes is None:
+            return 0
+        g, cfg = self.groups, self.hf_config
+        first, end = stage_layer_range(cfg.num_hidden_layers, g.pp_size, g.pp_rank)
+        return route_layer_offset(routes.shape[-1], top_k=int(cfg.num_experts_per_tok),
+                                  num_layers=cfg.num_hidden_layers, first=first, end=end)
 
     @contextlib.contextmanager
     def counting_routing_mismatch(self):

@@ -30,6 +30,7 @@ from hapo_megatron.training.batching import collate_micro_batches, pack_multiple
 from hapo_megatron.training.engine_memory import empty_cache
 from hapo_megatron.training.rl_step import (RolloutBatch, build_batch, rollout_metrics, sequence_advantages,
                                             shape_rewards)
+from hapo_megatron.training.route_share import route_dtype, stage_layer_range, stage_routes
 from hapo_megatron.training.rollout_share import (MiniPlan, RankBatch, SequenceMeta, held_sequences, split_for_ranks,
                                                   step_plan)
 from hapo_megatron.training.rollout_protocol import DONE, ERROR, PROGRESS
@@ -120,18 +121,32 @@ def _rollout_rank0(rt: Runtime, step: int) -> tuple[RolloutBatch, dict[str, floa
 def _share_out(rt: Runtime, kept: Optional[RolloutBatch], meta: SequenceMeta) -> RankBatch:
     """Every rank's `RankBatch`: rank 0 (holding ``kept``) sends each data-parallel rank the
     per-token data of its own sequences (`rollout_share.step_plan`, the plan `layout` follows), one
-    point-to-point message per rank over the control group; ``meta`` came with ``done``."""
+    point-to-point message per rank over the control group; ``meta`` came with ``done``. A MoE
+    model's routes go to each pipeline stage with its own layers only, in the smallest integer type
+    of the expert ids (`route_share`)."""
     dp_size = rt.groups.dp_size if len(meta) else 1
     group = rt.control.group
-    dp_of = all_gather_objects(rt.groups.dp_rank if dp_size > 1 else 0, group=group)  # by rank of `group`
+    # (DP rank, PP stage) of every rank of `group`
+    coords = all_gather_objects((rt.groups.dp_rank if dp_size > 1 else 0, rt.groups.pp_rank), group=group)
     parts = None
     if rt.is_main:
         plans = _plan(rt, meta) if dp_size > 1 else None
         per_dp = [kept] if plans is None else split_for_ranks(kept, plans, dp_size)
-        parts = [per_dp[d] for d in dp_of]  # ranks of one DP group share one pickled message
+        by_coords = {c: _stage_part(rt, per_dp[c[0]], c[1]) for c in set(coords)}
+        parts = [by_coords[c] for c in coords]  # ranks of one DP group and stage share one pickled message
     tokens = scatter_objects(parts, src=rt.control.src, group=group)
     held = np.arange(len(meta)) if dp_size == 1 else held_sequences(_plan(rt, meta), rt.groups.dp_rank)
     return RankBatch(meta, held, tokens)
+
+
+def _stage_part(rt: Runtime, part: RolloutBatch, pp_rank: int) -> RolloutBatch:
+    """``part`` with the routes of pipeline stage ``pp_rank``'s layers, compact (`route_share`)."""
+    if rt.actor.routing == "off":
+        return part
+    cfg = rt.actor.hf_config
+    first, end = stage_layer_range(cfg.num_hidden_layers, rt.groups.pp_size, pp_rank)
+    return stage_routes(part, num_layers=cfg.num_hidden_layers, top_k=int(cfg.num_experts_per_tok), first=first,
+                        end=end, dtype=route_dtype(int(cfg.num_experts)))
 
 
 def _pad_multiple(rt: Runtime) -> int:

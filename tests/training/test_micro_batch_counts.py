@@ -101,3 +101,14 @@ def test_step_plan_gives_equal_counts_in_every_mini_batch():
         assert len(plans) == 2
         for _, plan in plans:
             assert len(plan[0]) == len(plan[1])
+
+
+def test_stage_padding_mask_cuts_the_tp_slice_only_after_the_first_stage():
+    from hapo_megatron.models.moe_padding import stage_padding_mask
+    mask = torch.tensor([[False, False, False, True], [False, True, True, True]])
+    kw = dict(sequence_parallel=True, tp_rank=1, tp_size=2)
+    assert stage_padding_mask(mask, pre_process=True, **kw) is mask  # GPTModel cuts it with the embeddings
+    assert stage_padding_mask(mask, pre_process=False, **kw).tolist() == [[False, True], [True, True]]
+    assert stage_padding_mask(mask, pre_process=False, sequence_parallel=False, tp_rank=1, tp_size=2) is mask
+    with pytest.raises(ValueError, match="multiple of TP"):
+        stage_padding_mask(mask[:, :3], pre_process=False, **kw)
