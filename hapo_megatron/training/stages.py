@@ -44,6 +44,18 @@ def _stop_ids(rt: Runtime) -> list[int]:
     return [int(eos)] if eos is not None else []
 
 
+def fetches_routes(rt: Runtime, step: int) -> bool:
+    """The step's rollouts ask the engine for its routes: always with replay; when only measuring
+    the mismatch, in ``model.routing_mismatch_fraction`` of the steps, evenly (step ``k`` when
+    ``floor(k * f)`` rises)."""
+    if rt.actor.routing == "replay":
+        return True
+    if rt.actor.routing != "measure":
+        return False
+    f = rt.cfg.model.routing_mismatch_fraction
+    return math.floor(step * f) > math.floor((step - 1) * f)
+
+
 def _generate_round(rt: Runtime, step: int, gen_index: int, group_offset: int,
                     counts: RewardCounts) -> RolloutBatch:
     """One generation batch on rank 0: sample while the reward workers score what is done
@@ -52,7 +64,7 @@ def _generate_round(rt: Runtime, step: int, gen_index: int, group_offset: int,
     records = rt.rl.sampler.next_batch()
     params = SamplingParams.from_config(cfg.rollout, cfg.algo, entropy_stats=rt.rl.rollout_entropy_stats,
                                         seed=rt.sampling_seed(step, gen_index), stop_token_ids=_stop_ids(rt))
-    params = params.with_(return_routes=rt.actor.routing != "off")  # MoE: the experts of every token
+    params = params.with_(return_routes=fetches_routes(rt, step))  # MoE: the experts of every token
     scoring = rt.scorer.start(records, decode=lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True))
     samples = rt.engine.generate([r.prompt_ids for r in records], params, on_samples=scoring.add)
     batch = build_batch(samples, records, scoring.results(samples, counts), group_offset=group_offset)
@@ -305,17 +317,19 @@ def old_logprob_pass(rt: Runtime, minis: Minis) -> tuple[Minis, EntropyStats, di
     metrics = {"entropy/mean": tot.get("ent", 0.0) / n, "rollout/logprob_abs_diff": tot.get("diff", 0.0) / n,
                **{f"entropy/{k}": float(v) for k, v in stats.to_dict().items()}, **_temperature_metrics(tot)}
     if rt.actor.routing != "off":
-        metrics["rollout/routing_mismatch"] = _routing_mismatch(rt)
+        mismatch = _routing_mismatch(rt)
+        if mismatch is not None:  # not a measured step (model.routing_mismatch_fraction)
+            metrics["rollout/routing_mismatch"] = mismatch
     return _regroup(flat, minis), stats, metrics
 
 
-def _routing_mismatch(rt: Runtime) -> float:
+def _routing_mismatch(rt: Runtime) -> Optional[float]:
     """Share of the (token, MoE layer) pairs the engine routed whose top-k set the actor chose
     otherwise in the old-log-prob pass (collective: every rank counts its own tokens / layers, see
-    `MegatronActor.take_routing_mismatch`); NaN when the engine returned no routes."""
+    `MegatronActor.take_routing_mismatch`); None when the engine returned no routes."""
     differing, compared = rt.actor.take_routing_mismatch()
     tot = sum_metrics({"differing": differing, "compared": compared})
-    return tot["differing"] / tot["compared"] if tot["compared"] else float("nan")
+    return tot["differing"] / tot["compared"] if tot["compared"] else None
 
 
 def loss_config(rt: Runtime) -> LossConfig:
