@@ -335,10 +335,14 @@ class ModelConfig(_Section):
     old-log-prob pass and the updates route each token to those experts (docs/moe.md, "Routing
     replay"); SGLang servers the trainer starts get --enable-return-routed-experts. Needs a MoE
     model."""
-    measure_routing_mismatch: bool = True
-    """MoE models: also without replay, ask the engine for its routes and log
-    rollout/routing_mismatch, the share of (token, MoE layer) pairs whose top-k expert set the actor
-    chooses otherwise. Off: neither (no routes travel) unless model.routing_replay."""
+    measure_routing_mismatch: bool = False
+    """MoE models: also without replay, ask the engine for its routes in a share of the steps
+    (model.routing_mismatch_fraction) and log rollout/routing_mismatch there, the share of (token,
+    MoE layer) pairs whose top-k expert set the actor chooses otherwise. Off: no routes travel
+    unless model.routing_replay (routes are large at scale: docs/moe.md, "Routes volume")."""
+    routing_mismatch_fraction: float = 1.0
+    """With measure_routing_mismatch and without replay: the share of training steps whose rollouts
+    fetch routes, spread evenly (0.1: steps 10, 20, ...; 1: every step)."""
 
     def _validate(self) -> None:
         _check_choice("model.dtype", self.dtype, DTYPES)
@@ -346,5 +350,6 @@ class ModelConfig(_Section):
             _fail("model.random_init=true and model.megatron_load_path both choose the initial weights: "
                   "set one of them")
         _check_min("model.max_position_embeddings", self.max_position_embeddings, 1)
+        _check_open_unit("model.routing_mismatch_fraction", self.routing_mismatch_fraction, right_closed=True)
         if self.moe_aux_loss_coef is not None and not self.moe_aux_loss_coef >= 0:
             _fail(f"model.moe_aux_loss_coef must be >= 0 or null, got {self.moe_aux_loss_coef!r}")

@@ -152,16 +152,23 @@ def decoder_spec_for(hf_config, config, use_te: bool, vp_stage: int | None = Non
     """The decoder spec of `build_gpt_model`: `layer_spec_for` for dense models; for MoE models
     Megatron's block spec, which places sparse and dense layers by `config.moe_layer_freq` on
     this pipeline stage (SequentialMLP experts with the local spec), with norms that support
-    sequence parallelism in the local spec (`local_norm.py`: MoE with TP > 1 trains only with it)."""
+    sequence parallelism in the local spec (`local_norm.py`: MoE with TP > 1 trains only with it)
+    and `PackedDotProductAttention` in every layer, so packed rows run on CPU as for dense models."""
     if not is_moe(hf_config):
         return layer_spec_for(hf_config, use_te)
     from megatron.core.models.gpt import gpt_layer_specs
 
     from hapo_megatron.models.local_norm import with_local_norm
+    from hapo_megatron.models.packed_attention import PackedDotProductAttention
 
     spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                                       normalization="RMSNorm", vp_stage=vp_stage)
-    return spec if use_te else with_local_norm(spec)
+    if use_te:
+        return spec
+    spec = with_local_norm(spec)  # a copy: the layer specs below are its own
+    for layer in spec.layer_specs:
+        layer.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return spec
 
 
 def _mask_padded_vocab_hook(vocab_size: int) -> Callable:
@@ -240,6 +247,9 @@ def build_gpt_model(hf_config, *, pre_process: bool | None = None, post_process:
         rotary.inv_freq = inv_freq.to(rotary.inv_freq.device)
     if post_process and vocab > hf_config.vocab_size:
         model.output_layer.register_forward_hook(_mask_padded_vocab_hook(hf_config.vocab_size))
+    if is_moe(hf_config):  # before any other router hook (the expert-load monitor counts what it leaves)
+        from hapo_megatron.models.moe_padding import route_no_padding
+        route_no_padding(model)
     model.hf_vocab_size = hf_config.vocab_size
     return model
 

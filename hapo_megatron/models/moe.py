@@ -99,7 +99,7 @@ class ExpertLoadMonitor:
             device = next(iter(chunks[0].parameters())).device if chunks else torch.device("cpu")
         self.device = torch.device(device)
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=self.device)
-        self.calls = [0] * num_layers  # host ints: counting a call needs no sync
+        self.calls = torch.zeros(num_layers, dtype=torch.float64, device=self.device)  # on the device: no sync
         self.recording = False  # on during training steps only (not the log-prob passes)
         self.handles = []
         for chunk in chunks:
@@ -110,10 +110,11 @@ class ExpertLoadMonitor:
     def _hook(self, router, inputs, output) -> None:
         if not self.recording or not torch.is_grad_enabled():
             return
-        _, routing_map = output  # [tokens, experts] bool
+        _, routing_map = output  # [tokens, experts] bool; padding routes nowhere (models/moe_padding.py)
         layer = router.layer_number - 1
-        self.counts[layer] += routing_map.detach().sum(0).to(self.device, torch.int64)
-        self.calls[layer] += 1
+        routed = routing_map.detach().sum(0).to(self.device, torch.int64)
+        self.counts[layer] += routed
+        self.calls[layer] += routed.sum() > 0  # a filler micro-batch (all padding) is no call; stays on the device
 
     def remove(self) -> None:
         for h in self.handles:
@@ -126,8 +127,7 @@ class ExpertLoadMonitor:
         `device`, summed over the groups (collective over every group given); resets."""
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-        calls = torch.tensor(self.calls, dtype=torch.float64, device=self.device)
-        stats = torch.cat([self.counts.flatten().to(torch.float64), calls])  # counts < 2^53: exact
+        stats = torch.cat([self.counts.flatten().to(torch.float64), self.calls])  # counts < 2^53: exact
         tracker = get_moe_layer_wise_logging_tracker().get(AUX_LOSS_NAME)
         aux = (tracker["values"].detach().to(self.device, torch.float64) if tracker is not None
                else torch.zeros(self.num_layers, dtype=torch.float64, device=self.device))
@@ -140,7 +140,7 @@ class ExpertLoadMonitor:
             if group is not None:
                 all_reduce_tensor(aux, group)
         self.counts.zero_()
-        self.calls = [0] * self.num_layers
+        self.calls.zero_()
         n = self.counts.numel()
         return stats[:n].view(self.num_layers, self.num_experts), stats[n:], aux
 

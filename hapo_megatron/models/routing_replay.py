@@ -115,13 +115,16 @@ def install_route_replay(model_chunks, *, replay: bool, recompute: bool = False)
 
 
 def routes_for_router(routes: torch.Tensor, layer: int, top_k: int, *, tp_rank: int = 0, tp_size: int = 1,
-                      sequence_parallel: bool = False) -> torch.Tensor:
+                      sequence_parallel: bool = False, first_layer: int = 0) -> torch.Tensor:
     """Layer ``layer``'s (0-based) ``[tokens, top_k]`` int64 routes in the order its router sees
-    this rank's tokens, from a micro-batch's ``[b, s, L * top_k]`` routes."""
+    this rank's tokens, from a micro-batch's ``[b, s, L * top_k]`` routes of the layers from
+    ``first_layer`` on (a pipeline stage's, `training.route_share`)."""
     b, s, width = routes.shape
     if width % top_k:
         raise ValueError(f"routes carry {width} experts per position, not layers x top-{top_k}")
-    per_layer = routes.view(b, s, width // top_k, top_k)[:, :, layer, :]
+    if not 0 <= layer - first_layer < width // top_k:
+        raise ValueError(f"routes of layers {first_layer}..{first_layer + width // top_k - 1} hold no layer {layer}")
+    per_layer = routes.view(b, s, width // top_k, top_k)[:, :, layer - first_layer, :]
     tokens = per_layer.transpose(0, 1)  # [s, b, k]: the decoder's sequence-first layout
     if sequence_parallel and tp_size > 1:
         if s % tp_size:
@@ -131,12 +134,13 @@ def routes_for_router(routes: torch.Tensor, layer: int, top_k: int, *, tp_rank: 
 
 
 def queue_routes(routers: Iterable, routes: Optional[torch.Tensor], *, training: bool, tp_rank: int = 0,
-                 tp_size: int = 1, sequence_parallel: bool = False) -> None:
-    """Queue one micro-batch's routes on every router (None: each router its own top-k)."""
+                 tp_size: int = 1, sequence_parallel: bool = False, first_layer: int = 0) -> None:
+    """Queue one micro-batch's routes (of the layers from ``first_layer`` on) on every router
+    (None: each router its own top-k)."""
     for r in routers:
         target = None if routes is None else routes_for_router(
             routes, int(r.layer_number) - 1, int(r.topk), tp_rank=tp_rank, tp_size=tp_size,
-            sequence_parallel=sequence_parallel)
+            sequence_parallel=sequence_parallel, first_layer=first_layer)
         r.router_replay.push(target, training=training)
 
 

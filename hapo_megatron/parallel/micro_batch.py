@@ -91,6 +91,9 @@ class MicroBatch:
             span includes its padding) in the *full* row, also in a context-parallel shard (what
             Transformer Engine's THD attention and megatron-core's `PackedSeqParams` take).
         segment_ids: packed only: ``[1, s]`` int64, the sequence (0..n-1) of every position.
+        padding_mask: ``[b, s]`` bool, True at the positions that are no token of a sequence
+            (padding, every position of a filler): what the MoE routers leave out
+            (`models.moe_padding`); None: every position is routed.
         routed_experts: MoE with routing replay: ``[b, s, L * k]`` int16, the ``k`` experts the
             engine chose in each of the ``L`` layers for the token at each position, -1 where it
             chose none (`models.routing_replay`); what the forward pass reads, not the loss.
@@ -116,6 +119,7 @@ class MicroBatch:
     engine_temperatures: Optional[torch.Tensor] = None
     cu_seqlens: Optional[torch.Tensor] = None
     segment_ids: Optional[torch.Tensor] = None
+    padding_mask: Optional[torch.Tensor] = None
     routed_experts: Optional[torch.Tensor] = None
     old_logprobs: Optional[torch.Tensor] = None
     old_entropy: Optional[torch.Tensor] = None
@@ -188,6 +192,8 @@ class MicroBatch:
         lay = self.sequence_layout()
         cut = {name: t if name in ROW_FIELDS else lay.to_rows(t)
                for name, t in self._tensors() if name not in ("cu_seqlens", "segment_ids", ROUTE_FIELD)}
+        if self.padding_mask is not None:  # beyond a sequence's span is padding too
+            cut["padding_mask"] = ~lay.to_rows(~self.padding_mask)
         return replace(self, **cut, cu_seqlens=None, segment_ids=None, routed_experts=None,
                        updates=tuple(u.apply(lay.to_rows) for u in self.updates))
 

@@ -22,6 +22,7 @@ from hapo_megatron.compat.processes import children_allowed
 from hapo_megatron.dtypes import torch_dtype
 from hapo_megatron.models.hf_config import is_moe
 from hapo_megatron.models.moe import ExpertLoadMonitor, moe_overrides
+from hapo_megatron.models.moe_padding import stage_padding_mask
 from hapo_megatron.models.routing_replay import (check_consumed, install_route_replay, queue_routes,
                                                  take_mismatch_counts)
 from hapo_megatron.parallel.collectives import all_reduce_tensor
@@ -29,6 +30,7 @@ from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.training.checkpoint import OPTIMIZER_FORMAT, optimizer_sharding_metadata
 from hapo_megatron.training.optimizer_checkpoint import (ensure_adam_state, load_optimizer_state,
                                                           reshaped_for_this_optimizer, saved_with_chained_prefix)
+from hapo_megatron.training.route_share import route_layer_offset, stage_layer_range
 
 LossFactory = Callable[[MicroBatch], Callable]
 ROUTING_MODES = ("off", "measure", "replay")
@@ -199,11 +201,17 @@ class MegatronActor:
             mb = next(data_iterator)
             if routers:  # this micro-batch's engine routes, in the order this rank's routers see its tokens
                 queue_routes(routers, mb.routed_experts, training=not forward_only, tp_rank=g.tp_rank,
-                             tp_size=g.tp_size, sequence_parallel=bool(self.config.sequence_parallel))
+                             tp_size=g.tp_size, sequence_parallel=bool(self.config.sequence_parallel),
+                             first_layer=self._route_first_layer(mb.routed_experts))
+            kw = {}
             packed = packed_seq_params_of(mb)
-            out = (forward(model, mb.input_ids, mb.position_ids, None) if packed is None else
-                   forward(model, mb.input_ids, mb.position_ids, None, packed_seq_params=packed))
-            return out, make_loss(mb)
+            if packed is not None:
+                kw["packed_seq_params"] = packed
+            if self.moe_monitor is not None and mb.padding_mask is not None:  # MoE: padding routed nowhere
+                kw["padding_mask"] = stage_padding_mask(
+                    mb.padding_mask, pre_process=g.is_pipeline_first, tp_rank=g.tp_rank, tp_size=g.tp_size,
+                    sequence_parallel=bool(self.config.sequence_parallel))
+            return forward(model, mb.input_ids, mb.position_ids, None, **kw), make_loss(mb)
 
         seq_len = max(mb.seq_len for mb in local)
         mbs = max(mb.batch_size for mb in local)
@@ -220,6 +228,16 @@ class MegatronActor:
             raise
         check_consumed(routers)
         return list(out or [])
+
+    def _route_first_layer(self, routes: Optional[torch.Tensor]) -> int:
+        """The layer of a micro-batch's first route column: routes hold every layer, or (shared
+        out by `stages.rollout`) only this pipeline stage's (`training.route_share`)."""
+        if routes is None:
+            return 0
+        g, cfg = self.groups, self.hf_config
+        first, end = stage_layer_range(cfg.num_hidden_layers, g.pp_size, g.pp_rank)
+        return route_layer_offset(routes.shape[-1], top_k=int(cfg.num_experts_per_tok),
+                                  num_layers=cfg.num_hidden_layers, first=first, end=end)
 
     @contextlib.contextmanager
     def counting_routing_mismatch(self):

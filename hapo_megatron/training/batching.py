@@ -14,6 +14,12 @@ concatenated in one row up to ``max_tokens_per_micro_batch`` *real* tokens, each
 the multiple the kernels need (`pack_multiples`), positions restarting per sequence. Which
 sequences go to which rank and micro-batch is `plan_micro_batches`, a pure function of the
 lengths; `token_efficiency` measures what the layout costs (real / computed tokens).
+
+Every rank runs the same number of micro-batches (`equalize_micro_batch_counts`): with expert
+parallelism each MoE layer's token dispatch is a collective over ranks of different data-parallel
+replicas, once per micro-batch, so one rank running fewer would leave the others waiting. The
+shorter lists get empty entries, built as all-masked fillers (`dummy_sequence`) that change no
+loss, gradient or metric (docs/moe.md, "Micro-batch counts").
 """
 
 from __future__ import annotations
@@ -142,6 +148,7 @@ def plan_micro_batches(lengths: Sequence[int], *, dp_size: int, micro_batch_size
     splits its sequences into the same number ``k`` of micro-batches with `pack_bins`, ``k`` the
     smallest count that keeps every micro-batch of every rank within ``max_tokens_per_micro_batch``
     real tokens (so micro-batches are balanced within and across ranks). Identical on every rank.
+    Both end with `equalize_micro_batch_counts`: an empty entry ``[]`` is a filler micro-batch.
     """
     if pack and max_tokens_per_micro_batch is None:
         raise ValueError("packing needs max_tokens_per_micro_batch (the real-token budget of a row)")
@@ -154,15 +161,23 @@ def plan_micro_batches(lengths: Sequence[int], *, dp_size: int, micro_batch_size
                                          max_tokens_per_micro_batch=max_tokens_per_micro_batch)
             starts = [sum(len(g) for g in groups[:j]) for j in range(len(groups))]
             plan.append([p[a:a + len(g)] for a, g in zip(starts, groups)])
-        return plan
+        return equalize_micro_batch_counts(plan)
     budget = int(max_tokens_per_micro_batch)
     loads = [sum(int(lengths[i]) for i in p) for p in parts]
     k = max(1, -(-max(loads, default=0) // budget))
     while True:
         plan = [pack_bins(p, lengths, k) for p in parts]
         if all(_fits(bins, lengths, budget) for bins in plan) or k >= max(n, 1):
-            return plan
+            return equalize_micro_batch_counts(plan)
         k += 1
+
+
+def equalize_micro_batch_counts(plan: list[list[list[int]]]) -> list[list[list[int]]]:
+    """``plan`` with every rank's list padded by empty micro-batches ``[]`` (fillers) to the
+    longest list, at least one each. WHY every data-parallel rank and not only an expert-parallel
+    group's: the plan of every rank is known everywhere, and the rule needs no group layout."""
+    k = max([1] + [len(rank) for rank in plan])
+    return [[list(b) for b in rank] + [[] for _ in range(k - len(rank))] for rank in plan]
 
 
 class _Len:  # what split_micro_batches reads of a sequence: its token count
@@ -216,21 +231,24 @@ def collate_packed(seqs: Sequence[SequenceData], *, seq_multiple: int = 1, row_m
         rollout_logprobs=pack(rows.rollout_logprobs, 0.0), temperatures=pack(rows.temperatures, 1.0),
         seq_index=rows.seq_index, engine_temperatures=rows.engine_temperatures,
         cu_seqlens=torch.tensor(cu, dtype=torch.int32), segment_ids=seg.unsqueeze(0),
-        routed_experts=pack(routes, NO_ROUTE) if routes is not None else None)
+        routed_experts=pack(routes, NO_ROUTE) if routes is not None else None,
+        padding_mask=pack(rows.padding_mask, True))
 
 
 def token_efficiency(plan: list[list[list[int]]], lengths: Sequence[int], *, pack: bool,
                      pad_multiple: int = 1, seq_multiple: int = 1, row_multiple: int = 1) -> dict[str, float]:
     """Real tokens / computed tokens of a `plan_micro_batches` plan over all ranks, the layout
     `build_rank_micro_batches` makes of it (``computed``: rows x padded length, or packed row
-    lengths), and the micro-batches per rank. A rank left without a sequence runs one filler of
-    2 tokens (`dummy_sequence`)."""
-    real = computed = 0
+    lengths), the micro-batches per rank and the fillers among them (an empty entry, or a rank
+    without any: one all-masked `dummy_sequence` of 2 tokens)."""
+    real = computed = fillers = 0
+    filler_tokens = _round_up(2, max(pad_multiple, row_multiple) if pack else pad_multiple)
     for bins in plan:
-        if not bins:
-            computed += _round_up(2, max(pad_multiple, row_multiple) if pack else pad_multiple)
-            continue
-        for b in bins:
+        for b in bins or [[]]:
+            if not b:
+                computed += filler_tokens
+                fillers += 1
+                continue
             ls = [int(lengths[i]) for i in b]
             real += sum(ls)
             if pack:
@@ -241,7 +259,8 @@ def token_efficiency(plan: list[list[list[int]]], lengths: Sequence[int], *, pac
     counts = [max(len(b), 1) for b in plan]
     return {"real_tokens": float(real), "computed_tokens": float(computed),
             "token_efficiency": real / computed if computed else 1.0,
-            "micro_batches_per_rank_max": float(max(counts)), "micro_batches_per_rank_min": float(min(counts))}
+            "micro_batches_per_rank_max": float(max(counts)), "micro_batches_per_rank_min": float(min(counts)),
+            "filler_micro_batches": float(fillers)}
 
 
 def _round_up(x: int, m: int) -> int:
@@ -252,8 +271,9 @@ def collate(seqs: Sequence[SequenceData], *, pad_multiple: int = 1) -> MicroBatc
     """Pad sequences into a `MicroBatch` of ``[b, s]`` tensors.
 
     Sets ``input_ids``, ``position_ids``, ``labels`` (int64), ``loss_mask``, ``advantages``,
-    ``rollout_logprobs``, ``temperatures`` (float32), ``seq_index`` ``[b]`` (int64, -1 for
-    dummies) and ``engine_temperatures`` ``[b]`` (the sequence came with temperatures). ``s`` is
+    ``rollout_logprobs``, ``temperatures`` (float32), ``padding_mask`` (bool: past a sequence's
+    tokens, and all of a dummy's), ``seq_index`` ``[b]`` (int64, -1 for dummies) and
+    ``engine_temperatures`` ``[b]`` (the sequence came with temperatures). ``s`` is
     the longest sequence rounded up to ``pad_multiple`` (e.g. TP size with sequence parallelism,
     2*CP with context parallelism).
     """
@@ -267,12 +287,14 @@ def collate(seqs: Sequence[SequenceData], *, pad_multiple: int = 1) -> MicroBatc
     advantages = torch.zeros(b, s)
     rollout_lp = torch.zeros(b, s)
     temps = torch.ones(b, s)
+    padding = torch.ones(b, s, dtype=torch.bool)
     for i, x in enumerate(seqs):  # rows may be lists or numpy arrays (a `Ragged` row): one conversion each
         toks = torch.from_numpy(np.concatenate([np.asarray(x.prompt_ids, dtype=np.int64).reshape(-1),
                                                 np.asarray(x.response_ids, dtype=np.int64).reshape(-1)]))
         n, p, r = len(toks), len(x.prompt_ids), len(x.response_ids)
         input_ids[i, :n] = toks
         labels[i, : n - 1] = toks[1:]
+        padding[i, :n] = x.index < 0  # a dummy's tokens are padding for the routers
         if r == 0 or x.index < 0 or p == 0:
             continue
         sl = slice(p - 1, p - 1 + r)  # positions predicting the response tokens
@@ -286,7 +308,7 @@ def collate(seqs: Sequence[SequenceData], *, pad_multiple: int = 1) -> MicroBatc
         input_ids=input_ids, routed_experts=collate_routes(seqs, s),
         position_ids=torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous(),
         labels=labels, loss_mask=loss_mask, advantages=advantages, rollout_logprobs=rollout_lp,
-        temperatures=temps, seq_index=torch.tensor([x.index for x in seqs], dtype=torch.long),
+        temperatures=temps, padding_mask=padding, seq_index=torch.tensor([x.index for x in seqs], dtype=torch.long),
         engine_temperatures=torch.tensor([x.index >= 0 and len(x.temperatures) > 0 for x in seqs],
                                          dtype=torch.bool))
 
@@ -312,7 +334,8 @@ def collate_routes(seqs: Sequence[SequenceData], width: int) -> Optional[torch.T
 
 
 def dummy_sequence(template: SequenceData) -> SequenceData:
-    """An all-masked filler so a data-parallel rank never gets an empty mini-batch."""
+    """An all-masked filler micro-batch's sequence (index -1: no loss, no metric; its tokens are
+    padding for the MoE routers): the first prompt and response token of ``template``."""
     return SequenceData(prompt_ids=[int(t) for t in template.prompt_ids[:1]] or [PAD_ID],
                         response_ids=[int(t) for t in template.response_ids[:1]], index=-1)
 
@@ -325,8 +348,8 @@ def build_rank_micro_batches(seqs: Sequence[SequenceData], *, dp_rank: int, dp_s
     (`collate`, rows padded to ``pad_multiple``) or packed rows (`collate_packed` with
     ``seq_multiple`` / ``row_multiple``, see `pack_multiples`).
 
-    The split is `plan_micro_batches` (identical on every rank); a rank left without a sequence
-    gets one all-masked dummy so every rank runs at least one micro-batch.
+    The split is `plan_micro_batches` (identical on every rank, the same number of micro-batches
+    on every rank): its empty entries become all-masked fillers copied from ``seqs[0]``.
     """
     if not seqs:
         raise ValueError("seqs must not be empty")
@@ -342,9 +365,13 @@ def collate_micro_batches(groups: Sequence[Sequence[SequenceData]], template: Se
                           pad_multiple: int = 1, pack: bool = False, seq_multiple: int = 1,
                           row_multiple: int = 1) -> list[MicroBatch]:
     """One micro-batch per group of sequences (a rank's part of a `plan_micro_batches` plan),
-    padded or packed as in `build_rank_micro_batches`; no group: one all-masked dummy built from
-    ``template`` (the mini-batch's first sequence), so every rank runs at least one micro-batch."""
-    groups = [list(g) for g in groups] or [[dummy_sequence(template)]]
+    padded or packed as in `build_rank_micro_batches`; an empty group (and no group at all) is one
+    all-masked filler built from ``template`` (the mini-batch's first sequence, `dummy_sequence`)."""
+    groups = [list(g) for g in groups] or [[]]
+    if any(not g for g in groups):
+        if template is None:
+            raise ValueError("a filler micro-batch (an empty group) needs a template sequence")
+        groups = [g or [dummy_sequence(template)] for g in groups]
     if pack:
         return [collate_packed(g, seq_multiple=seq_multiple, row_multiple=row_multiple) for g in groups]
     return [collate(g, pad_multiple=pad_multiple) for g in groups]

@@ -5,7 +5,8 @@ the sequences it trains on (`RankBatch`).
 Which sequences a data-parallel rank trains on is a pure function of the per-sequence metadata
 (`step_plan`: PPO mini-batches, then `batching.plan_micro_batches` in each), so rank 0 computes
 every rank's part and sends it to that rank alone (`stages.rollout`); ranks of the same DP
-group at other TP/PP/CP positions get the same part.
+group at other TP/PP/CP positions get the same part, except for a MoE model's routes, of which a
+pipeline stage gets its own layers (`route_share`).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from hapo_megatron.training.batching import collate_micro_batches, pack_multiple
 from hapo_megatron.training.engine_memory import empty_cache
 from hapo_megatron.training.rl_step import (RolloutBatch, build_batch, rollout_metrics, sequence_advantages,
                                             shape_rewards)
+from hapo_megatron.training.route_share import route_dtype, stage_layer_range, stage_routes
 from hapo_megatron.training.rollout_share import (MiniPlan, RankBatch, SequenceMeta, held_sequences, split_for_ranks,
                                                   step_plan)
 from hapo_megatron.training.rollout_protocol import ABANDONED, DONE, ERROR, PROGRESS, RolloutAbandoned
@@ -45,6 +46,18 @@ def _stop_ids(rt: Runtime) -> list[int]:
     return [int(eos)] if eos is not None else []
 
 
+def fetches_routes(rt: Runtime, step: int) -> bool:
+    """The step's rollouts ask the engine for its routes: always with replay; when only measuring
+    the mismatch, in ``model.routing_mismatch_fraction`` of the steps, evenly (step ``k`` when
+    ``floor(k * f)`` rises)."""
+    if rt.actor.routing == "replay":
+        return True
+    if rt.actor.routing != "measure":
+        return False
+    f = rt.cfg.model.routing_mismatch_fraction
+    return math.floor(step * f) > math.floor((step - 1) * f)
+
+
 def _generate_round(rt: Runtime, step: int, gen_index: int, group_offset: int,
                     counts: RewardCounts) -> RolloutBatch:
     """One generation batch on rank 0: sample while the reward workers score what is done
@@ -53,7 +66,7 @@ def _generate_round(rt: Runtime, step: int, gen_index: int, group_offset: int,
     records = rt.rl.sampler.next_batch()
     params = SamplingParams.from_config(cfg.rollout, cfg.algo, entropy_stats=rt.rl.rollout_entropy_stats,
                                         seed=rt.sampling_seed(step, gen_index), stop_token_ids=_stop_ids(rt))
-    params = params.with_(return_routes=rt.actor.routing != "off")  # MoE: the experts of every token
+    params = params.with_(return_routes=fetches_routes(rt, step))  # MoE: the experts of every token
     scoring = rt.scorer.start(records, decode=lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True))
     samples = rt.engine.generate([r.prompt_ids for r in records], params, on_samples=scoring.add)
     batch = build_batch(samples, records, scoring.results(samples, counts), group_offset=group_offset)
@@ -160,18 +173,32 @@ def _rollout_rank0(rt: Runtime, step: int, stop_check: Optional[Callable[[], boo
 def _share_out(rt: Runtime, kept: Optional[RolloutBatch], meta: SequenceMeta) -> RankBatch:
     """Every rank's `RankBatch`: rank 0 (holding ``kept``) sends each data-parallel rank the
     per-token data of its own sequences (`rollout_share.step_plan`, the plan `layout` follows), one
-    point-to-point message per rank over the control group; ``meta`` came with ``done``."""
+    point-to-point message per rank over the control group; ``meta`` came with ``done``. A MoE
+    model's routes go to each pipeline stage with its own layers only, in the smallest integer type
+    of the expert ids (`route_share`)."""
     dp_size = rt.groups.dp_size if len(meta) else 1
     group = rt.control.group
-    dp_of = all_gather_objects(rt.groups.dp_rank if dp_size > 1 else 0, group=group)  # by rank of `group`
+    # (DP rank, PP stage) of every rank of `group`
+    coords = all_gather_objects((rt.groups.dp_rank if dp_size > 1 else 0, rt.groups.pp_rank), group=group)
     parts = None
     if rt.is_main:
         plans = _plan(rt, meta) if dp_size > 1 else None
         per_dp = [kept] if plans is None else split_for_ranks(kept, plans, dp_size)
-        parts = [per_dp[d] for d in dp_of]  # ranks of one DP group share one pickled message
+        by_coords = {c: _stage_part(rt, per_dp[c[0]], c[1]) for c in set(coords)}
+        parts = [by_coords[c] for c in coords]  # ranks of one DP group and stage share one pickled message
     tokens = scatter_objects(parts, src=rt.control.src, group=group)
     held = np.arange(len(meta)) if dp_size == 1 else held_sequences(_plan(rt, meta), rt.groups.dp_rank)
     return RankBatch(meta, held, tokens)
+
+
+def _stage_part(rt: Runtime, part: RolloutBatch, pp_rank: int) -> RolloutBatch:
+    """``part`` with the routes of pipeline stage ``pp_rank``'s layers, compact (`route_share`)."""
+    if rt.actor.routing == "off":
+        return part
+    cfg = rt.actor.hf_config
+    first, end = stage_layer_range(cfg.num_hidden_layers, rt.groups.pp_size, pp_rank)
+    return stage_routes(part, num_layers=cfg.num_hidden_layers, top_k=int(cfg.num_experts_per_tok), first=first,
+                        end=end, dtype=route_dtype(int(cfg.num_experts)))
 
 
 def _pad_multiple(rt: Runtime) -> int:
@@ -202,7 +229,8 @@ def layout(rt: Runtime, batch: RankBatch, adv: torch.Tensor) -> tuple[Minis, dic
     """This rank's micro-batches of each PPO mini-batch (DP-balanced by token count; identical
     assignment on every rank, `_plan`), padded or packed (``parallel.pack_sequences``), from the
     sequences it holds with their advantages ``adv``; ``perf/token_efficiency`` is real / computed
-    tokens of the step over every rank (from the assignment, which every rank knows: no collective)."""
+    tokens of the step over every rank (from the assignment, which every rank knows: no collective),
+    ``perf/filler_micro_batches`` the all-masked micro-batches that even the ranks' counts."""
     cfg, g = rt.cfg, rt.groups
     p = cfg.parallel
     seq_multiple, row_multiple = pack_multiples(tp_size=g.tp_size, cp_size=g.cp_size,
@@ -212,14 +240,15 @@ def layout(rt: Runtime, batch: RankBatch, adv: torch.Tensor) -> tuple[Minis, dic
     mbs = []
     for idx, plan in plans:
         mine = [[batch.sequence(idx[j], float(adv[idx[j]])) for j in b] for b in plan[g.dp_rank]]
-        template = None if mine else batch.meta.head(idx[0])  # a filler copies the mini-batch's first tokens
-        mbs.append(collate_micro_batches(mine, template, pack=p.pack_sequences, **pads))
-    real = computed = 0.0
+        # a filler (an empty entry: ranks run equal counts) copies the mini-batch's first tokens
+        mbs.append(collate_micro_batches(mine, batch.meta.head(idx[0]), pack=p.pack_sequences, **pads))
+    real = computed = fillers = 0.0
     tokens = batch.meta.num_tokens
     for idx, plan in plans:
         eff = token_efficiency(plan, [int(tokens[i]) for i in idx], pack=p.pack_sequences, **pads)
         real, computed = real + eff["real_tokens"], computed + eff["computed_tokens"]
-    return mbs, {"perf/token_efficiency": real / max(computed, 1.0)}
+        fillers += eff["filler_micro_batches"]
+    return mbs, {"perf/token_efficiency": real / max(computed, 1.0), "perf/filler_micro_batches": fillers}
 
 
 def _flat(minis: Minis) -> list[MicroBatch]:
@@ -328,17 +357,19 @@ def old_logprob_pass(rt: Runtime, minis: Minis) -> tuple[Minis, EntropyStats, di
     metrics = {"entropy/mean": tot.get("ent", 0.0) / n, "rollout/logprob_abs_diff": tot.get("diff", 0.0) / n,
                **{f"entropy/{k}": float(v) for k, v in stats.to_dict().items()}, **_temperature_metrics(tot)}
     if rt.actor.routing != "off":
-        metrics["rollout/routing_mismatch"] = _routing_mismatch(rt)
+        mismatch = _routing_mismatch(rt)
+        if mismatch is not None:  # not a measured step (model.routing_mismatch_fraction)
+            metrics["rollout/routing_mismatch"] = mismatch
     return _regroup(flat, minis), stats, metrics
 
 
-def _routing_mismatch(rt: Runtime) -> float:
+def _routing_mismatch(rt: Runtime) -> Optional[float]:
     """Share of the (token, MoE layer) pairs the engine routed whose top-k set the actor chose
     otherwise in the old-log-prob pass (collective: every rank counts its own tokens / layers, see
-    `MegatronActor.take_routing_mismatch`); NaN when the engine returned no routes."""
+    `MegatronActor.take_routing_mismatch`); None when the engine returned no routes."""
     differing, compared = rt.actor.take_routing_mismatch()
     tot = sum_metrics({"differing": differing, "compared": compared})
-    return tot["differing"] / tot["compared"] if tot["compared"] else float("nan")
+    return tot["differing"] / tot["compared"] if tot["compared"] else None
 
 
 def loss_config(rt: Runtime) -> LossConfig:

@@ -238,7 +238,8 @@ def _distributed_share(rank, world, seed):
     sampler = SimpleNamespace(load_state_dict=lambda s: None)
     rt = SimpleNamespace(is_main=rank == 0, memory=EngineMemory(), rl=SimpleNamespace(sampler=sampler),
                          control=channel, cfg=cfg, groups=SimpleNamespace(tp_size=2, cp_size=1, dp_size=2,
-                                                                          dp_rank=rank // 2))
+                                                                          dp_rank=rank // 2, pp_rank=0, pp_size=1),
+                         actor=SimpleNamespace(routing="off"))
     share, metrics = stages.rollout(rt, 1)
     adv, _ = stages.advantages(rt, share)
     minis, _ = stages.layout(rt, share, adv)

@@ -66,7 +66,8 @@ def _rollout_protocol(rank, world, fail):
     stages._rollout_rank0 = fake_rank0
     sampler = SimpleNamespace(state=None, load_state_dict=lambda s: setattr(sampler, "state", s))
     rt = SimpleNamespace(is_main=rank == 0, memory=EngineMemory(), rl=SimpleNamespace(sampler=sampler), control=channel,
-                         groups=SimpleNamespace(dp_rank=0, dp_size=1))  # one DP group: both ranks get the batch
+                         groups=SimpleNamespace(dp_rank=0, dp_size=1, pp_rank=0, pp_size=1),
+                         actor=SimpleNamespace(routing="off"))  # one DP group: both ranks get the batch
     calls = []
     _record_collectives(calls)
     try:

@@ -62,3 +62,18 @@ def test_training_rollouts_ask_for_routes_when_the_actor_uses_them(monkeypatch, 
     rt.actor = SimpleNamespace(routing=routing)
     stages._rollout_rank0(rt, 1)
     assert asked == [routing != "off"]
+
+
+def test_without_replay_routes_travel_only_in_the_sampled_measured_steps():
+    """Default: no routes without replay. Mutations tried: the default back to measuring, or every
+    step fetching with a fraction < 1, fail here."""
+    assert routing_mode(HapoConfig.from_dict({}), MOE) == "off"
+
+    def fetched(routing, fraction):
+        cfg = HapoConfig.from_dict({"model": {"routing_mismatch_fraction": fraction}})
+        rt = SimpleNamespace(cfg=cfg, actor=SimpleNamespace(routing=routing))
+        return [step for step in range(1, 21) if stages.fetches_routes(rt, step)]
+    assert fetched("measure", 0.1) == [10, 20] and fetched("measure", 0.25) == [4, 8, 12, 16, 20]
+    assert fetched("measure", 1.0) == fetched("replay", 0.1) == list(range(1, 21)) and fetched("off", 1.0) == []
+    with pytest.raises(ValueError, match="routing_mismatch_fraction"):
+        HapoConfig.from_dict({"model": {"routing_mismatch_fraction": 0.0}})
