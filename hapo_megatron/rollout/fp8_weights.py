@@ -22,9 +22,9 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
+from hapo_megatron.config.base import ROLLOUT_QUANTIZATIONS as QUANTIZATIONS
 from hapo_megatron.rollout.fp8 import BLOCK, quantize_blockwise, scale_shape
 
-QUANTIZATIONS = ("none", "fp8")
 SCALE_SUFFIX = "weight_scale_inv"
 _FP8_WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
                          r"|mlp\.experts\.\d+\.(gate|up|down)_proj)\.weight$")
