@@ -158,6 +158,33 @@ def write_fp8_checkpoint(model_dir: str, out_dir: str, *, shard_bytes: int = 2 <
     return out_dir
 
 
+def dequantized_state_dict(model_dir: str, dtype: torch.dtype = torch.float32,
+                           block: tuple[int, int] = BLOCK) -> dict[str, torch.Tensor]:
+    """Every tensor of a block-FP8 checkpoint (:func:`write_fp8_checkpoint`, a disk sync), each
+    FP8 weight dequantised with its ``weight_scale_inv`` (for transformers, which needs
+    ``accelerate`` for its own FP8 loader), the others cast to ``dtype``. ValueError on a weight
+    without its scale or a scale without its weight."""
+    from hapo_megatron.convert.hf_io import HFCheckpointReader
+    from hapo_megatron.rollout.fp8 import FP8_DTYPE, dequantize_blockwise
+
+    reader = HFCheckpointReader(model_dir)
+    names = set(reader)
+    out = {}
+    for name in reader:
+        if name.endswith("." + SCALE_SUFFIX):
+            if name[: -len(SCALE_SUFFIX)] + "weight" not in names:
+                raise ValueError(f"{model_dir}: {name} has no weight")
+            continue
+        t = reader[name]
+        if t.dtype == FP8_DTYPE:
+            if scale_name(name) not in names:
+                raise ValueError(f"{model_dir}: FP8 tensor {name} has no {SCALE_SUFFIX}")
+            out[name] = dequantize_blockwise(t, reader[scale_name(name)], block, dtype)
+        else:
+            out[name] = t.to(dtype)
+    return out
+
+
 def mark_fp8_config(model_dir: str, block: tuple[int, int] = BLOCK) -> None:
     """Add :func:`quantization_config` to ``model_dir/config.json`` (which must exist)."""
     path = os.path.join(model_dir, "config.json")
@@ -172,4 +199,5 @@ def mark_fp8_config(model_dir: str, block: tuple[int, int] = BLOCK) -> None:
 
 __all__ = ["QUANTIZATIONS", "SCALE_SUFFIX", "is_fp8_weight", "scale_name", "quantization_config",
            "quantize_named_tensors", "bucket_by_dtype", "check_servable", "server_weight_bytes",
-           "default_rollout_is", "mark_fp8_config", "write_fp8_checkpoint"]
+           "default_rollout_is", "mark_fp8_config", "write_fp8_checkpoint",
+           "dequantized_state_dict"]
