@@ -94,8 +94,9 @@ def plan_memory(shape: ModelShape, *, tp: int = 1, pp: int = 1, cp: int = 1, dp:
                 etp: Optional[int] = None, param_bytes: int = 2,
                 distributed_optimizer: bool = True, sequence_parallel: bool = False, tokens_per_micro_batch: int,
                 recompute: bool = False, sglang_fraction: float = 0.0, server_tp: int = 1, colocated: bool = False,
-                offload: bool = False, device_bytes: int) -> MemoryPlan:
-    """The per-GPU plan (see the module docstring for every formula)."""
+                offload: bool = False, device_bytes: int, server_weight_bytes: Optional[int] = None) -> MemoryPlan:
+    """The per-GPU plan (see the module docstring for every formula). ``server_weight_bytes``: one
+    server's weights when not 2 bytes per parameter (FP8 servers: `fp8_memory`)."""
     etp = tp if etp is None else etp
     experts = expert_param_count(shape)
     dense_n, expert_n = (param_count(shape) - experts) / (tp * pp), experts / (ep * etp * pp)
@@ -110,7 +111,8 @@ def plan_memory(shape: ModelShape, *, tp: int = 1, pp: int = 1, cp: int = 1, dp:
     acts = layers * 2 * s * h / sp_div + per_layer if recompute else layers * per_layer
     acts += 2 * 4 * s * shape.vocab / t
     pool = int(sglang_fraction * device_bytes) if colocated else 0
-    server_weights = int(param_count(shape) * 2 / server_tp) if colocated else 0
+    weight_bytes = param_count(shape) * 2 if server_weight_bytes is None else server_weight_bytes
+    server_weights = int(weight_bytes / server_tp) if colocated else 0
     optimizer = dense_n * opt_bytes_per_param / shard + expert_n * opt_bytes_per_param / expert_shard
     plan = MemoryPlan(params=int(n * param_bytes), grads=int(n * 4), optimizer=int(optimizer),
                       activations=int(acts), sglang_pool=pool, sglang_weights=server_weights,
@@ -157,6 +159,7 @@ def shape_from_hf_config(hf_config) -> ModelShape:
 def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int) -> MemoryPlan:
     """The plan of ``cfg`` on GPUs (its dtype, its offload choice) with ``world_size`` ranks on
     devices of ``device_bytes``."""
+    from hapo_megatron.training.fp8_memory import fp8_server_weight_bytes
     from hapo_megatron.training.offload import offload_planned
     p, sg = cfg.parallel, cfg.rollout.sglang
     dp = world_size // p.model_parallel_size
@@ -164,14 +167,17 @@ def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int) -> M
                                                                     + cfg.rollout.max_response_length)
     colocated = cfg.rollout.engine == "sglang" and sg.colocate
     offload = offload_planned(cfg)
-    return plan_memory(shape_from_hf_config(hf_config), tp=p.tensor_model_parallel_size,
+    shape = shape_from_hf_config(hf_config)
+    fp8 = cfg.rollout.engine == "sglang" and cfg.rollout.quantization == "fp8"
+    return plan_memory(shape, tp=p.tensor_model_parallel_size,
                        pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size, dp=max(dp, 1),
                        ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
                        param_bytes={"bf16": 2, "fp16": 2}.get(cfg.model.dtype, 4),
                        distributed_optimizer=p.use_distributed_optimizer, sequence_parallel=p.sequence_parallel,
                        tokens_per_micro_batch=tokens, recompute=cfg.model.recompute_activations,
                        sglang_fraction=sg.mem_fraction_static, server_tp=sg.server_tp_size, colocated=colocated,
-                       offload=offload, device_bytes=device_bytes)
+                       offload=offload, device_bytes=device_bytes,
+                       server_weight_bytes=fp8_server_weight_bytes(shape) if fp8 else None)
 
 
 def format_plan(plan: MemoryPlan, title: Optional[str] = None) -> str:
