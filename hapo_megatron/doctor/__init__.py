@@ -9,7 +9,8 @@ Checks: torch/CUDA/NCCL versions and visibility; imports of megatron-core, Trans
 torch extension, sgl_kernel, flashinfer, SGLang (apex optional); TE layer spec vs local spec on a
 tiny GPTModel (GPU); fused log-prob + entropy vs float64 (+ memory bandwidth on a GPU); TP=2 and
 CP=2 on two ranks (two GPUs, else gloo on CPU); a real SGLang server (GPU); the trainer's colocated
-sync sequence on a TP=2 server checked against transformers (2+ GPUs); the memory plan.
+sync sequence on a TP=2 server checked against transformers (2+ GPUs); FP8 rollouts against bf16
+(greedy tokens, log-prob gap, tokens/s; GPU, docs/fp8.md); the memory plan.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ GROUPS = ("env", "imports", "model", "kernel", "parallel", "sglang", "memory")
 
 def collect_checks(args) -> list:
     """[(group, name, fn, default fix)] for the selected groups."""
-    from hapo_megatron.doctor import (colocated_checks, env_checks, kernel_checks, model_checks, parallel_checks,
-                                      sglang_checks)
+    from hapo_megatron.doctor import (colocated_checks, env_checks, fp8_checks, kernel_checks, model_checks,
+                                      parallel_checks, sglang_checks)
     fix_env = env_checks.IMAGE_FIX
     checks = [("env", "torch", env_checks.check_torch, fix_env),
               ("env", "cuda devices", env_checks.check_cuda_devices, fix_env)]
@@ -44,6 +45,8 @@ def collect_checks(args) -> list:
     checks.append(("sglang", "SGLang server", lambda: sglang_checks.check_sglang_server(args.sglang_model),
                    sglang_checks.SERVER_FIX))
     checks.append(("sglang", colocated_checks.NAME, colocated_checks.check_colocated_sync, sglang_checks.SERVER_FIX))
+    checks.append(("sglang", fp8_checks.NAME, lambda: fp8_checks.check_fp8_rollouts(args.sglang_model),
+                   sglang_checks.SERVER_FIX))
     if args.config:
         from hapo_megatron.doctor.memory_checks import check_memory_plan
 
