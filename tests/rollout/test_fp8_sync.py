@@ -224,3 +224,31 @@ def test_unquantised_engine_sends_the_weights_as_they_are(tmp_path):
     eng.update_weights(iter(named_weights()))
     got = load_hf_state_dict(str(tmp_path / "w"))
     assert set(got) == {n for n, _ in named_weights()} and got[FP8_NAME].dtype == torch.bfloat16
+
+
+def test_serve_command_starts_fp8_servers(monkeypatch, tmp_path):
+    """`python -m hapo_megatron.rollout.serve --quantization fp8 --kv-cache-dtype fp8_e4m3`: the
+    FP8 copy and both flags reach every server (mutation: the flags not passed to launch_server)."""
+    from hapo_megatron.rollout import serve, sglang_launch
+
+    a = serve.parse_args(["--model-path", fp8_ready_model(tmp_path / "model"), "--log-dir", str(tmp_path / "logs"),
+                          "--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3", "--device", "cuda"])
+    launched = []
+
+    def fake_launch(model_path, **kw):
+        launched.append((model_path, kw))
+        raise SystemExit(0)  # main would wait for the server next
+    monkeypatch.setattr(sglang_launch, "launch_server", fake_launch)
+    monkeypatch.setenv("HAPO_ROLLOUT_API_KEY", "k" * 32)
+    with pytest.raises(SystemExit):
+        serve.main(["--model-path", a.model_path, "--log-dir", a.log_dir, "--quantization", "fp8",
+                    "--kv-cache-dtype", "fp8_e4m3", "--device", "cuda", "--host", "127.0.0.1"])
+    ((path, kw),) = launched
+    assert path == str(tmp_path / "logs" / "fp8_model")
+    assert json.load(open(f"{path}/config.json"))["quantization_config"]["quant_method"] == "fp8"
+    assert (kw["quantization"], kw["kv_cache_dtype"]) == ("fp8", "fp8_e4m3")
+    with pytest.raises(ValueError, match="needs CUDA servers"):
+        serve.serving_model_path(serve.parse_args(["--model-path", a.model_path, "--quantization", "fp8",
+                                                   "--device", "cpu"]), "cpu")
+    plain = serve.parse_args(["--model-path", a.model_path])
+    assert serve.serving_model_path(plain, "cpu") == a.model_path
