@@ -15,10 +15,10 @@ def _fp8_matrix_bytes(rows: int, cols: int, block: int) -> tuple[int, int]:
     return rows * cols, rows * cols + 4 * blocks
 
 
-def fp8_server_weight_bytes(shape, block: int = BLOCK) -> int:
-    """Bytes of one server's FP8 weights (all TP ranks) for a ``memory_plan.ModelShape``."""
-    from hapo_megatron.training.memory_plan import param_count
-
+def fp8_server_weight_bytes(shape, param_count: int, block: int = BLOCK) -> int:
+    """Bytes of one server's FP8 weights (all TP ranks) for a ``memory_plan.ModelShape`` of
+    ``param_count`` parameters in all (``memory_plan.param_count``, passed in: the planner imports
+    this module)."""
     q, kv, h = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.hidden
     per_layer = [(q, h), (kv, h), (kv, h), (h, q)]
     dense_mlp = [(shape.intermediate, h), (shape.intermediate, h), (h, shape.intermediate)]
@@ -31,7 +31,9 @@ def fp8_server_weight_bytes(shape, block: int = BLOCK) -> int:
             n, b = _fp8_matrix_bytes(rows, cols, block)
             fp8_params += n * times
             fp8_bytes += b * times
-    return 2 * (param_count(shape) - fp8_params) + fp8_bytes
+    if fp8_params > param_count:
+        raise ValueError(f"param_count={param_count} is smaller than the {fp8_params} FP8 parameters of {shape}")
+    return 2 * (param_count - fp8_params) + fp8_bytes
 
 
 __all__ = ["fp8_server_weight_bytes"]

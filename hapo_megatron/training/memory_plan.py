@@ -177,7 +177,7 @@ def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int) -> M
                        tokens_per_micro_batch=tokens, recompute=cfg.model.recompute_activations,
                        sglang_fraction=sg.mem_fraction_static, server_tp=sg.server_tp_size, colocated=colocated,
                        offload=offload, device_bytes=device_bytes,
-                       server_weight_bytes=fp8_server_weight_bytes(shape) if fp8 else None)
+                       server_weight_bytes=fp8_server_weight_bytes(shape, param_count(shape)) if fp8 else None)
 
 
 def format_plan(plan: MemoryPlan, title: Optional[str] = None) -> str:

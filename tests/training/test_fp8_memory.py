@@ -17,7 +17,9 @@ SHAPE = ModelShape(hidden=256, layers=1, heads=2, kv_heads=1, head_dim=128, inte
 
 def test_fp8_bytes_by_hand():
     assert param_count(SHAPE) == 491520 + 51968
-    assert fp8_server_weight_bytes(SHAPE) == 491520 + 4 * 30 + 2 * 51968
+    assert fp8_server_weight_bytes(SHAPE, param_count(SHAPE)) == 491520 + 4 * 30 + 2 * 51968
+    with pytest.raises(ValueError, match="smaller than"):
+        fp8_server_weight_bytes(SHAPE, 1000)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
@@ -26,7 +28,8 @@ def test_shape_count_agrees_with_the_per_name_count(arch):
     family (partial blocks at the edges of the tiny models included)."""
     cfg = tiny_hf_config(arch)
     shapes = get_adapter(cfg).hf_shapes()
-    assert fp8_server_weight_bytes(shape_from_hf_config(cfg)) == server_weight_bytes(shapes, quantization="fp8")
+    shape = shape_from_hf_config(cfg)
+    assert fp8_server_weight_bytes(shape, param_count(shape)) == server_weight_bytes(shapes, quantization="fp8")
     assert 2 * param_count(shape_from_hf_config(cfg)) == server_weight_bytes(shapes)
 
 
@@ -46,7 +49,7 @@ def test_plan_counts_the_servers_fp8_weights():
                            device_bytes=80 * GiB)
     shape = shape_from_hf_config(hf)
     assert plain.sglang_weights == param_count(shape) * 2 // 2
-    assert fp8.sglang_weights == fp8_server_weight_bytes(shape) // 2
+    assert fp8.sglang_weights == fp8_server_weight_bytes(shape, param_count(shape)) // 2
     assert fp8.phases["weight sync"] - plain.phases["weight sync"] == fp8.sglang_weights - plain.sglang_weights < 0
     explicit = plan_memory(SHAPE, tokens_per_micro_batch=1, colocated=True, device_bytes=GiB,
                            server_weight_bytes=1000, server_tp=2)
