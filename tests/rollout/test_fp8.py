@@ -164,13 +164,31 @@ def test_dequantize_checks_the_scale_grid():
         dequantize_blockwise(q.float(), s)
 
 
-def test_matches_sglang_own_block_dequantisation():
+_SGLANG_DEQUANT = """import sys, torch
+from sglang.srt.layers.quantization.fp8_utils import block_quant_dequant
+d = torch.load(sys.argv[1])
+torch.save(block_quant_dequant(d["q"], d["s"], [128, 128], torch.float32), sys.argv[2])
+"""
+
+
+def test_matches_sglang_own_block_dequantisation(tmp_path):
     """SGLang's reference dequantiser (fp8_utils.block_quant_dequant, what its loaders apply to
-    block-FP8 checkpoints) reads our pair as we mean it, partial edge blocks included."""
-    fp8_utils = pytest.importorskip("sglang.srt.layers.quantization.fp8_utils")
+    block-FP8 checkpoints) reads our pair as we mean it, partial edge blocks included. It runs in
+    a subprocess with the CPU server's environment: importing SGLang needs the import-only
+    stand-ins, which must never reach this process."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    from hapo_megatron.rollout.sglang_launch import cpu_stubs_dir, server_env
+
+    if importlib.util.find_spec("sglang") is None or cpu_stubs_dir() is None:
+        pytest.skip("needs SGLang and tools/sglang_cpu_stubs")
     torch.manual_seed(3)
-    w = torch.randn(300, 200)
-    q, s = quantize_blockwise(w)
-    theirs = fp8_utils.block_quant_dequant(q, s, list(BLOCK), torch.float32)
-    assert torch.equal(theirs, dequantize_blockwise(q, s))
+    q, s = quantize_blockwise(torch.randn(300, 200))
+    torch.save({"q": q, "s": s}, tmp_path / "in.pt")
+    run = subprocess.run([sys.executable, "-c", _SGLANG_DEQUANT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                         env=server_env(cpu=True), capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert torch.equal(torch.load(tmp_path / "out.pt"), dequantize_blockwise(q, s))
     assert E4M3_MAX == torch.finfo(FP8_DTYPE).max
