@@ -54,18 +54,20 @@ def quantize_blockwise(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple
     _check_matrix(w, block)
     (n, k), (bn, bk) = w.shape, block
     sn, sk = scale_shape((n, k), block)
-    x = w.detach().to(torch.float32).contiguous()
+    x = w.detach()
     if (sn * bn, sk * bk) != (n, k):  # partial edge blocks: zeros never raise an amax
         x = torch.nn.functional.pad(x, (0, sk * bk - k, 0, sn * bn - n))
-    blocks = x.view(sn, bn, sk, bk)
-    amax = blocks.abs().amax(dim=(1, 3))
+    blocks = x.reshape(sn, bn, sk, bk)
+    # |x| and max are exact in the weights' own dtype: no float32 copy needed for the amax
+    amax = blocks.abs().amax(dim=(1, 3)).to(torch.float32)
     if not bool(torch.isfinite(amax).all()):
         raise ValueError(f"cannot quantise a weight [{n}, {k}] with inf/NaN entries to FP8")
     scale = amax / E4M3_MAX
     scale = torch.where(scale > 0, scale, torch.full_like(scale, ZERO_BLOCK_SCALE))
-    # x / scale <= 448 up to the division's rounding: the clamp keeps a 448.00003 from becoming NaN
-    q = (blocks / scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
-    return q.view(sn * bn, sk * bk)[:n, :k].contiguous(), scale
+    # one float32 copy (never the caller's tensor), divided in place; x / scale <= 448 up to the
+    # division's rounding: the clamp keeps a 448.00003 from becoming NaN
+    q = blocks.to(torch.float32, copy=True).div_(scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)
+    return q.to(FP8_DTYPE).view(sn * bn, sk * bk)[:n, :k].contiguous(), scale
 
 
 def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = BLOCK,

@@ -192,3 +192,13 @@ def test_matches_sglang_own_block_dequantisation(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert torch.equal(torch.load(tmp_path / "out.pt"), dequantize_blockwise(q, s))
     assert E4M3_MAX == torch.finfo(FP8_DTYPE).max
+
+
+def test_the_callers_weights_are_left_alone():
+    """A float32 weight of whole blocks (no padded copy) is not divided in place (the quantiser
+    works on its own copy; mutation: dividing `blocks.to(torch.float32)` in place)."""
+    w = torch.randn(256, 128) * 10
+    before = w.clone()
+    quantize_blockwise(w)
+    quantize_blockwise(w.t())  # a non-contiguous view
+    assert torch.equal(w, before)
