@@ -3,6 +3,7 @@ with, and the block-FP8 checkpoint it loads at launch (later weight syncs overwr
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -15,6 +16,11 @@ from hapo_megatron.rollout.fp8_weights import write_fp8_checkpoint
 CPU_FP8_REFUSED = ("rollout.quantization='fp8' needs CUDA servers: SGLang 0.5.23's CPU backend runs block-FP8 "
                    "layers only on CPUs with AMX, through sgl_kernel's CPU build (docs/fp8.md)")
 _HALF_DTYPES = (torch.bfloat16, torch.float16, "bfloat16", "float16", "bf16", "fp16")
+#: SGLang 0.5.23 model classes whose loaders drop block-FP8 scales: LlamaForCausalLM renames every
+#: ``.weight_scale_inv`` to ``.weight_scale`` (models/llama.py, both loaders), a parameter block-FP8
+#: layers do not have, so the scales would stay at their placeholder (docs/fp8.md, "Which models")
+FP8_UNSUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "SGLang 0.5.23's Llama loader renames weight_scale_inv to "
+                                                     "weight_scale and drops block-FP8 scales"}
 
 
 def check_choices(quantization: str, kv_cache_dtype: str) -> None:
@@ -36,17 +42,30 @@ def check_launch(quantization: str, *, device: str, dtype) -> None:
                              "set rollout.dtype to bf16")
 
 
+def check_architecture(model_dir: str) -> None:
+    """ValueError when SGLang cannot serve ``model_dir``'s architecture in block FP8
+    (:data:`FP8_UNSUPPORTED_ARCHITECTURES`)."""
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        archs = json.load(f).get("architectures") or []
+    for arch in archs:
+        if arch in FP8_UNSUPPORTED_ARCHITECTURES:
+            raise ValueError(f"rollout.quantization='fp8' cannot serve {arch}: {FP8_UNSUPPORTED_ARCHITECTURES[arch]} "
+                             "(docs/fp8.md, \"Which models\"); use rollout.quantization=none")
+
+
 def serving_model_path(model_path: str, quantization: str, work_dir: str, *, tp_size: int = 1) -> str:
     """The directory servers start from: ``model_path`` itself, or with FP8 its block-FP8 copy
-    written to ``work_dir/fp8_model`` (replaced if present)."""
+    written to ``work_dir/fp8_model`` (replaced if present) after :func:`check_architecture`."""
     if quantization == "none":
         return model_path
-    if not os.path.isdir(model_path):
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise ValueError(f"rollout.quantization='fp8' quantises the model's safetensors: {model_path!r} must be "
-                         "a local directory")
+                         "a local model directory")
+    check_architecture(model_path)
     out = os.path.join(work_dir, "fp8_model")
     shutil.rmtree(out, ignore_errors=True)
     return write_fp8_checkpoint(model_path, out, tp_size=tp_size)
 
 
-__all__ = ["CPU_FP8_REFUSED", "check_choices", "check_launch", "serving_model_path"]
+__all__ = ["CPU_FP8_REFUSED", "FP8_UNSUPPORTED_ARCHITECTURES", "check_architecture", "check_choices", "check_launch",
+           "serving_model_path"]

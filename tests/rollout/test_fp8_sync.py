@@ -87,9 +87,11 @@ def test_server_command_flags():
     assert cmd[cmd.index("--quantization") + 1] == "fp8" and cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
 
 
-def fp8_ready_model(path) -> str:
-    write_tiny_char_model(str(path), "llama", seed=0, dtype=torch.bfloat16, hidden_size=128, intermediate_size=256,
-                          num_attention_heads=2, num_key_value_heads=2)
+def fp8_ready_model(path, arch: str = "qwen3") -> str:
+    """A tiny model whose FP8 matrices are whole 128-blocks (experts of FFN 128 for Qwen3-MoE)."""
+    moe = {"moe_intermediate_size": 128} if arch == "qwen3_moe" else {}
+    write_tiny_char_model(str(path), arch, seed=0, dtype=torch.bfloat16, hidden_size=128, intermediate_size=256,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=128, **moe)
     return str(path)
 
 
@@ -127,11 +129,30 @@ def test_fp8_launch_refuses_cpu_servers_float32_and_unservable_shapes(monkeypatc
     with pytest.raises(ValueError, match="bf16 or fp16"):
         se.SGLangEngine(device="cuda", dtype=torch.float32, **kw)
     tiny = tmp_path / "tiny"
-    write_tiny_char_model(str(tiny), "llama", seed=0)  # hidden 32: no whole 128-blocks
+    write_tiny_char_model(str(tiny), "qwen3", seed=0)  # hidden 32: no whole 128-blocks
     with pytest.raises(ValueError, match="block-FP8 layers cannot hold"):
         se.SGLangEngine(device="cuda", **{**kw, "model_path": str(tiny)})
     with pytest.raises(ValueError, match="quantization must be one of"):
         se.SGLangEngine(device="cuda", **{**kw, "quantization": "fp4"})
+
+
+def test_fp8_launch_refuses_llama(monkeypatch, tmp_path):
+    """SGLang 0.5.23's LlamaForCausalLM renames weight_scale_inv to weight_scale and would drop the
+    block scales: refused before any server starts; Qwen2 / Qwen3 / Qwen3-MoE are served."""
+    from hapo_megatron.rollout import sglang_launch
+    from hapo_megatron.rollout.fp8_serving import serving_model_path
+
+    monkeypatch.setattr(sglang_launch, "start_process", lambda cmd, url, **kw: ServerHandle(url=url))
+    llama = fp8_ready_model(tmp_path / "llama", "llama")
+    with pytest.raises(ValueError, match="cannot serve LlamaForCausalLM: SGLang 0.5.23's Llama loader renames"):
+        se.SGLangEngine(model_path=llama, num_servers=1, session=FakeSession(), log_dir=str(tmp_path / "logs"),
+                        weight_sync="disk", quantization="fp8", device="cuda")
+    assert serving_model_path(llama, "none", str(tmp_path)) == llama
+    for arch in ("qwen2", "qwen3_moe"):
+        served = serving_model_path(fp8_ready_model(tmp_path / arch, arch), "fp8", str(tmp_path / f"w_{arch}"))
+        assert json.load(open(f"{served}/config.json"))["quantization_config"]["quant_method"] == "fp8"
+    with pytest.raises(ValueError, match="local model directory"):
+        serving_model_path("Qwen/Qwen3-8B", "fp8", str(tmp_path))
 
 
 def test_make_engine_and_build_engine_carry_the_settings(monkeypatch, tmp_path):
