@@ -275,7 +275,8 @@ class RolloutConfig(_Section):
     quantization: str = "none"
     """Weights of the SGLang servers: none (rollout.dtype) or fp8 (blockwise 128x128 E4M3 attention, MLP
     and expert weights, requantised at every weight sync; embeddings, output layer, norms and MoE routers
-    stay in rollout.dtype). Needs CUDA servers and rollout.dtype bf16/fp16 (docs/fp8.md)."""
+    stay in rollout.dtype). Needs CUDA servers, rollout.dtype bf16/fp16 and a Qwen2/Qwen3/Qwen3-MoE model
+    (SGLang 0.5.23 drops Llama's block scales; docs/fp8.md)."""
     kv_cache_dtype: str = "auto"
     """The SGLang servers' KV-cache dtype (--kv-cache-dtype): auto (the servers' dtype), fp8_e4m3,
     fp8_e5m2, bf16 or bfloat16 (docs/fp8.md)."""
