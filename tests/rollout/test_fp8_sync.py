@@ -273,3 +273,33 @@ def test_serve_command_starts_fp8_servers(monkeypatch, tmp_path):
                                                    "--device", "cpu"]), "cpu")
     plain = serve.parse_args(["--model-path", a.model_path])
     assert serve.serving_model_path(plain, "cpu") == a.model_path
+
+
+def test_node_servers_launch_fp8_and_both_engines_quantise(monkeypatch, tmp_path):
+    """The trainer's own launch (node_servers.start_node_servers, one process): each node's
+    servers start from that node's FP8 copy with the flags, and both engines (rank 0's and the
+    node's tensor-sync one) quantise their syncs (mutations: quantization not passed to
+    _launch_own / launch_server / the engines)."""
+    from hapo_megatron.rollout import node_servers, sglang_launch
+    from hapo_megatron.rollout.sglang_client import SGLangHTTP
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    launched = []
+
+    def fake_launch(model_path, **kw):
+        launched.append((model_path, kw))
+        return ServerHandle(url=f"http://127.0.0.1:{kw['port']}")
+    monkeypatch.setattr(sglang_launch, "launch_server", fake_launch)
+    monkeypatch.setattr(SGLangHTTP, "wait_healthy", lambda self, *a, **k: None)
+    cfg = SGLangConfig(num_servers=1, colocate=True, weight_sync="tensor")
+    eng = node_servers.start_node_servers(cfg, model_path=fp8_ready_model(tmp_path / "model"), device="cuda",
+                                          log_dir=str(tmp_path / "logs"), api_key="k" * 32, quantization="fp8",
+                                          kv_cache_dtype="fp8_e4m3")
+    try:
+        ((path, kw),) = launched
+        assert path == str(tmp_path / "logs" / "node0" / "fp8_model")
+        assert (kw["quantization"], kw["kv_cache_dtype"]) == ("fp8", "fp8_e4m3")
+        assert eng.cluster.quantization == "fp8" and eng.node_sync.quantization == "fp8"
+    finally:
+        eng.shutdown()
