@@ -7,7 +7,8 @@ from typing import ClassVar, Optional
 
 from hapo_megatron.config.base import (
     ADV_ESTIMATORS, DTYPES, ENTROPY_STATS_SCOPES, FILTER_GROUPS_METRICS, H_HAT_ENTROPIES, H_HAT_MODES,
-    KL_LOSS_TYPES, LOSS_AGG_MODES, OLD_LOGPROB_SOURCES, ROLLOUT_ENGINES, SCORE_FORMATS, WEIGHT_SYNC_MODES,
+    KL_LOSS_TYPES, KV_CACHE_DTYPES, LOSS_AGG_MODES, OLD_LOGPROB_SOURCES, ROLLOUT_ENGINES, ROLLOUT_QUANTIZATIONS,
+    SCORE_FORMATS, WEIGHT_SYNC_MODES,
     _check_choice, _check_min, _check_open_unit, _fail, _Section,
 )
 
@@ -271,11 +272,25 @@ class RolloutConfig(_Section):
     a GPU, fp32 on CPU). The weight sync casts the trainer's weights to it. A precision apart from
     the trainer's is what makes engine and actor disagree (rollout/logprob_abs_diff, and for MoE
     models rollout/routing_mismatch); the CPU MoE example uses bf16 to show routing replay."""
+    quantization: str = "none"
+    """Weights of the SGLang servers: none (rollout.dtype) or fp8 (blockwise 128x128 E4M3 attention, MLP
+    and expert weights, requantised at every weight sync; embeddings, output layer, norms and MoE routers
+    stay in rollout.dtype). Needs CUDA servers, rollout.dtype bf16/fp16 and a Qwen2/Qwen3/Qwen3-MoE model
+    (SGLang 0.5.23 drops Llama's block scales; docs/fp8.md)."""
+    kv_cache_dtype: str = "auto"
+    """The SGLang servers' KV-cache dtype (--kv-cache-dtype): auto (the servers' dtype), fp8_e4m3,
+    fp8_e5m2, bf16 or bfloat16 (docs/fp8.md)."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang server options."""
 
     def _validate(self) -> None:
         _check_choice("rollout.engine", self.engine, ROLLOUT_ENGINES)
+        _check_choice("rollout.quantization", self.quantization, ROLLOUT_QUANTIZATIONS)
+        _check_choice("rollout.kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        for name, plain in (("quantization", "none"), ("kv_cache_dtype", "auto")):
+            if getattr(self, name) != plain and self.engine != "sglang":
+                _fail(f"rollout.{name}={getattr(self, name)!r} needs rollout.engine='sglang' (the hf engine "
+                      "keeps rollout.dtype weights and cache)")
         for name in ("n", "max_response_length", "val_n", "hf_max_batch_size"):
             _check_min(f"rollout.{name}", getattr(self, name), 1)
         if self.dtype is not None:

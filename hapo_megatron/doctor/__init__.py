@@ -11,7 +11,8 @@ tiny GPTModel (GPU); the MoE fused paths (grouped MLP, permute fusion, RoPE fusi
 on a tiny Qwen3-MoE (GPU) and that model trained at EP=2 (2 GPUs); fused log-prob + entropy vs
 float64 (+ memory bandwidth on a GPU); TP=2 and CP=2 on two ranks (two GPUs, else gloo on CPU);
 a real SGLang server (GPU); the trainer's colocated sync sequence on a TP=2 server checked against
-transformers (2+ GPUs); the memory plan.
+transformers (2+ GPUs); FP8 rollouts against bf16 (greedy tokens, log-prob gap, tokens/s; GPU,
+docs/fp8.md); the memory plan.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ GROUPS = ("env", "imports", "model", "moe", "kernel", "parallel", "sglang", "mem
 
 def collect_checks(args) -> list:
     """[(group, name, fn, default fix)] for the selected groups."""
-    from hapo_megatron.doctor import (colocated_checks, env_checks, kernel_checks, model_checks, moe_checks,
-                                      moe_ep_checks, parallel_checks, sglang_checks)
+    from hapo_megatron.doctor import (colocated_checks, env_checks, fp8_checks, kernel_checks, model_checks,
+                                      moe_checks, moe_ep_checks, parallel_checks, sglang_checks)
     fix_env = env_checks.IMAGE_FIX
     checks = [("env", "torch", env_checks.check_torch, fix_env),
               ("env", "cuda devices", env_checks.check_cuda_devices, fix_env)]
@@ -48,6 +49,8 @@ def collect_checks(args) -> list:
     checks.append(("sglang", "SGLang server", lambda: sglang_checks.check_sglang_server(args.sglang_model),
                    sglang_checks.SERVER_FIX))
     checks.append(("sglang", colocated_checks.NAME, colocated_checks.check_colocated_sync, sglang_checks.SERVER_FIX))
+    checks.append(("sglang", fp8_checks.NAME, lambda: fp8_checks.check_fp8_rollouts(args.sglang_model),
+                   sglang_checks.SERVER_FIX))
     if args.config:
         from hapo_megatron.doctor.memory_checks import check_memory_plan
 

@@ -19,7 +19,8 @@ def make_engine(rollout_cfg: Any, *, hf_config_or_path: Any, tokenizer: Any = No
     """Build the engine named by ``rollout_cfg.engine``.
 
     Args:
-        rollout_cfg: a ``RolloutConfig`` (``engine``, ``hf_max_batch_size``, ``sglang``).
+        rollout_cfg: a ``RolloutConfig`` (``engine``, ``hf_max_batch_size``, ``sglang``, and for
+            SGLang ``quantization`` / ``kv_cache_dtype``).
         hf_config_or_path: HF model directory (both engines) or a transformers config / model
             (``"hf"`` only: random weights until the first ``update_weights``).
         tokenizer: used for eos / pad ids (optional).
@@ -38,6 +39,8 @@ def make_engine(rollout_cfg: Any, *, hf_config_or_path: Any, tokenizer: Any = No
 
         if not isinstance(hf_config_or_path, str):
             raise ValueError("hf_config_or_path must be a model directory (str) for the sglang engine")
+        kwargs.setdefault("quantization", rollout_cfg.quantization)
+        kwargs.setdefault("kv_cache_dtype", rollout_cfg.kv_cache_dtype)
         return SGLangEngine.from_config(rollout_cfg.sglang, model_path=hf_config_or_path,
                                         tokenizer=tokenizer, dtype=dtype, **kwargs)
     raise ValueError(f"rollout_cfg.engine must be 'hf' or 'sglang', got {engine!r}")

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from hapo_megatron.parallel.collectives import all_gather_objects, broadcast_object, rank_and_world
-from hapo_megatron.rollout import placement
+from hapo_megatron.rollout import fp8_serving, placement
 from hapo_megatron.rollout import sglang_launch as launcher
 from hapo_megatron.rollout.engine import Sample, SamplingParams, drain_weights
 from hapo_megatron.rollout.sglang_client import SGLangError, SGLangHTTP, ServerHandle
@@ -138,16 +138,21 @@ class NodeServersEngine:
 
 
 def _launch_own(slots, *, ctx, host: str, model_path: str, cfg, dtype, device: str, log_dir: str,
-                timeout_s: float, http: SGLangHTTP, api_key: Optional[str]) -> tuple[list[ServerHandle], Optional[str]]:
-    """Start this node's servers and wait for them; ``(handles, error or None)`` (all stopped on error)."""
+                timeout_s: float, http: SGLangHTTP, api_key: Optional[str], quantization: str = "none",
+                kv_cache_dtype: str = "auto") -> tuple[list[ServerHandle], Optional[str]]:
+    """Start this node's servers and wait for them; ``(handles, error or None)`` (all stopped on error).
+    FP8 servers start from this node's own block-FP8 copy of ``model_path`` (docs/fp8.md)."""
     handles: list[ServerHandle] = []
     try:
+        model_path = fp8_serving.serving_model_path(model_path, quantization, os.path.join(log_dir, f"node{ctx.node}"),
+                                                    tp_size=cfg.server_tp_size)
         for slot in slots:
             handles.append(launcher.launch_server(
                 model_path, port=slot.port, host=host, tp_size=cfg.server_tp_size, base_gpu_id=slot.gpu_ids[0],
                 mem_fraction_static=cfg.mem_fraction_static, dtype=dtype, colocate=cfg.colocate,
                 extra_args=list(cfg.extra_server_args), device=device,
-                log_path=os.path.join(log_dir, f"sglang_server_{slot.index}.log"), api_key=api_key))
+                log_path=os.path.join(log_dir, f"sglang_server_{slot.index}.log"), api_key=api_key,
+                quantization=quantization, kv_cache_dtype=kv_cache_dtype))
         for h in handles:
             http.wait_healthy(h, timeout_s)
     except Exception as e:  # noqa: BLE001 - reported to every rank, which all stop
@@ -171,18 +176,23 @@ def _unreachable(handles: Sequence[ServerHandle], http: SGLangHTTP, timeout_s: f
 def start_node_servers(cfg: Any, *, model_path: str, tokenizer: Any = None, dtype: Any = torch.bfloat16,
                        device: str = "auto", log_dir: Optional[str] = None, disk_sync_dir: Optional[str] = None,
                        launch_timeout_s: float = 900.0, api_key: Optional[str] = None,
-                       key_file: Optional[str] = None, **engine_kwargs: Any) -> Optional[NodeServersEngine]:
+                       key_file: Optional[str] = None, quantization: str = "none", kv_cache_dtype: str = "auto",
+                       **engine_kwargs: Any) -> Optional[NodeServersEngine]:
     """Place ``cfg``'s servers (an ``SGLangConfig``) on every node and connect them; collective.
 
     Returns the engine on node leaders (rank 0's generates), ``None`` on the other ranks. Raises
     ValueError when the plan does not fit, SGLangError (on every rank) when a node's servers do
     not start or rank 0 cannot reach them. The servers require one API key (``rollout/api_key.py``:
     ``api_key``, else ``$HAPO_ROLLOUT_API_KEY``, else ``key_file``'s, else a new one written to
-    ``key_file``), which every request carries. ``engine_kwargs`` go to the ``SGLangEngine`` objects.
+    ``key_file``), which every request carries. ``quantization`` / ``kv_cache_dtype``: the
+    servers' (``rollout.quantization`` / ``rollout.kv_cache_dtype``, docs/fp8.md); the engines
+    quantise every sync for FP8 servers. ``engine_kwargs`` go to the ``SGLangEngine`` objects.
     """
     rank, world = rank_and_world()
     ctx = placement.NodeContext.from_env(rank, world)
     device = launcher.resolve_device(device)
+    fp8_serving.check_choices(quantization, kv_cache_dtype)
+    fp8_serving.check_launch(quantization, device=device, dtype=dtype)
     slots = placement.plan_servers(
         num_servers=cfg.num_servers, server_tp_size=cfg.server_tp_size, num_nodes=ctx.num_nodes,
         ranks_per_node=ctx.ranks_per_node, colocate=cfg.colocate, port_base=cfg.port_base,
@@ -202,7 +212,7 @@ def start_node_servers(cfg: Any, *, model_path: str, tokenizer: Any = None, dtyp
         os.makedirs(log_dir, exist_ok=True)
         own, error = _launch_own(mine, ctx=ctx, host=placement.server_host(ctx.num_nodes), model_path=model_path,
                                  cfg=cfg, dtype=dtype, device=device, log_dir=log_dir, timeout_s=launch_timeout_s,
-                                 http=http, api_key=key)
+                                 http=http, api_key=key, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     reports = [r for r in all_gather_objects({"urls": [h.url for h in own], "error": error}) if r]
     errors = [r["error"] for r in reports if r["error"]]
     urls = [u for r in reports for u in r["urls"]]  # node by node: the plan's order
@@ -224,7 +234,8 @@ def start_node_servers(cfg: Any, *, model_path: str, tokenizer: Any = None, dtyp
     if not ctx.is_node_leader:
         return None
     common = dict(model_path=model_path, tokenizer=tokenizer, dtype=dtype, launch=False, wait_for_servers=False,
-                  launch_timeout_s=launch_timeout_s, device=device, api_key=key, **engine_kwargs)
+                  launch_timeout_s=launch_timeout_s, device=device, api_key=key, quantization=quantization,
+                  kv_cache_dtype=kv_cache_dtype, **engine_kwargs)
     cluster = node_sync = None
     if rank == 0:
         cluster = SGLangEngine.from_config(cfg, server_urls=handles, log_dir=log_dir, disk_sync_dir=disk_sync_dir,

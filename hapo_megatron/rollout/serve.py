@@ -11,6 +11,10 @@ Server ``i`` uses GPUs ``base_gpu_id + i * tp .. + tp - 1`` and port ``port_base
 prints one URL per line once every server answers ``/health``, then waits; SIGTERM / SIGINT stop
 the servers. The trainer attaches with ``rollout.sglang.server_urls=[...]``.
 
+FP8 servers (``--quantization fp8``, docs/fp8.md) start from a block-FP8 copy of the model written
+to ``LOG_DIR/fp8_model``; the trainer attaching to them must set ``rollout.quantization=fp8`` too,
+so that its weight syncs are quantised the same way.
+
 Every server requires the run's API key (``rollout/api_key.py``): ``$HAPO_ROLLOUT_API_KEY``, else
 the one in ``--api-key-file``, which is created (owner-only) when missing. Point every node's
 ``--api-key-file`` at ``<run_dir>/rollout_api_key`` on the shared file system: the first node
@@ -26,6 +30,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from hapo_megatron.config.base import KV_CACHE_DTYPES, ROLLOUT_QUANTIZATIONS
+from hapo_megatron.rollout import fp8_serving
 from hapo_megatron.rollout import sglang_launch as launch
 from hapo_megatron.rollout.api_key import API_KEY_ENV, KEY_FILE_NAME, resolve_api_key
 from hapo_megatron.rollout.sglang_client import SGLangHTTP
@@ -47,6 +53,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                    help="cpu: SGLang's CPU engine (float32, import-only stand-ins); auto: cuda when visible")
     p.add_argument("--colocate", action="store_true", help="enable release/resume of GPU memory")
+    p.add_argument("--quantization", default="none", choices=ROLLOUT_QUANTIZATIONS,
+                   help="fp8: block-FP8 weights (the trainer sets rollout.quantization=fp8; docs/fp8.md)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="the servers' KV-cache dtype")
     p.add_argument("--log-dir", default="sglang_logs")
     p.add_argument("--url-file", default=None, help="also write the URLs to this file")
     p.add_argument("--api-key-file", default=None,
@@ -63,6 +72,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return a
 
 
+def serving_model_path(a: argparse.Namespace, device: str) -> str:
+    """The model directory the servers load: ``--model-path``, or its block-FP8 copy in
+    ``--log-dir`` for ``--quantization fp8`` (refused on CPU servers and with float32)."""
+    fp8_serving.check_launch(a.quantization, device=device, dtype=a.dtype)
+    return fp8_serving.serving_model_path(a.model_path, a.quantization, a.log_dir, tp_size=a.tp_size)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = parse_args(argv)
     os.makedirs(a.log_dir, exist_ok=True)
@@ -75,12 +91,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     http = SGLangHTTP(timeout_s=30, api_key=key)
     servers = []
     device = launch.resolve_device(a.device)
+    model_path = serving_model_path(a, device)
     for i in range(a.num_servers):
         servers.append(launch.launch_server(
-            a.model_path, port=a.port_base + i, host=bind, url_host=host, tp_size=a.tp_size,
+            model_path, port=a.port_base + i, host=bind, url_host=host, tp_size=a.tp_size,
             base_gpu_id=a.base_gpu_id + i * a.tp_size, mem_fraction_static=a.mem_fraction_static, dtype=a.dtype,
             colocate=a.colocate, extra_args=a.extra, device=device,
-            log_path=os.path.join(a.log_dir, f"sglang_server_{i}.log"), api_key=key))
+            log_path=os.path.join(a.log_dir, f"sglang_server_{i}.log"), api_key=key,
+            quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype))
 
     def stop_all() -> None:
         for s in servers:

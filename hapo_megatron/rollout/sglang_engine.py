@@ -33,6 +33,14 @@ Weight sync (``weight_sync``):
   ``/update_weights_from_disk`` (the servers must see the directory).
 - ``"auto"``: tensor when colocated, distributed otherwise.
 
+FP8 servers (``quantization="fp8"``, docs/fp8.md): launched ones start from a block-FP8 copy of
+``model_path`` (``fp8_serving.serving_model_path``) with ``--quantization fp8``; at every sync the
+attention / MLP / expert weights are quantised on the fly (``fp8_weights.quantize_named_tensors``:
+each weight becomes the pair ``weight`` float8_e4m3fn + ``weight_scale_inv`` float32, the names of
+an FP8 checkpoint, which SGLang's loader places into its FP8 parameters), in every mode; tensor and
+NCCL buckets hold one dtype each (``fp8_weights.bucket_by_dtype``), a disk checkpoint gets the
+``quantization_config`` in its config.json.
+
 Tensor and distributed updates run inside a weight-update session (``POST /begin_weight_update``
 ... ``POST /end_weight_update``) on servers that have those endpoints (SGLang >= 0.5.23 requires
 it and answers 400 otherwise); a server answering 404 to ``/begin_weight_update`` (older SGLang)
@@ -67,6 +75,8 @@ import torch
 from hapo_megatron.config.base import WEIGHT_SYNC_MODES
 from hapo_megatron.config.sections import ROUTER_REFUSED
 from hapo_megatron.parallel.collectives import all_gather_objects, broadcast_object, rank_and_world
+from hapo_megatron.rollout import fp8_serving
+from hapo_megatron.rollout import fp8_weights
 from hapo_megatron.rollout import sglang_launch as launcher
 from hapo_megatron.rollout.api_key import resolve_api_key
 from hapo_megatron.rollout.engine import GenerationAborted, Sample, SamplingParams, check_prompt_ids, drain_weights
@@ -235,6 +245,8 @@ class SGLangEngine:
         max_restarts: restarts of dead servers this engine may make (``rollout/server_supervisor.py``).
         supervisor: the servers' :class:`ServerSupervisor`, shared by engines over the same
             handles (node_servers: rank 0's generating engine and its node's syncing one).
+        quantization: ``"none"`` or ``"fp8"`` (module docstring; ``rollout.quantization``).
+        kv_cache_dtype: launched servers' ``--kv-cache-dtype`` (``rollout.kv_cache_dtype``).
 
     A server that stops answering is taken out of use, restarted when this process launched it,
     and used again after a weight sync (``rollout/server_supervisor.py``); its requests go to
@@ -252,7 +264,10 @@ class SGLangEngine:
                  log_dir: Optional[str] = None, collective: bool = False, wait_for_servers: bool = True,
                  session: Any = None, launch: bool = True, group_name: str = "hapo_weight_sync",
                  device: str = "auto", api_key: Optional[str] = None, key_file: Optional[str] = None,
-                 max_restarts: int = 3, supervisor: Optional[ServerSupervisor] = None) -> None:
+                 max_restarts: int = 3, supervisor: Optional[ServerSupervisor] = None,
+                 quantization: str = "none", kv_cache_dtype: str = "auto") -> None:
+        fp8_serving.check_choices(quantization, kv_cache_dtype)
+        self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype
         if int(bucket_size_mb) < 1 or int(requests_per_call) < 1 or int(server_tp_size) < 1:
             raise ValueError("bucket_size_mb, requests_per_call and server_tp_size must be >= 1")
         self.model_path, self.tokenizer, self.colocate = model_path, tokenizer, bool(colocate)
@@ -323,6 +338,7 @@ class SGLangEngine:
         """Leader ranks launch their server; URLs are all-gathered so every rank knows all."""
         log_dir = log_dir or tempfile.mkdtemp(prefix="hapo_sglang_logs_")
         os.makedirs(log_dir, exist_ok=True)
+        fp8_serving.check_launch(self.quantization, device=self.device, dtype=dtype)
         local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         multi_node = self.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         # bind no wider than the job needs: loopback on one node, the node's address across nodes
@@ -345,11 +361,14 @@ class SGLangEngine:
                 raise ValueError(f"server {s} would need GPUs {gpu}..{gpu + self.tp - 1} but this node has "
                                  f"{torch.cuda.device_count()}: fewer num_servers, or start servers on the "
                                  "other nodes with `python -m hapo_megatron.rollout.serve` and attach by URL")
+            if not mine:  # this rank's copy (ranks of one node may launch at once)
+                serve_path = fp8_serving.serving_model_path(self.model_path, self.quantization,
+                                                            os.path.join(log_dir, f"rank{self.rank}"), tp_size=self.tp)
             mine.append((s, launcher.launch_server(
-                self.model_path, port=port_base + s, host=host, tp_size=self.tp, base_gpu_id=gpu,
+                serve_path, port=port_base + s, host=host, tp_size=self.tp, base_gpu_id=gpu,
                 mem_fraction_static=mem_fraction, dtype=dtype, colocate=self.colocate, extra_args=extra,
                 device=self.device, log_path=os.path.join(log_dir, f"sglang_server_{s}.log"),
-                api_key=self._api_key)))
+                api_key=self._api_key, quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype)))
         try:
             for _, h in mine:
                 self.http.wait_healthy(h, timeout_s)
@@ -457,6 +476,7 @@ class SGLangEngine:
         Every rank reads ``named_tensors`` to the end, also when the update fails."""
         sync = {"tensor": self._sync_tensor, "distributed": self._sync_distributed, "disk": self._sync_disk}
         named = iter(named_tensors)
+        stream = fp8_weights.quantize_named_tensors(named) if self.quantization == "fp8" else named
         joining: list[int] = []
         self._failed_in_sync, self._joining = set(), joining
         try:
@@ -467,7 +487,7 @@ class SGLangEngine:
                     raise ServerPoolError(f"weight sync: no SGLang server left in use ({self.supervisor.summary()})")
             else:
                 targets = list(range(len(self.servers)))
-            sync[self.weight_sync](named, targets)
+            sync[self.weight_sync](stream, targets)
         finally:
             drain_weights(named)  # ranks without a part in this mode, and any rank after an error
         self._barrier()
@@ -491,6 +511,12 @@ class SGLangEngine:
                 raise
             self._failed_in_sync.add(s)
             self.supervisor.mark_unhealthy(s, f"{path} failed: {first_line(e)}", joining=s in self._joining)
+
+    def _buckets(self, named: Iterable) -> Iterable[list]:
+        """Update buckets of the stream; an FP8 stream alternates dtypes, so one bucket per dtype."""
+        if self.quantization == "fp8":
+            return fp8_weights.bucket_by_dtype(named, self.bucket_bytes)
+        return ws.bucket_named_tensors(named, self.bucket_bytes)
 
     def _barrier(self, group: Any = None) -> None:
         if self.world_size > 1:
@@ -558,7 +584,7 @@ class SGLangEngine:
         its own CUDA-IPC reference (safe: the bucket lives until the server has answered and all
         ranks released theirs); TP ranks on other GPUs map it from this process's GPU."""
         per_server_rank = self.tp if self.world_size == 1 else 1
-        for bucket, last in ws.with_last(ws.bucket_named_tensors(named, self.bucket_bytes)):
+        for bucket, last in ws.with_last(self._buckets(named)):
             blobs, keepalive = ws.serialize_bucket_for_sglang(bucket, per_server_rank)
             for s, (leader, pg) in groups.items():
                 if self.world_size > 1 and self.rank // self.tp != s:
@@ -604,7 +630,7 @@ class SGLangEngine:
 
     def _broadcast_buckets(self, named: Iterable) -> None:
         with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
-            for bucket, last in ws.with_last(ws.bucket_named_tensors(named, self.bucket_bytes)):
+            for bucket, last in ws.with_last(self._buckets(named)):
                 flat, _ = ws.flatten_bucket(bucket)
                 body = ws.distributed_update_payload(bucket, group_name=self.group_name, flush_cache=last)
                 futs = [pool.submit(self.http.request, srv, "/update_weights_from_distributed", body, retries=0)
@@ -627,6 +653,8 @@ class SGLangEngine:
                 transformers.AutoConfig.from_pretrained(self.model_path, local_files_only=True).save_pretrained(path)
             except Exception as e:  # noqa: BLE001 - SGLang keeps its own config; only a warning
                 warnings.warn(f"disk weight sync: no config.json for {self.model_path!r} in {path} ({e})")
+        if self.quantization == "fp8" and os.path.isfile(os.path.join(path, "config.json")):
+            fp8_weights.mark_fp8_config(path)  # a loadable FP8 checkpoint (transformers, tools)
         for s in targets:
             self._post_update(s, "/update_weights_from_disk", {"model_path": path, "flush_cache": True})
 

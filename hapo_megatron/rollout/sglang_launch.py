@@ -70,7 +70,8 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp_si
                    base_gpu_id: int = 0, mem_fraction_static: float = 0.7, dtype: str = "bfloat16",
                    enable_memory_saver: bool = False, skip_tokenizer_init: bool = True,
                    extra_args: Sequence[str] = (), python: str = sys.executable, device: str = "cuda",
-                   max_total_tokens: int = CPU_MAX_TOTAL_TOKENS, api_key: bool = True) -> list[str]:
+                   max_total_tokens: int = CPU_MAX_TOTAL_TOKENS, api_key: bool = True, quantization: str = "none",
+                   kv_cache_dtype: str = "auto") -> list[str]:
     """The ``python -m sglang.launch_server`` command line of one rollout server.
 
     Always passes ``--enable-custom-logit-processor`` (the adaptive-temperature processor), which
@@ -83,6 +84,9 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp_si
     CUDA); run it with :func:`server_env` ``(cpu=True)``.
     ``api_key`` (default): the server requires the key :func:`start_process` hands it
     (``--api-key`` and ``--admin-api-key``, see :func:`module_argv`).
+    ``quantization="fp8"``: ``--quantization fp8`` (``model_path`` must then be a block-FP8
+    checkpoint, ``fp8_weights.write_fp8_checkpoint``); ``kv_cache_dtype`` other than ``"auto"``:
+    ``--kv-cache-dtype`` (docs/fp8.md).
     """
     device = resolve_device(device)
     cmd = [python, *module_argv("sglang.launch_server", SERVER_KEY_FLAGS if api_key else ()),
@@ -96,6 +100,10 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp_si
                 "--dtype", dtype]
         if enable_memory_saver:
             cmd.append("--enable-memory-saver")
+    if quantization != "none":
+        cmd += ["--quantization", quantization]
+    if kv_cache_dtype != "auto":
+        cmd += ["--kv-cache-dtype", kv_cache_dtype]
     cmd.append("--enable-custom-logit-processor")
     if skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
@@ -136,14 +144,15 @@ def launch_server(model_path: str, *, port: int, host: str, log_path: str, api_k
                   tp_size: int = 1, base_gpu_id: int = 0, mem_fraction_static: float = 0.7,
                   dtype: torch.dtype | str = "bfloat16", colocate: bool = False,
                   extra_args: Sequence[str] = (), device: str = "cuda",
-                  url_host: Optional[str] = None) -> ServerHandle:
+                  url_host: Optional[str] = None, quantization: str = "none",
+                  kv_cache_dtype: str = "auto") -> ServerHandle:
     """Start one rollout server (:func:`server_command` run by :func:`start_process` in
     :func:`server_env`), bound to ``host`` and reached at ``url_host`` (default ``host``). With
     ``api_key`` the server requires that key; without one it runs keyless."""
     cmd = server_command(model_path, port=port, host=host, tp_size=tp_size, base_gpu_id=base_gpu_id,
                          mem_fraction_static=mem_fraction_static, dtype=sglang_dtype(dtype),
                          enable_memory_saver=colocate, extra_args=extra_args, device=device,
-                         api_key=bool(api_key))
+                         api_key=bool(api_key), quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     return start_process(cmd, f"http://{url_host or host}:{int(port)}", tp_size=tp_size, log_path=log_path,
                          env=server_env(cpu=resolve_device(device) == "cpu"), api_key=api_key)
 

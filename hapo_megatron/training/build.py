@@ -139,7 +139,8 @@ def build_engine(cfg, hf_config, tokenizer):
             sync_dir = os.path.join(cfg.trainer.run_dir, "sglang_weights")
         return start_node_servers(rollout.sglang, model_path=cfg.model.hf_model_path, tokenizer=tokenizer,
                                   dtype=dtype, device="cuda" if on_gpu else "cpu", disk_sync_dir=sync_dir,
-                                  log_dir=os.path.join(cfg.trainer.run_dir, "sglang_logs"), **keys)
+                                  log_dir=os.path.join(cfg.trainer.run_dir, "sglang_logs"),
+                                  quantization=rollout.quantization, kv_cache_dtype=rollout.kv_cache_dtype, **keys)
     src = cfg.model.hf_model_path if rollout.engine == "sglang" else hf_config
     return make_engine(rollout, hf_config_or_path=src, tokenizer=tokenizer,
                        device="cuda" if on_gpu else "cpu", dtype=dtype, **keys)

@@ -178,10 +178,12 @@ def plan_memory(shape: ModelShape, *, tp: int = 1, pp: int = 1, cp: int = 1, dp:
                 recompute: bool = False, sglang_fraction: float = 0.0, server_tp: int = 1, colocated: bool = False,
                 offload: bool = False, device_bytes: int, fused_output_layer: bool = False,
                 logprob_chunk: int = 1024, reference_model: bool = False, routed_tokens: int = 0,
-                peer_contexts: int = 0) -> MemoryPlan:
+                peer_contexts: int = 0, server_weight_bytes: Optional[int] = None) -> MemoryPlan:
     """The per-GPU plan (see the module docstring for every formula). ``routed_tokens``: tokens of
     this rank's step whose engine routes go to the device (0: no routes travel);
-    ``peer_contexts``: CUDA contexts of other processes on this GPU (`tensor_sync_peer_contexts`)."""
+    ``peer_contexts``: CUDA contexts of other processes on this GPU (`tensor_sync_peer_contexts`);
+    ``server_weight_bytes``: one server's weights when not 2 bytes per parameter (FP8 servers:
+    `fp8_memory`)."""
     etp = tp if etp is None else etp
     experts = expert_param_count(shape)
     dense_n, expert_n = (param_count(shape) - experts) / (tp * pp), experts / (ep * etp * pp)
@@ -194,7 +196,8 @@ def plan_memory(shape: ModelShape, *, tp: int = 1, pp: int = 1, cp: int = 1, dp:
                             fused_output_layer=fused_output_layer, logprob_chunk=logprob_chunk)
     routes = routed_tokens * shape.layers * shape.moe_topk * ROUTE_INDEX_BYTES  # [b, s, L * k]: every layer
     pool = int(sglang_fraction * device_bytes) if colocated else 0
-    server_weights = int(param_count(shape) * 2 / server_tp) if colocated else 0
+    weight_bytes = param_count(shape) * 2 if server_weight_bytes is None else server_weight_bytes
+    server_weights = int(weight_bytes / server_tp) if colocated else 0
     optimizer = dense_n * opt_bytes_per_param / shard + expert_n * opt_bytes_per_param / expert_shard
     plan = MemoryPlan(params=int(n * param_bytes), grads=int(n * 4), optimizer=int(optimizer),
                       activations=int(acts) + routes, sglang_pool=pool, sglang_weights=server_weights,
@@ -260,6 +263,7 @@ def tensor_sync_peer_contexts(cfg, gpus_per_node: int) -> int:
 def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int, gpus_per_node: int = 8) -> MemoryPlan:
     """The plan of ``cfg`` on GPUs (its dtype, its offload choice) with ``world_size`` ranks on
     devices of ``device_bytes``, ``gpus_per_node`` of them per node (at most ``world_size``)."""
+    from hapo_megatron.training.fp8_memory import fp8_server_weight_bytes
     from hapo_megatron.training.offload import offload_planned
     p, sg = cfg.parallel, cfg.rollout.sglang
     dp = world_size // p.model_parallel_size
@@ -272,6 +276,7 @@ def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int, gpus
     # this rank's share of the step at full length: the old-log-prob pass takes it to the device at once
     step_tokens = cfg.data.train_batch_size * cfg.rollout.n * (cfg.data.max_prompt_length
                                                                + cfg.rollout.max_response_length)
+    fp8 = cfg.rollout.engine == "sglang" and cfg.rollout.quantization == "fp8"
     return plan_memory(shape, tp=p.tensor_model_parallel_size,
                        pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size, dp=max(dp, 1),
                        ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
@@ -282,7 +287,8 @@ def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int, gpus
                        offload=offload, device_bytes=device_bytes, fused_output_layer=cfg.model.fused_output_layer,
                        reference_model=cfg.algo.kl_loss_coef > 0,
                        routed_tokens=step_tokens // max(dp, 1) if routes_travel else 0,
-                       peer_contexts=tensor_sync_peer_contexts(cfg, min(gpus_per_node, world_size)))
+                       peer_contexts=tensor_sync_peer_contexts(cfg, min(gpus_per_node, world_size)),
+                       server_weight_bytes=fp8_server_weight_bytes(shape, param_count(shape)) if fp8 else None)
 
 
 def format_plan(plan: MemoryPlan, title: Optional[str] = None) -> str:
