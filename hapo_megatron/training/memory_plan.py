@@ -22,8 +22,8 @@ layer: the final norm's output (2*s*h/t) and either the fused log-prob kernel's 
 (`parallel/linear.py`: two fp32 and one bf16 buffer of min(s, chunk) x V/t entries, the fp32
 d-hidden accumulator 4*s*h and, under SP, the gathered hidden states 2*s*h) or, without it, the
 fp32 logits and their gradient (2 x 4*s*V/t). With routing replay (or mismatch measurement) the
-engine's routes of this rank's whole step (int16, k per token and layer:
-`MicroBatch.routed_experts`) sit on the device during the old-log-prob pass, which takes all its
+engine's routes of this rank's whole step (k per token and layer of its pipeline stage, uint8 up to
+256 experts, else int16: `MicroBatch.routed_experts`, training/route_share.py) sit on the device during the old-log-prob pass, which takes all its
 micro-batches there at once (at full length: the bound, not the typical step). Everything else
 (CUDA context, NCCL, allocator slack) is a fixed overhead per process. With colocated tensor-mode
 weight sync, each node's leader serialises every bucket for every server TP rank of its node from
@@ -34,12 +34,14 @@ GPU, the busiest one (docs/multinode.md, "Colocated memory").
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from hapo_megatron.training.route_share import route_dtype
+
 GiB = 1024**3
 CONTEXT_BYTES = 1 * GiB  # CUDA context + NCCL buffers of one process (rough, deliberately round)
-ROUTE_INDEX_BYTES = 2  # int16 expert ids of MicroBatch.routed_experts
 PEER_CONTEXT_BYTES = GiB // 2  # a CUDA context another process opens on this GPU (0.3-0.5 GiB; the upper end)
 ACT_BYTES = 2  # activations in bf16 (the GPU dtype; the per-layer constants above are bf16 bytes)
 HEADROOM = 0.95  # plan against 95% of the device (fragmentation)
@@ -194,7 +196,9 @@ def plan_memory(shape: ModelShape, *, tp: int = 1, pp: int = 1, cp: int = 1, dp:
     acts = activation_bytes(shape, tokens=tokens_per_micro_batch / cp, tp=tp, pp=pp,
                             sequence_parallel=sequence_parallel, recompute=recompute,
                             fused_output_layer=fused_output_layer, logprob_chunk=logprob_chunk)
-    routes = routed_tokens * shape.layers * shape.moe_topk * ROUTE_INDEX_BYTES  # [b, s, L * k]: every layer
+    # [b, s, stage layers * k] in the share-out's dtype (training/route_share.py): this stage's layers only
+    routes = (routed_tokens * math.ceil(shape.layers / pp) * shape.moe_topk
+              * (route_dtype(shape.experts).itemsize if routed_tokens else 0))
     pool = int(sglang_fraction * device_bytes) if colocated else 0
     weight_bytes = param_count(shape) * 2 if server_weight_bytes is None else server_weight_bytes
     server_weights = int(weight_bytes / server_tp) if colocated else 0

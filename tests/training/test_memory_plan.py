@@ -123,13 +123,18 @@ def test_kl_reference_model_is_counted_and_stays_on_the_device():
 
 
 def test_routing_replay_tensors_of_the_step():
-    """int16 routes of every token of this rank's step, k per layer (`MicroBatch.routed_experts` is
-    ``[b, s, L * k]``, dense layers included): 100 tokens x 2 layers x top-2 x 2 bytes = 800."""
+    """Routes of every token of this rank's step, k per layer of its stage (`MicroBatch.routed_experts`
+    is ``[b, s, L * k]``, dense layers included; uint8 ids for 4 experts): 100 tokens x 2 layers x
+    top-2 x 1 byte = 400; at PP=2 the stage holds 1 layer (200); 300 experts need int16 (800)."""
     moe = ModelShape(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10, experts=4,
                      moe_intermediate=6, moe_layers=1, moe_topk=2)
     base = plan_memory(moe, tokens_per_micro_batch=3, device_bytes=10**9)
     p = plan_memory(moe, tokens_per_micro_batch=3, routed_tokens=100, device_bytes=10**9)
-    assert p.routes == 800 and p.activations == base.activations + 800
+    assert p.routes == 400 and p.activations == base.activations + 400
+    assert plan_memory(moe, pp=2, tokens_per_micro_batch=3, routed_tokens=100, device_bytes=10**9).routes == 200
+    wide = ModelShape(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10, experts=300,
+                      moe_intermediate=6, moe_layers=1, moe_topk=2)
+    assert plan_memory(wide, tokens_per_micro_batch=3, routed_tokens=100, device_bytes=10**9).routes == 800
     assert "routes" in format_plan(p)
 
 

@@ -183,9 +183,10 @@ def test_memory_plan_reads_the_config_fields(cfg, hf_config):
 
     base = plan()
     assert cfg.model.fused_output_layer and cfg.model.routing_replay and cfg.algo.kl_loss_coef == 0
-    assert base.routes == 512 * 16 * (1024 + 10240) // 4 * 48 * 8 * 2
+    assert base.routes == 512 * 16 * (1024 + 10240) // 4 * (48 // 2) * 8 * 1  # PP=2: a stage's layers, uint8 ids
     assert plan(model={"routing_replay": False, "measure_routing_mismatch": False}).routes == 0
-    assert plan(model={"routing_replay": False}).routes == base.routes  # mismatch measurement fetches them too
+    measured = plan(model={"routing_replay": False, "measure_routing_mismatch": True})
+    assert measured.routes == base.routes  # mismatch measurement fetches them too
     assert base.reference == 0 and plan(algo={"kl_loss_coef": 0.001}).reference == base.params
     logits = plan(model={"fused_output_layer": False}).activations - base.activations
     # 12.75 GiB of logits less the fused kernel's ~1 GiB (slices of 1024 x 75968, accumulator, gather)
