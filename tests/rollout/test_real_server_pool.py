@@ -1,0 +1,47 @@
+"""The session's pool of real SGLang servers (tests/rollout/conftest.py), with stand-in processes:
+a live server is shared, one a test killed is started again (its whole process group ended) only
+when asked for, and the pool stops what it started."""
+
+import os
+import signal
+import subprocess
+import sys
+
+from hapo_megatron.rollout.sglang_client import ServerHandle
+
+from .conftest import RealServerPool
+
+# a "server": a process group of two sleepers (a leader and a child, like SGLang's scheduler)
+STANDIN = "import subprocess, time; subprocess.Popen(['sleep', '600']); time.sleep(600)"
+
+
+def _start(model_dir, log_path, api_key):
+    proc = subprocess.Popen([sys.executable, "-c", STANDIN], start_new_session=True)
+    return ServerHandle(f"http://127.0.0.1:{proc.pid}", process=proc, log_path=log_path)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_pool_shares_a_live_server_and_restarts_a_killed_one_on_demand(tmp_path):
+    pool = RealServerPool("model", "key", str(tmp_path), start=_start)
+    try:
+        first = pool.get(0)
+        assert pool.get(0) is first and pool.starts == 1  # shared while alive
+        first.process.send_signal(signal.SIGKILL)  # a test kills the leader only
+        first.process.wait()
+        assert pool.starts == 1  # nothing restarted until asked for
+        second = pool.get(0)
+        assert second is not first and second.exit_code() is None and pool.starts == 2
+        assert not _group_alive(first.process.pid)  # the killed server's child ended too
+        assert second.log_path == os.path.join(str(tmp_path), "server0.start2.log")
+        other = pool.get(1)
+        assert other is not second and pool.starts == 3
+    finally:
+        pool.close()
+    assert second.exit_code() is not None and other.exit_code() is not None and not pool.handles
