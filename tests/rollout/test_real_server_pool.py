@@ -3,6 +3,7 @@ a live server is shared, one a test killed is started again (its whole process g
 when asked for, and the pool stops what it started."""
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -12,20 +13,20 @@ from hapo_megatron.rollout.sglang_client import ServerHandle
 from .conftest import RealServerPool
 
 # a "server": a process group of two sleepers (a leader and a child, like SGLang's scheduler)
-STANDIN = "import subprocess, time; subprocess.Popen(['sleep', '600']); time.sleep(600)"
+STANDIN = "import subprocess, time; subprocess.Popen(['sleep', '600']); print('up', flush=True); time.sleep(600)"
 
 
 def _start(model_dir, log_path, api_key):
-    proc = subprocess.Popen([sys.executable, "-c", STANDIN], start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", STANDIN], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "up\n"  # its child runs
     return ServerHandle(f"http://127.0.0.1:{proc.pid}", process=proc, log_path=log_path)
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def _group_ended(handle) -> bool:
+    """Whether every process of the stand-in's group has exited: its output pipe, which the leader and its
+    child share, reaches end of file (bounded wait, for a group that never ends)."""
+    ready, _, _ = select.select([handle.process.stdout], [], [], 60)
+    return bool(ready) and handle.process.stdout.read() == ""
 
 
 def test_pool_shares_a_live_server_and_restarts_a_killed_one_on_demand(tmp_path):
@@ -38,7 +39,7 @@ def test_pool_shares_a_live_server_and_restarts_a_killed_one_on_demand(tmp_path)
         assert pool.starts == 1  # nothing restarted until asked for
         second = pool.get(0)
         assert second is not first and second.exit_code() is None and pool.starts == 2
-        assert not _group_alive(first.process.pid)  # the killed server's child ended too
+        assert _group_ended(first)  # the killed server's child ended too
         assert second.log_path == os.path.join(str(tmp_path), "server0.start2.log")
         other = pool.get(1)
         assert other is not second and pool.starts == 3
