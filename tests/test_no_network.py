@@ -35,6 +35,19 @@ def test_non_loopback_access_is_blocked_with_a_clear_message(unlogged, how):
                 getattr(s, how)(REMOTE)
 
 
+def test_a_udp_route_lookup_is_allowed_but_sending_on_it_is_not(unlogged):
+    from hapo_megatron.rollout.sglang_launch import node_ip
+    assert node_ip() != ""  # connects a UDP socket to 10.255.255.255 to read the route: no packet
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(REMOTE)
+        with pytest.raises(guard.NetworkAccessBlocked, match="send to"):
+            s.send(b"x")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        with pytest.raises(guard.NetworkAccessBlocked, match="send to"):
+            s.sendto(b"x", REMOTE)
+        s.sendto(b"x", ("127.0.0.1", 9))  # loopback: allowed
+
+
 @pytest.mark.parametrize("host", ["8.8.8.8", "::ffff:10.0.0.1", "2001:db8::1", "example.org", b"pypi.org"])
 def test_remote_hosts_are_not_loopback(host):
     assert not guard.is_loopback_host(host)

@@ -4,7 +4,9 @@ Every Python process of a test run loads it: pytest itself (``tests/conftest.py`
 every child Python that inherits the suite's ``PYTHONPATH`` (this directory is prepended to it, so
 Python imports this file as ``sitecustomize`` at start-up). It patches ``socket`` so that a
 connection to anything but the loopback interface (127.0.0.0/8, ::1, ``localhost``) or a Unix
-socket raises :class:`NetworkAccessBlocked`, and a name lookup of any other host name does too.
+socket raises :class:`NetworkAccessBlocked`, and a name lookup of any other host name does too. A
+UDP ``connect`` sends nothing (it only picks a route, as ``sglang_launch.node_ip`` does): it is
+allowed, and sending on such a socket, or ``sendto`` a remote address, is blocked.
 Every blocked attempt is appended to the file named by ``HAPO_TEST_NETWORK_LOG``, so that the
 test that caused it fails even when the code under test swallowed the exception (or it happened
 in a child process).
@@ -15,8 +17,10 @@ Self-contained on purpose: a child Python may not have the repository on its pat
 import ipaddress
 import os
 import socket
+import weakref
 
 LOG_ENV = "HAPO_TEST_NETWORK_LOG"
+_routed_only = weakref.WeakSet()  # UDP sockets connected to a remote address: may not send
 _LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback", ""}
 
 
@@ -56,11 +60,24 @@ def _record(what: str) -> str:
     return msg
 
 
-def _check_address(family, address) -> None:
+def _remote(family, address) -> bool:
     if family == getattr(socket, "AF_UNIX", None) or not isinstance(address, tuple) or not address:
+        return False
+    return not is_loopback_host(address[0])
+
+
+def _check_address(sock, address) -> None:
+    if not _remote(sock.family, address):
         return
-    if not is_loopback_host(address[0]):
-        raise NetworkAccessBlocked(_record(f"connect to {address!r}"))
+    if sock.type == socket.SOCK_DGRAM:  # a UDP connect sends nothing (it picks the route: node_ip);
+        _routed_only.add(sock)          # what is sent on it is checked
+        return
+    raise NetworkAccessBlocked(_record(f"connect to {address!r}"))
+
+
+def _check_send(sock, address=None) -> None:
+    if sock in _routed_only or (address is not None and _remote(sock.family, address)):
+        raise NetworkAccessBlocked(_record(f"send to {address or sock.getpeername()!r}"))
 
 
 def _check_name(host) -> None:
@@ -80,15 +97,24 @@ def install() -> None:
     if getattr(socket, "_hapo_network_guard", False):
         return
     real_connect, real_connect_ex = socket.socket.connect, socket.socket.connect_ex
+    real_send, real_sendto = socket.socket.send, socket.socket.sendto
     real_getaddrinfo, real_create_connection = socket.getaddrinfo, socket.create_connection
 
     def connect(self, address):
-        _check_address(self.family, address)
+        _check_address(self, address)
         return real_connect(self, address)
 
     def connect_ex(self, address):
-        _check_address(self.family, address)
+        _check_address(self, address)
         return real_connect_ex(self, address)
+
+    def send(self, data, *args):
+        _check_send(self)
+        return real_send(self, data, *args)
+
+    def sendto(self, data, *args):
+        _check_send(self, args[-1])
+        return real_sendto(self, data, *args)
 
     def getaddrinfo(host, *args, **kwargs):
         _check_name(host)
@@ -99,6 +125,7 @@ def install() -> None:
         return real_create_connection(address, *args, **kwargs)
 
     socket.socket.connect, socket.socket.connect_ex = connect, connect_ex
+    socket.socket.send, socket.socket.sendto = send, sendto
     socket.getaddrinfo, socket.create_connection = getaddrinfo, create_connection
     socket._hapo_network_guard = True
 
