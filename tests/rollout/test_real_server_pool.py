@@ -1,6 +1,7 @@
 """The session's pool of real SGLang servers (tests/rollout/conftest.py), with stand-in processes:
 a live server is shared, one a test killed is started again (its whole process group ended) only
-when asked for, and the pool stops what it started."""
+when asked for, a prestarted one is waited for when first asked for, and the pool stops what it
+started."""
 
 import os
 import select
@@ -30,7 +31,8 @@ def _group_ended(handle) -> bool:
 
 
 def test_pool_shares_a_live_server_and_restarts_a_killed_one_on_demand(tmp_path):
-    pool = RealServerPool("model", "key", str(tmp_path), start=_start)
+    waited = []
+    pool = RealServerPool("model", "key", str(tmp_path), launch=_start, wait=waited.append)
     try:
         first = pool.get(0)
         assert pool.get(0) is first and pool.starts == 1  # shared while alive
@@ -41,8 +43,11 @@ def test_pool_shares_a_live_server_and_restarts_a_killed_one_on_demand(tmp_path)
         assert second is not first and second.exit_code() is None and pool.starts == 2
         assert _group_ended(first)  # the killed server's child ended too
         assert second.log_path == os.path.join(str(tmp_path), "server0.start2.log")
-        other = pool.get(1)
-        assert other is not second and pool.starts == 3
+        assert waited == [first, second]  # each start waited for once
+        pool.prestart(1)  # launched, not waited for: its start-up overlaps what runs meanwhile
+        other = pool.handles[1]
+        assert waited == [first, second] and other.exit_code() is None and pool.starts == 3
+        assert pool.get(1) is other and waited == [first, second, other] and pool.starts == 3
     finally:
         pool.close()
     assert second.exit_code() is not None and other.exit_code() is not None and not pool.handles

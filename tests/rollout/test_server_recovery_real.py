@@ -1,4 +1,4 @@
-"""Two REAL SGLang servers (the session's shared one and a second one on the loopback address):
+"""Two REAL SGLang servers (the session's shared ones, on the loopback address):
 the second is SIGKILLed, then SIGSTOPped, in the middle of a generation round. Every row is
 answered (by the survivor, same sampling seeds), the lost server is restarted with its own
 command line and API key, and it serves again only after the next weight sync, with the
@@ -20,7 +20,7 @@ from hapo_megatron.rollout.engine import SamplingParams
 from hapo_megatron.rollout.server_supervisor import IN_USE, LOST, RESTARTING, ServerPoolError
 from hapo_megatron.rollout.sglang_launch import stop_process
 
-from .real_sglang import hf_greedy, hf_model, start_server
+from .real_sglang import hf_greedy, hf_model
 
 PROMPTS = [[1, 10 + p, 11, 12 + p] for p in range(12)]  # x n=2: 24 rows, 6 calls of 4 rows, 3 per server
 SAMPLED = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=11)
@@ -75,9 +75,9 @@ def rows(out):
 
 
 @pytest.mark.slow
-def test_lost_servers_are_replaced_and_rejoin_with_the_current_weights(real_server, real_api_key, real_model_dir,
-                                                                        tmp_path):
-    second = start_server(real_model_dir, str(tmp_path / "second.log"), real_api_key)
+def test_lost_servers_are_replaced_and_rejoin_with_the_current_weights(real_server, second_real_server, real_api_key,
+                                                                        real_model_dir):
+    second = second_real_server  # the pool's second server, launched with the first (tests/rollout/conftest.py)
     lines = []
     try:
         eng = se.SGLangEngine(server_urls=[real_server, second], launch=False, colocate=True, weight_sync="tensor",
