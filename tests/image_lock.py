@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 from collections import defaultdict
+from functools import lru_cache
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
@@ -109,6 +110,12 @@ def locked_versions(texts: dict, tool) -> dict:
     return out
 
 
+@lru_cache(maxsize=None)
+def _parsed(line: str) -> Requirement:
+    """A Requires-Dist line parsed once (the checks walk ~2000 of them several times)."""
+    return Requirement(line)
+
+
 def requested_extras(inputs: list, requires: dict, env: dict) -> dict:
     """{name: extras} asked for by the input requirements and, transitively, by the active
     requirements of the locked distributions."""
@@ -120,7 +127,7 @@ def requested_extras(inputs: list, requires: dict, env: dict) -> dict:
         changed = False
         for name, lines in requires.items():
             for line in lines:
-                req = Requirement(line)
+                req = _parsed(line)
                 dep = canonicalize_name(req.name)
                 if req.extras and _active(req, extras[name], env) and not set(req.extras) <= extras[dep]:
                     extras[dep] |= set(req.extras)
@@ -143,7 +150,7 @@ def unmet_requirements(installed: dict, requires: dict, left_out: dict, extras: 
     problems = []
     for name, reqs in sorted(requires.items()):
         for line in reqs:
-            req = Requirement(line)
+            req = _parsed(line)
             if not _active(req, extras.get(name, set()), env):
                 continue
             dep = canonicalize_name(req.name)
