@@ -12,7 +12,7 @@ import pytest
 from hapo_megatron.rollout.api_key import new_api_key
 from hapo_megatron.rollout.sglang_launch import stop_process
 
-from .real_sglang import launch_server, require_sglang, tiny_model_dir, wait_started
+from .real_sglang import launch_server_process, require_sglang, tiny_model_dir, wait_started
 
 SECOND_SERVER_FIXTURE = "second_real_server"
 
@@ -20,7 +20,8 @@ SECOND_SERVER_FIXTURE = "second_real_server"
 class RealServerPool:
     """Servers on the tiny model requiring one API key, by slot (0, 1, ...)."""
 
-    def __init__(self, model_dir: str, api_key: str, log_dir: str, launch=launch_server, wait=wait_started):
+    def __init__(self, model_dir: str, api_key: str, log_dir: str, launch=launch_server_process,
+                 wait=wait_started):
         self.model_dir, self.api_key, self.log_dir = model_dir, api_key, log_dir
         self._launch_fn, self._wait_fn = launch, wait
         self.handles, self.ready, self.starts = {}, set(), 0

@@ -37,10 +37,11 @@ def start_server(model_dir: str, log_path: str, api_key: str, timeout_s: float =
     """Launch one server requiring ``api_key`` on a free port, bound where the launcher binds a
     colocated server by default, and wait until it is healthy (fails with its log tail).
     ``extra_args``: more ``sglang.launch_server`` flags."""
-    return wait_started(launch_server(model_dir, log_path, api_key, extra_args), timeout_s)
+    return wait_started(launch_server_process(model_dir, log_path, api_key, extra_args), timeout_s)
 
 
-def launch_server(model_dir: str, log_path: str, api_key: str, extra_args: tuple[str, ...] = ()) -> ServerHandle:
+def launch_server_process(model_dir: str, log_path: str, api_key: str,
+                          extra_args: tuple[str, ...] = ()) -> ServerHandle:
     """The process of :func:`start_server`, not waited for (several start-ups may overlap)."""
     port = launcher.free_port()
     device = launcher.resolve_device("auto")
