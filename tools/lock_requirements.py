@@ -100,7 +100,10 @@ def _uv(uv: str, args: list, out: str, constraint: str | None = None, deps: bool
         cmd.append("--no-deps")
     subprocess.run(cmd, check=True, cwd=ROOT)
     with open(out, encoding="utf-8") as f:
-        return parse_lock(f.read())
+        text = f.read()
+    if constraint:  # the temporary file's name would make every lock differ
+        text = text.replace(f"-c {constraint}", "-c (the whole image's resolution)")
+    return parse_lock(text)
 
 
 def _write(path: str, step_files: tuple, entries: dict, digest: str, uv_version: str, deps: bool) -> None:
