@@ -28,15 +28,21 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-dev python3-venv git curl ca-certificates \
        build-essential ninja-build libnuma1 \
     && rm -rf /var/lib/apt/lists/* \
-    && python3 -m venv /opt/venv \
-    && pip install pip==25.3 setuptools==80.9.0 wheel==0.45.1
+    && python3 -m venv /opt/venv
 
 WORKDIR /opt/hapo_megatron
 COPY requirements/ requirements/
 
-# 1. The torch stack, then frozen: every later pip call runs under a constraints file that pins
-#    the installed torch & co., ADDED to whatever constraints the base image already sets.
-RUN pip install -r requirements/torch.txt \
+# Every pip step installs exactly one lock file of requirements/lock/ (`--require-hashes --no-deps`):
+# one resolution of the whole environment, split by step, with the hash of every file
+# (tools/lock_requirements.py writes them from requirements/*.txt; docs/docker.md "The lock").
+# 0. The packaging tools (pip 25.3, setuptools, wheel).
+RUN pip install --require-hashes --no-deps -r requirements/lock/bootstrap.txt
+
+# 1. The torch stack (requirements/torch.txt and its closure), then frozen: every later pip call runs
+#    under a constraints file that pins the installed torch & co., ADDED to whatever constraints the
+#    base image already sets (a later lock that disagreed would fail the build, not swap torch).
+RUN pip install --require-hashes --no-deps -r requirements/lock/torch.txt \
     && mkdir -p /opt/hapo \
     && pip list --format=freeze \
        | grep -iE '^(torch|torchvision|triton|nvidia-[a-z0-9-]+|cuda-toolkit|cuda-bindings|cuda-python|cuda-pathfinder)==' \
@@ -45,18 +51,18 @@ RUN pip install -r requirements/torch.txt \
     && cat /opt/hapo/keep-torch.txt /opt/hapo/torch-version.txt
 ENV PIP_CONSTRAINT="${PIP_CONSTRAINT:+${PIP_CONSTRAINT} }/opt/hapo/keep-torch.txt"
 
-# 2. Transformer Engine's torch extension compiled against that torch (FORCE_BUILD: never a prebuilt
-#    wheel made for another torch; MAX_JOBS bounds the RAM of the compile).
+# 2. Transformer Engine (requirements/te.txt): its torch extension, an sdist, compiled against that
+#    torch (FORCE_BUILD: never a prebuilt wheel made for another torch; MAX_JOBS bounds the RAM of
+#    the compile).
 RUN NVTE_FRAMEWORK=pytorch NVTE_PYTORCH_FORCE_BUILD=TRUE MAX_JOBS=${MAX_JOBS:-8} \
-    pip install --no-build-isolation -r requirements/te.txt
+    pip install --no-build-isolation --require-hashes --no-deps -r requirements/lock/te.txt
 
 # 3. SGLang without its dependencies (it declares torchaudio/torchcodec built for other torch
-#    versions), then our dependencies (megatron-core pinned to the TE range above) and the rest of
-#    SGLang's (sglang-kernel, flashinfer, ... with SGLang's own pins) in ONE resolution, so that no
-#    later install swaps what an earlier one chose (tests/test_dockerfile.py replays these steps
-#    with pip's resolver).
-RUN pip install --no-deps -r requirements/sglang.txt \
-    && pip install -r requirements/base.txt -r requirements/sglang-runtime.txt
+#    versions), then the rest of the environment: our dependencies (requirements/base.txt) and
+#    SGLang's (requirements/sglang-runtime.txt), resolved together with everything above
+#    (tests/test_dockerfile.py checks offline that the locks meet every declared requirement).
+RUN pip install --require-hashes --no-deps -r requirements/lock/sglang.txt \
+    && pip install --require-hashes --no-deps -r requirements/lock/image.txt
 
 # 4. The package itself, editable so that a checkout mounted over /opt/hapo_megatron takes effect.
 COPY setup.cfg pyproject.toml README.md ./

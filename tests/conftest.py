@@ -7,6 +7,14 @@ import torch
 # Tests import `tests.distributed`; make the repository root importable when pytest runs from it.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# No test reaches the network: the guard's hooks, for this process and its child Pythons
+# (tests/no_network/plugin.py, docs/testing.md "No network in the tests").
+from tests.no_network.plugin import (  # noqa: E402,F401 - pytest finds the hooks by name here
+    pytest_configure,
+    pytest_runtest_makereport,
+    pytest_unconfigure,
+)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -1,31 +1,32 @@
-"""Checks of the Dockerfile and the requirement files it copies (`docker build` cannot run in CI).
+"""Checks of the Dockerfile, the requirement files and the lock it installs (`docker build` cannot
+run in CI). All offline (docs/testing.md "No network in the tests").
 
-Offline: the Dockerfile parses (known instructions, only ARG before the first FROM, a CUDA devel
-base), every COPY source exists, every requirement line is a valid PEP 508 requirement, the torch
-stack comes only from requirements/torch.txt (+ Transformer Engine from te.txt, built against it)
-and is then frozen by a constraints file ADDED to the base image's, the stack is coherent by the
-packages' declared requirements (recorded below from their PyPI metadata), SGLang and the package
-go in with --no-deps, the build's smoke test imports every compiled piece, the default command
-runs a real config with one rank per GPU, and the pins satisfy setup.cfg. Online (skipped with a
-reason when PyPI cannot be reached): every `name==version` pin is a released, non-yanked version
-with a file installable on the image's Python (3.12, Linux x86_64).
+The Dockerfile parses (known instructions, only ARG before the first FROM, a CUDA devel base),
+every COPY source exists, every requirement line is a valid PEP 508 requirement, the torch stack
+comes only from requirements/torch.txt (+ Transformer Engine from te.txt, built against it) and is
+then frozen by a constraints file ADDED to the base image's, the stack is coherent by the packages'
+declared requirements (recorded below, checked against the lock's metadata), SGLang and the
+package go in with --no-deps, the build's smoke test imports every compiled piece, the default
+command runs a real config with one rank per GPU, and the pins satisfy setup.cfg.
+
+The lock (requirements/lock/, docs/docker.md "The lock"): every pip step installs exactly one lock
+file, in the lock command's order, with --require-hashes --no-deps; each lock was generated from
+today's input files, pins each distribution once with hashes, meets every input requirement,
+leaves the frozen torch stack to the torch step, and the locked set meets every declared
+requirement of every locked distribution, extras included (tests/image_lock.py).
 """
 
 import configparser
-import json
 import os
 import re
 import shlex
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
-from packaging.tags import compatible_tags, cpython_tags
-from packaging.utils import canonicalize_name, parse_wheel_filename
-from packaging.version import Version
+from packaging.utils import canonicalize_name
+
+from tests import image_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCKERFILE = os.path.join(ROOT, "Dockerfile")
@@ -39,8 +40,8 @@ TORCH_FILES = {"requirements/torch.txt": {"torch", "torchvision"},
                "requirements/te.txt": {"transformer-engine"}}
 IMAGE_PYTHON = (3, 12)  # Python of Ubuntu 24.04 (the CUDA base image)
 TESTED_SGLANG = "0.5.23"  # the SGLang this project runs (CPU tests, setup.cfg's sglang extra)
-# Declared requirements read from the packages' PyPI metadata (`pip download --no-deps X==V` and
-# its METADATA; `pip install --dry-run --report` for the big wheels). Update with the pins.
+# Declared requirements of the pinned packages (their Requires-Dist, extras' included). Checked
+# against requirements/lock/metadata.json, which the lock command reads from the locked files.
 DECLARED = {
     ("sglang", "0.5.23"): {"torch": "==2.14.1", "sglang-kernel": "==0.4.10", "flashinfer-python": "==0.7.2",
                            "transformers": "==5.19.0"},
@@ -73,7 +74,7 @@ def parse_dockerfile(path=DOCKERFILE):
 
 
 def copied_requirement_files(instructions):
-    """Requirement files referenced with `-r` in RUN lines."""
+    """Requirement files referenced with `-r` in RUN lines (the lock files)."""
     files = []
     for kw, arg in instructions:
         if kw == "RUN":
@@ -124,9 +125,16 @@ def instructions():
 
 
 @pytest.fixture(scope="module")
-def requirement_files(instructions):
-    files = copied_requirement_files(instructions)
-    assert files, "the Dockerfile installs no requirement file"
+def lock():
+    """tools/lock_requirements.py (its STEPS, digest and lock parser)."""
+    return image_lock.lock_tool()
+
+
+@pytest.fixture(scope="module")
+def requirement_files(lock):
+    """The input files of the lock: what the image is made of."""
+    files = [f for _, step_files, _ in lock.STEPS for f in step_files]
+    assert files, "the lock has no input file"
     return {f: read_requirements(f) for f in files}
 
 
@@ -173,7 +181,7 @@ def test_requirement_files_parse_and_only_torch_files_touch_torch(requirement_fi
 
 
 def test_our_packages_are_pinned(requirement_files):
-    for path in ("requirements/base.txt", "requirements/sglang.txt", *TORCH_FILES):
+    for path in ("requirements/base.txt", "requirements/sglang.txt", "requirements/bootstrap.txt", *TORCH_FILES):
         for r in requirement_files[path]:
             ops = {s.operator for s in r.specifier}
             assert ops == {"=="}, f"{path}: {r} must be pinned with =="
@@ -200,13 +208,25 @@ def run_line_problems(instructions):
         problems.append("no PIP_CONSTRAINT pinning the installed torch stack")
     elif "${PIP_CONSTRAINT:+" not in envs:
         problems.append("PIP_CONSTRAINT replaces the base image's constraints instead of adding to them")
-    if not any("pip list --format=freeze" in r and "keep-torch.txt" in r and "requirements/torch.txt" in r
+    if not any("pip list --format=freeze" in r and "keep-torch.txt" in r and "requirements/lock/torch.txt" in r
                for r in runs):
-        problems.append("the torch constraints file is not generated right after installing torch.txt")
-    if not any("--no-build-isolation -r requirements/te.txt" in r for r in runs):
+        problems.append("the torch constraints file is not generated right after installing the torch lock")
+    if not any("--no-build-isolation --require-hashes --no-deps -r requirements/lock/te.txt" in r for r in runs):
         problems.append("Transformer Engine is not built against the installed torch (--no-build-isolation)")
-    if not any(re.search(r"pip install --no-deps -r requirements/sglang\.txt", r) for r in runs):
+    if not any(re.search(r"pip install --require-hashes --no-deps -r requirements/lock/sglang\.txt", r) for r in runs):
         problems.append("sglang is not installed with --no-deps")
+    for run in runs:
+        for words in shell_commands(run):
+            while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):  # VAR=value before the command
+                words = words[1:]
+            if words[:2] != ["pip", "install"] or words[2:] == ["--no-deps", "-e", "."]:
+                continue
+            files = [w for i, w in enumerate(words) if i and words[i - 1] == "-r"]
+            if not ({"--require-hashes", "--no-deps"} <= set(words) and len(files) == 1
+                    and files[0].startswith("requirements/lock/") and len(words) == 6 + (
+                        "--no-build-isolation" in words)):
+                problems.append(f"installs something else than one lock file with --require-hashes "
+                                f"--no-deps: {' '.join(words)}")
     if not any(re.search(r"pip install --no-deps (-e )?\.(\s|$)", r) for r in runs):
         problems.append("the package is not installed with pip install --no-deps")
     if not any("torch-version.txt" in r and "torch.__version__" in r for r in runs[1:]):
@@ -332,81 +352,113 @@ def test_pins_satisfy_setup_cfg(requirement_files):
             f"image pins {name}=={pinned[name]}, setup.cfg requires {req}")
 
 
-# ---------------------------------------------------------------------- registry (online)
-def _fetch(name):
-    url = f"https://pypi.org/pypi/{name}/json"
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        return json.load(resp)
+
+# ------------------------------------------------------------------ the lock (requirements/lock/)
+# sglang 0.5.23 declares these, left out of the image on purpose (docs/docker.md): built for
+# another torch (torchaudio 2.11), video decoding (torchcodec).
+LEFT_OUT = {"sglang": {"torchaudio", "torchcodec"}}
 
 
-def _fetch_or_error(name):
-    """The project's JSON, `None` for an unknown project (404), or the network error."""
-    try:
-        return _fetch(name)
-    except urllib.error.HTTPError as e:
-        if e.code == 404:
-            return None
-        return e
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        return e
-
-
-def _pypi_reachable():
-    try:
-        _fetch("pip")
-        return True
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
-def _image_tags():
-    platforms = [f"manylinux_2_{m}_x86_64" for m in range(39, 4, -1)]
-    platforms += ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64",
-                  "linux_x86_64"]
-    return set(cpython_tags(IMAGE_PYTHON, platforms=platforms)) | set(
-        compatible_tags(IMAGE_PYTHON, platforms=platforms))
-
-
-def _installable(files, tags):
-    for f in files:
-        if f.get("yanked"):
+def pip_steps(instructions):
+    """[(argv after `pip install`, constrained)] for every pip install of the RUN lines in order,
+    `constrained` telling whether the keep-torch constraints file is active at that step."""
+    steps, constrained = [], False
+    for kw, arg in instructions:
+        if kw == "ENV" and re.search(r"PIP_CONSTRAINT=.*keep-torch\.txt", arg):
+            constrained = True
+        if kw != "RUN":
             continue
-        name = f["filename"]
-        if name.endswith((".tar.gz", ".zip")):
-            return True
-        if name.endswith(".whl") and set(parse_wheel_filename(name)[3]) & tags:
-            return True
-    return False
+        for words in shell_commands(arg):
+            while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):  # VAR=value before the command
+                words = words[1:]
+            if words[:2] == ["pip", "install"]:
+                steps.append((words[2:], constrained))
+    return steps
 
 
-def test_pinned_versions_exist_on_pypi(requirement_files):
-    if not _pypi_reachable():
-        pytest.skip("PyPI (https://pypi.org/pypi/<name>/json) is unreachable: pinned versions "
-                    "not checked against the registry (offline checks above still ran)")
-    wanted = {}
-    for reqs in requirement_files.values():
-        wanted.update(pins(reqs))
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        projects = dict(zip(wanted, pool.map(_fetch_or_error, wanted)))
-    errors = {n: p for n, p in projects.items() if isinstance(p, Exception)}
-    if errors:  # a transient network failure is not a wrong pin
-        pytest.skip(f"PyPI lookups failed for {sorted(errors)}: {next(iter(errors.values()))}")
-    tags = _image_tags()
-    problems = [f"{n}: no such project on PyPI" for n, p in sorted(projects.items()) if p is None]
-    for name, version in sorted(wanted.items()):
-        if projects[name] is None:
-            continue
-        # `==1.4` matches 1.4.0 (PEP 440 zero padding): compare parsed versions
-        files = next((f for v, f in projects[name]["releases"].items()
-                      if Version(v) == Version(version)), None)
-        if files is None:
-            problems.append(f"{name}=={version}: no such release")
-        elif not files or all(f.get("yanked") for f in files):
-            problems.append(f"{name}=={version}: yanked or without files")
-        elif not _installable(files, tags):
-            problems.append(f"{name}=={version}: no sdist or wheel for Python "
-                            f"{IMAGE_PYTHON[0]}.{IMAGE_PYTHON[1]} on Linux x86_64")
-    assert not problems, "\n".join(problems)
+def freeze_pattern(instructions) -> re.Pattern:
+    """The `grep -iE '...'` that the torch step applies to `pip list --format=freeze`."""
+    for kw, arg in instructions:
+        m = re.search(r"pip list --format=freeze\s*\|\s*grep -iE '([^']+)'", arg) if kw == "RUN" else None
+        if m:
+            return re.compile(m.group(1), re.I)
+    raise AssertionError("the Dockerfile writes no keep-torch constraints from `pip list --format=freeze`")
+
+
+@pytest.fixture(scope="module")
+def lock_texts(lock):
+    return image_lock.read_locks(ROOT, lock)
+
+
+@pytest.fixture(scope="module")
+def metadata(lock):
+    return image_lock.read_metadata(ROOT, lock)
+
+
+def test_dockerfile_installs_the_locks_in_order(instructions, lock):
+    steps = pip_steps(instructions)
+    files = [[a for i, a in enumerate(args) if i and args[i - 1] == "-r"] for args, _ in steps]
+    assert files[:-1] == [[f"{lock.LOCK_DIR}/{name}"] for name, _, _ in lock.STEPS], files
+    assert steps[-1][0] == ["--no-deps", "-e", "."]
+    # keep-torch.txt from the step after torch on: no later lock can replace the torch stack
+    assert [c for _, c in steps] == [False, False, True, True, True, True]
+    keep = freeze_pattern(instructions)
+    for frozen in ("torch==2.14.1", "cuda-bindings==13.4.4", "cuda-python==13.4.4", "nvidia-nccl-cu13==2.30.7"):
+        assert keep.match(frozen), frozen
+    assert not keep.match("numpy==2.4.6")
+
+
+def test_lock_is_generated_from_the_inputs_and_coherent(instructions, lock, lock_texts, requirement_files):
+    digest = lock.inputs_digest(ROOT)
+    assert image_lock.lock_problems(lock_texts, requirement_files, digest, freeze_pattern(instructions), lock) == []
+
+
+def test_lock_check_catches_a_stale_or_incoherent_lock(instructions, lock, lock_texts, requirement_files,
+                                                        tmp_path):
+    freeze, digest = freeze_pattern(instructions), lock.inputs_digest(ROOT)
+
+    def problems(texts=lock_texts, inputs=requirement_files, dig=digest):
+        return image_lock.lock_problems(texts, inputs, dig, freeze, lock)
+
+    # an input edited without a new lock
+    for path in lock.input_files():
+        os.makedirs(os.path.dirname(tmp_path / path), exist_ok=True)
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+            (tmp_path / path).write_text(f.read())
+    base = tmp_path / "requirements/base.txt"
+    base.write_text(base.read_text() + "einops==0.8.2\n")
+    assert any("not generated from today's inputs" in p for p in problems(dig=lock.inputs_digest(str(tmp_path))))
+    # an input requirement the lock does not meet
+    raised = {**requirement_files, "requirements/base.txt": [*requirement_files["requirements/base.txt"],
+                                                             Requirement("numpy>=9")]}
+    assert any("requires numpy>=9" in p for p in problems(inputs=raised))
+    # a torch-stack package in a later step, a package locked twice, a pin without hashes
+    torch_block = "\n".join(lock.parse_lock(lock_texts["torch.txt"])["triton"]["block"])
+    twice = {**lock_texts, "image.txt": lock_texts["image.txt"] + torch_block + "\n"}
+    assert any("image.txt installs triton" in p for p in problems(twice))
+    assert any("triton is locked by torch.txt and again by image.txt" in p for p in problems(twice))
+    unhashed = {**lock_texts, "sglang.txt": lock_texts["sglang.txt"].split(" \\")[0] + "\n"}
+    assert any("sglang==0.5.23 has no --hash" in p for p in problems(unhashed))
+
+
+def test_lock_meets_every_declared_requirement(lock, lock_texts, metadata, requirement_files):
+    installed = image_lock.locked_versions(lock_texts, lock)
+    dists = metadata["distributions"]
+    assert metadata["inputs-sha256"] == lock.inputs_digest(ROOT)
+    assert {n: d["version"] for n, d in dists.items()} == installed
+    requires = {n: d["requires_dist"] for n, d in dists.items()}
+    inputs = [r for reqs in requirement_files.values() for r in reqs]
+    extras = image_lock.requested_extras(inputs, requires, image_lock.image_marker_env())
+    assert extras["transformer-engine"] == {"core_cu13", "pytorch"}  # extras are followed
+    assert image_lock.unmet_requirements(installed, requires, LEFT_OUT, extras) == []
+
+
+def test_lock_pins_what_the_image_promises(lock_texts, lock, requirement_files):
+    installed = image_lock.locked_versions(lock_texts, lock)
+    assert installed["torch"] == "2.14.1" and installed["sglang"] == TESTED_SGLANG
+    assert installed["transformer-engine"] == "2.11.0" and installed["transformer-engine-torch"] == "2.11.0"
+    assert {installed[n] for n in ("pip", "setuptools", "wheel")} == {"25.3", "80.9.0", "0.45.1"}
+    assert stack_problems(installed) == []
 
 
 def _declared_spec(requires_dist, dep: str):
@@ -418,57 +470,29 @@ def _declared_spec(requires_dist, dep: str):
     return None
 
 
-def _requires_dist(name: str, version: str):
-    """Requires-Dist of name==version from PyPI's JSON API (the per-version page, else the
-    project page when its newest version is that one); None when neither has it."""
-    for url in (f"https://pypi.org/pypi/{name}/{version}/json", f"https://pypi.org/pypi/{name}/json"):
-        try:
-            with urllib.request.urlopen(url, timeout=30) as resp:
-                info = json.load(resp)["info"]
-        except (urllib.error.URLError, OSError, ValueError):
-            continue
-        if Version(info["version"]) == Version(version):
-            return info.get("requires_dist") or []
-    return None
-
-
-def test_declared_requirements_match_pypi_metadata():
-    if not _pypi_reachable():
-        pytest.skip("PyPI (https://pypi.org/pypi/<name>/json) is unreachable: DECLARED not re-read")
-    problems, unread = [], []
+def test_declared_requirements_match_the_locked_metadata(metadata):
+    dists = metadata["distributions"]
+    problems = []
     for (name, version), needs in DECLARED.items():
-        requires = _requires_dist(name, version)
-        if requires is None:
-            unread.append(f"{name}=={version}")
-            continue
+        assert dists[name]["version"] == version, f"{name}: DECLARED records {version}, locked {dists[name]}"
         for dep, spec in needs.items():
-            got = _declared_spec(requires, dep)
+            got = _declared_spec(dists[name]["requires_dist"], dep)
             if got is None or got != SpecifierSet(spec):
                 problems.append(f"{name}=={version} declares {dep}{got}, DECLARED records {dep}{spec}")
     assert not problems, "\n".join(problems)
-    if len(unread) == len(DECLARED):
-        pytest.skip(f"PyPI's JSON API gave no metadata for {unread}")
 
 
-# ------------------------------------------------------- the steps, replayed by pip's resolver
-# sglang 0.5.23 declares these, left out of the image on purpose (docs/docker.md): built for
-# another torch (torchaudio 2.11), video decoding (torchcodec).
-LEFT_OUT = {"sglang": {"torchaudio", "torchcodec"}}
-
-
-def test_replay_reads_the_dockerfile_steps(instructions):
-    from tests.docker_resolve import freeze_pattern, image_pip_version, pip_steps
-    steps = pip_steps(instructions)
-    files = [[a for i, a in enumerate(args) if i and args[i - 1] == "-r"] for args, _ in steps]
-    assert files[1:5] == [["requirements/torch.txt"], ["requirements/te.txt"], ["requirements/sglang.txt"],
-                          ["requirements/base.txt", "requirements/sglang-runtime.txt"]], files
-    # our pins and SGLang's runtime pins in ONE resolution: no later step swaps what base.txt chose
-    assert [c for _, c in steps][1:] == [False, True, True, True, True]  # keep-torch.txt from step 2 on
-    keep = freeze_pattern(instructions)
-    for frozen in ("torch==2.14.1", "cuda-bindings==13.4.4", "cuda-python==13.4.4", "nvidia-nccl-cu13==2.30.7"):
-        assert keep.match(frozen), frozen
-    assert not keep.match("numpy==2.4.6")
-    assert image_pip_version(instructions) == "25.3"
+def test_modelopt_goes_in_without_its_hf_extra(lock, lock_texts, metadata, requirement_files):
+    """No nvidia-modelopt release's `hf` extra admits the image's transformers (0.47.0, the newest,
+    declares transformers<5.15; SGLang 0.5.23 pins 5.19.0): the image installs modelopt without it
+    (docs/docker.md). The check would catch the extra being asked for."""
+    (req,) = [r for r in requirement_files["requirements/base.txt"] if r.name == "nvidia-modelopt"]
+    assert not req.extras
+    installed = image_lock.locked_versions(lock_texts, lock)
+    requires = {n: d["requires_dist"] for n, d in metadata["distributions"].items()}
+    with_hf = image_lock.unmet_requirements(installed, requires, LEFT_OUT, {"nvidia-modelopt": {"hf"}})
+    assert any(p.startswith("nvidia-modelopt==0.47.0 requires transformers<5.15") and "transformers==5.19.0" in p
+               for p in with_hf), with_hf
 
 
 def test_no_router_in_the_image(requirement_files):
@@ -477,41 +501,15 @@ def test_no_router_in_the_image(requirement_files):
 
 
 def test_consistency_check_catches_an_unmet_requirement():
-    from tests.docker_resolve import unmet_requirements
-    installed = {"cuda-python": "13.4.4", "cuda-bindings": "13.5.0", "sglang": "0.5.23"}
+    installed = {"cuda-python": "13.4.4", "cuda-bindings": "13.5.0", "sglang": "0.5.23", "x": "1"}
     requires = {"cuda-python": ["cuda-bindings~=13.4.4"], "cuda-bindings": ['pywin32; sys_platform == "win32"'],
-                "sglang": ["torchaudio==2.11.0", 'decord; platform_machine == "aarch64"']}
-    assert unmet_requirements(installed, requires, LEFT_OUT) == [
+                "sglang": ["torchaudio==2.11.0", 'decord; platform_machine == "aarch64"'],
+                "x": ['cuda-bindings==13.4.4; extra == "cu"']}
+    assert image_lock.unmet_requirements(installed, requires, LEFT_OUT) == [
         "cuda-python==13.4.4 requires cuda-bindings~=13.4.4, the image has cuda-bindings==13.5.0"]
-    assert len(unmet_requirements(installed, requires, {})) == 2  # torchaudio, when not left out
-
-
-@pytest.fixture(scope="module")
-def replayed(instructions, tmp_path_factory):
-    """The Dockerfile's pip steps resolved by the image's pip (tests/docker_resolve.py); several
-    minutes on a busy 2-core machine (every distribution's metadata by HTTP range requests)."""
-    from tests.docker_resolve import PipUnavailable, replay
-    try:
-        installed, requires, timings = replay(instructions, ROOT, str(tmp_path_factory.mktemp("docker-resolve")))
-    except PipUnavailable as e:
-        pytest.skip(f"pip's resolver could not reach the package index: {e}")
-    for args, seconds in timings:
-        print(f"pip install --dry-run {args}: {seconds:.0f} s")
-    return installed, requires
-
-
-@pytest.mark.slow
-def test_image_steps_resolve_with_pip(replayed):
-    installed, _ = replayed
-    assert installed["torch"] == "2.14.1" and installed["sglang"] == TESTED_SGLANG
-    assert installed["transformer-engine"] == "2.11.0" and installed["transformer-engine-torch"] == "2.11.0"
-    runtime = pins(read_requirements("requirements/sglang-runtime.txt"))
-    for name, version in {**pins(read_requirements("requirements/base.txt")), **runtime}.items():
-        assert Version(installed[name]) == Version(version), f"{name}: {installed[name]} installed, {version} pinned"
-
-
-@pytest.mark.slow
-def test_image_meets_every_declared_requirement(replayed):
-    from tests.docker_resolve import unmet_requirements
-    installed, requires = replayed
-    assert unmet_requirements(installed, requires, LEFT_OUT) == []
+    assert len(image_lock.unmet_requirements(installed, requires, {})) == 2  # torchaudio, when not left out
+    # an extra's requirement counts once the extra is asked for, also through another package
+    asked = image_lock.requested_extras([Requirement("y")], {**requires, "y": ["x[cu]"]},
+                                        image_lock.image_marker_env())
+    assert asked["x"] == {"cu"}
+    assert len(image_lock.unmet_requirements(installed, requires, LEFT_OUT, asked)) == 2

@@ -37,13 +37,23 @@ def start_server(model_dir: str, log_path: str, api_key: str, timeout_s: float =
     """Launch one server requiring ``api_key`` on a free port, bound where the launcher binds a
     colocated server by default, and wait until it is healthy (fails with its log tail).
     ``extra_args``: more ``sglang.launch_server`` flags."""
+    return wait_started(launch_server_process(model_dir, log_path, api_key, extra_args), timeout_s)
+
+
+def launch_server_process(model_dir: str, log_path: str, api_key: str,
+                          extra_args: tuple[str, ...] = ()) -> ServerHandle:
+    """The process of :func:`start_server`, not waited for (several start-ups may overlap)."""
     port = launcher.free_port()
     device = launcher.resolve_device("auto")
     cmd = launcher.server_command(model_dir, port=port, device=device, dtype="float32",
                                   mem_fraction_static=0.3, max_total_tokens=4096,
                                   extra_args=extra_args)
-    handle = launcher.start_process(cmd, f"http://127.0.0.1:{port}", log_path=log_path,
-                                    env=launcher.server_env(cpu=device == "cpu"), api_key=api_key)
+    return launcher.start_process(cmd, f"http://127.0.0.1:{port}", log_path=log_path,
+                                  env=launcher.server_env(cpu=device == "cpu"), api_key=api_key)
+
+
+def wait_started(handle: ServerHandle, timeout_s: float = 900.0) -> ServerHandle:
+    """``handle`` once healthy; stopped, with the error, when it is not."""
     try:
         SGLangHTTP(timeout_s=30, max_retries=0).wait_healthy(handle, timeout_s, poll_s=1.0)
     except BaseException:

@@ -1,4 +1,4 @@
-"""Two REAL SGLang servers (the session's shared one and a second one on the loopback address):
+"""Two REAL SGLang servers (the session's shared ones, on the loopback address):
 the second is SIGKILLed, then SIGSTOPped, in the middle of a generation round. Every row is
 answered (by the survivor, same sampling seeds), the lost server is restarted with its own
 command line and API key, and it serves again only after the next weight sync, with the
@@ -20,12 +20,15 @@ from hapo_megatron.rollout.engine import SamplingParams
 from hapo_megatron.rollout.server_supervisor import IN_USE, LOST, RESTARTING, ServerPoolError
 from hapo_megatron.rollout.sglang_launch import stop_process
 
-from .real_sglang import hf_greedy, hf_model, start_server
+from .real_sglang import hf_greedy, hf_model
 
 PROMPTS = [[1, 10 + p, 11, 12 + p] for p in range(12)]  # x n=2: 24 rows, 6 calls of 4 rows, 3 per server
 SAMPLED = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=11)
 GREEDY = SamplingParams(n=1, temperature=0.0, max_new_tokens=8, ignore_eos=True)
-TIMEOUT_S = 60.0  # request timeout: how long a stopped server may take to be found
+# request timeout: how long a stopped server may take to be found. A request of this test's tiny
+# model takes well under a second even on a loaded 2-core machine.
+TIMEOUT_S = 20.0
+TRAINER_TIMEOUT_S = 60.0  # the trainer's requests (whole steps' rounds); its faults are SIGKILLs
 
 
 def perturbed(model_dir, seed):
@@ -72,9 +75,9 @@ def rows(out):
 
 
 @pytest.mark.slow
-def test_lost_servers_are_replaced_and_rejoin_with_the_current_weights(real_server, real_api_key, real_model_dir,
-                                                                        tmp_path):
-    second = start_server(real_model_dir, str(tmp_path / "second.log"), real_api_key)
+def test_lost_servers_are_replaced_and_rejoin_with_the_current_weights(real_server, second_real_server, real_api_key,
+                                                                        real_model_dir):
+    second = second_real_server  # the pool's second server, launched with the first (tests/rollout/conftest.py)
     lines = []
     try:
         eng = se.SGLangEngine(server_urls=[real_server, second], launch=False, colocate=True, weight_sync="tensor",
@@ -155,7 +158,7 @@ def test_trainer_goes_on_after_a_server_dies_and_stops_past_max_restarts(real_mo
                "parallel.tensor_model_parallel_size": 1, "rollout.engine": "sglang", "rollout.sglang.num_servers": 2,
                "rollout.sglang.colocate": "false", "rollout.sglang.weight_sync": "disk",  # 2 servers, 1 CPU rank
                "rollout.sglang.port_base": port, "rollout.sglang.max_restarts": 1,
-               "rollout.sglang.request_timeout_s": TIMEOUT_S, "trainer.val_at_end": "false"})]
+               "rollout.sglang.request_timeout_s": TRAINER_TIMEOUT_S, "trainer.val_at_end": "false"})]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

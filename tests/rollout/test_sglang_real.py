@@ -154,10 +154,12 @@ def test_megatron_actor_weights_reach_the_server(real_server, real_api_key, real
 
 
 @pytest.mark.slow
-def test_killed_server_stops_the_trainer_and_keeps_its_checkpoint(real_model_dir, tmp_path):
-    """The trainer (one process) attached to its own real server; the server is SIGKILLed after
-    checkpoint 2: the run ends with a message naming the server, the checkpoint stays loadable,
-    and a fresh engine call fails with a clear error instead of hanging.
+def test_killed_server_stops_the_trainer_and_keeps_its_checkpoint(real_server, real_api_key, real_model_dir,
+                                                                   tmp_path):
+    """The trainer (one process) attached to a real server (the session's: the pool starts it again
+    only if a later test needs it); the server is SIGKILLed after checkpoint 2: the run ends with a
+    message naming the server, the checkpoint stays loadable, and a fresh engine call fails with a
+    clear error instead of hanging.
 
     The server requires the run's API key, which (as `serve --api-key-file RUN/rollout_api_key`
     leaves it) sits only in the run's owner-only key file: the trainer finds it there by itself,
@@ -168,19 +170,15 @@ def test_killed_server_stops_the_trainer_and_keeps_its_checkpoint(real_model_dir
     import subprocess
     import sys
 
-    from hapo_megatron.rollout.api_key import API_KEY_ENV, KEY_FILE_NAME, REDACTED, new_api_key, write_key_file
+    from hapo_megatron.rollout.api_key import API_KEY_ENV, KEY_FILE_NAME, REDACTED, write_key_file
     from hapo_megatron.rollout.sglang_client import ServerDiedError, SGLangError
-    from hapo_megatron.rollout.sglang_launch import stop_process
     from hapo_megatron.training.checkpoint import find_latest, read_rl_state
     from tests.training.tiny_setup import ROOT, tiny_overrides
 
-    from .real_sglang import start_server
-
     data = os.path.dirname(real_model_dir)
     run_dir = str(tmp_path / "run")
-    key, key_file = new_api_key(), os.path.join(run_dir, KEY_FILE_NAME)
+    server, key, key_file = real_server, real_api_key, os.path.join(run_dir, KEY_FILE_NAME)
     write_key_file(key_file, key)
-    server = start_server(real_model_dir, str(tmp_path / "server.log"), key)
     cmd = [sys.executable, "-m", "hapo_megatron.train", "--config", os.path.join(ROOT, "examples/cpu_tiny/config.yaml"),
            *tiny_overrides(data, run_dir, **{
                "trainer.total_steps": 200, "trainer.save_interval": 1, "trainer.keep_last_k": 5,
@@ -202,7 +200,6 @@ def test_killed_server_stops_the_trainer_and_keeps_its_checkpoint(real_model_dir
     finally:
         if proc.poll() is None:
             proc.kill()
-        stop_process(server)
     assert proc.returncode == 1, out[-4000:]
     assert "hapo train: stopped: the SGLang rollout engine failed" in out and server.url in out, out[-4000:]
     latest = find_latest(os.path.join(run_dir, "checkpoints"))
@@ -214,14 +211,14 @@ def test_killed_server_stops_the_trainer_and_keeps_its_checkpoint(real_model_dir
     with pytest.raises(SGLangError, match=f"weight sync: no SGLang server left in use.*{server.url}: lost"):
         dead.update_weights(iter([("x", torch.zeros(1))]))  # it failed during generate: out of use
     # the key: only in the owner-only key file (SGLang did print it: the log has it redacted)
+    files = [os.path.join(root, name) for root, _, names in os.walk(tmp_path) for name in names]
     holders = []
-    for root, _, names in os.walk(tmp_path):
-        for name in names:
-            with open(os.path.join(root, name), "rb") as f:
-                if key.encode() in f.read():
-                    holders.append(os.path.join(root, name))
+    for path in [*files, server.log_path]:  # the run's files and the server's log
+        with open(path, "rb") as f:
+            if key.encode() in f.read():
+                holders.append(path)
     assert holders == [key_file]
     assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
     assert key not in out
-    with open(tmp_path / "server.log") as f:
+    with open(server.log_path) as f:
         assert REDACTED in f.read()
