@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Optional, Union
 # the algorithm's choices are defined once, in algo (re-exported here for the sections)
 from hapo_megatron.algo.choices import (  # noqa: F401
     ADV_ESTIMATORS, ENTROPY_STATS_SCOPES, FILTER_GROUPS_METRICS, H_HAT_ENTROPIES, H_HAT_MODES, KL_LOSS_TYPES,
-    LOSS_AGG_MODES, OLD_LOGPROB_SOURCES,
+    LOSS_AGG_MODES, OLD_LOGPROB_SOURCES, ROLLOUT_IS_MODES,
 )
 
 SCORE_FORMATS = ("pm1", "01")

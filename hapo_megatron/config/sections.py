@@ -7,7 +7,8 @@ from typing import ClassVar, Optional
 
 from hapo_megatron.config.base import (
     ADV_ESTIMATORS, DTYPES, ENTROPY_STATS_SCOPES, FILTER_GROUPS_METRICS, H_HAT_ENTROPIES, H_HAT_MODES,
-    KL_LOSS_TYPES, LOSS_AGG_MODES, OLD_LOGPROB_SOURCES, ROLLOUT_ENGINES, SCORE_FORMATS, WEIGHT_SYNC_MODES,
+    KL_LOSS_TYPES, LOSS_AGG_MODES, OLD_LOGPROB_SOURCES, ROLLOUT_ENGINES, ROLLOUT_IS_MODES, SCORE_FORMATS,
+    WEIGHT_SYNC_MODES,
     _check_choice, _check_min, _check_open_unit, _fail, _Section,
 )
 
@@ -64,6 +65,12 @@ class AlgoConfig(_Section):
     """Old log-probs from a Megatron forward pass ("recompute") or as reported by the rollout engine."""
     tis_cap: Optional[float] = None
     """Truncated importance sampling cap on pi_old / pi_rollout (null = no correction)."""
+    rollout_is: str = "none"
+    """Off-policy correction (docs/algorithm.md): a detached weight from proximal / behaviour log-probs
+    multiplies each token's loss: none, token_tis (truncated at rollout_is_cap), token_mis (tokens
+    over the cap masked), seq_tis (the sequence's product of ratios, truncated)."""
+    rollout_is_cap: float = 2.0
+    """Cap of the rollout_is weight (> 0)."""
     filter_groups: bool = False
     """DAPO dynamic sampling: drop groups whose responses all got the same metric value."""
     filter_groups_metric: str = "acc"
@@ -88,6 +95,13 @@ class AlgoConfig(_Section):
         _check_choice(f"{p}.kl_loss_type", self.kl_loss_type, KL_LOSS_TYPES)
         _check_choice(f"{p}.old_logprob_source", self.old_logprob_source, OLD_LOGPROB_SOURCES)
         _check_min(f"{p}.tis_cap", self.tis_cap, 0.0, strict=True)
+        _check_choice(f"{p}.rollout_is", self.rollout_is, ROLLOUT_IS_MODES)
+        _check_min(f"{p}.rollout_is_cap", self.rollout_is_cap, 0.0, strict=True)
+        if self.rollout_is != "none" and self.tis_cap is not None:
+            _fail(f"{p}.tis_cap and {p}.rollout_is both weight the loss by the rollout log-probs; set one")
+        if self.rollout_is != "none" and self.old_logprob_source != "recompute":
+            _fail(f"{p}.rollout_is={self.rollout_is} compares the recomputed (proximal) log-probs with the "
+                  f"rollout's: it needs {p}.old_logprob_source=recompute")
         _check_choice(f"{p}.filter_groups_metric", self.filter_groups_metric, FILTER_GROUPS_METRICS)
         _check_min(f"{p}.max_num_gen_batches", self.max_num_gen_batches, 1)
 

@@ -279,6 +279,10 @@ def old_logprob_pass(rt: Runtime, minis: Minis) -> tuple[Minis, EntropyStats, di
                    for mb in flat)
         flat, t_sums = recompute_temperatures(rt, flat)
         sums = {"n": float(mask.sum()), "ent": float((ent * mask).sum()), "diff": diff, **t_sums}
+    is_metrics = {}
+    if cfg.algo.rollout_is != "none":  # the off-policy correction's proximal log-probs (collective)
+        from hapo_megatron.training.off_policy import with_proximal_logprobs
+        flat, is_metrics = with_proximal_logprobs(rt, flat)
     if g.pp_size > 1:  # the rollout (rank 0, first stage) needs the statistics
         last = dist.get_global_rank(g.pp, g.pp_size - 1)
         stats = broadcast_object(stats.to_dict() if stats is not None else None, src=last, group=g.pp)
@@ -286,7 +290,8 @@ def old_logprob_pass(rt: Runtime, minis: Minis) -> tuple[Minis, EntropyStats, di
     tot = sum_metrics(sums, contribute=rt.contributes_metrics and g.is_pipeline_last)
     n = max(tot.get("n", 0.0), 1.0)
     metrics = {"entropy/mean": tot.get("ent", 0.0) / n, "rollout/logprob_abs_diff": tot.get("diff", 0.0) / n,
-               **{f"entropy/{k}": float(v) for k, v in stats.to_dict().items()}, **_temperature_metrics(tot)}
+               **{f"entropy/{k}": float(v) for k, v in stats.to_dict().items()}, **_temperature_metrics(tot),
+               **is_metrics}
     if rt.actor.routing != "off":
         metrics["rollout/routing_mismatch"] = _routing_mismatch(rt)
     return _regroup(flat, minis), stats, metrics
