@@ -113,7 +113,10 @@ def test_random_schedules_never_exceed_the_lag(k, seed):
                 break
         lags += [buf.taken - 1 - g.min_version for g in got]
         trained += [g.payload for g in got]
-        buf.set_version(buf.version + 1)  # train, then the weight update
+        for t in _admit_all(buf, next_prompt):  # while the batch trains, on the old weights
+            running[t] = (buf.version, rng.choice([1, 2, 5]))
+            next_prompt += 1
+        buf.set_version(buf.version + 1)  # the weight update
     assert all(0 <= lag <= k for lag in lags)
     assert len(trained) == len(set(trained)) == steps * B
     assert not set(trained) & set(filtered)
