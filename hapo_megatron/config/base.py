@@ -28,6 +28,7 @@ from hapo_megatron.algo.choices import (  # noqa: F401
 SCORE_FORMATS = ("pm1", "01")
 ROLLOUT_ENGINES = ("hf", "sglang")
 WEIGHT_SYNC_MODES = ("auto", "tensor", "distributed", "disk")
+PAUSE_MODES = ("retract", "in_place", "abort")  # SGLang's /pause_generation modes
 DTYPES = ("bf16", "fp16", "fp32")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 WANDB_MODES = ("offline", "online", "disabled")

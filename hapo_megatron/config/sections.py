@@ -8,7 +8,7 @@ from typing import ClassVar, Optional
 from hapo_megatron.config.base import (
     ADV_ESTIMATORS, DTYPES, ENTROPY_STATS_SCOPES, FILTER_GROUPS_METRICS, H_HAT_ENTROPIES, H_HAT_MODES,
     KL_LOSS_TYPES, LOSS_AGG_MODES, OLD_LOGPROB_SOURCES, ROLLOUT_ENGINES, ROLLOUT_IS_MODES, SCORE_FORMATS,
-    WEIGHT_SYNC_MODES,
+    WEIGHT_SYNC_MODES, PAUSE_MODES,
     _check_choice, _check_min, _check_open_unit, _fail, _Section,
 )
 
@@ -229,9 +229,15 @@ class SGLangConfig(_Section):
     within request_timeout_s), per run; their requests go to the other servers meanwhile and a
     restarted server is used again after the next weight sync. One more failure stops the run,
     as does having no server left (docs/multinode.md, "Fault tolerance of the rollout servers")."""
+    pause_mode: str = "retract"
+    """How generation pauses for a weight update under rollout.max_staleness >= 1 (SGLang's
+    /pause_generation): retract (running requests go back to the queue, their KV cache is recomputed
+    after), in_place (they stay, keeping their KV cache from the old weights), abort (they end and the
+    producer sends them again)."""
 
     def _validate(self) -> None:
         p = self._path
+        _check_choice(f"{p}.pause_mode", self.pause_mode, PAUSE_MODES)
         for name in ("server_tp_size", "bucket_size_mb"):
             _check_min(f"{p}.{name}", getattr(self, name), 1)
         _check_min(f"{p}.num_servers", self.num_servers, 0)
@@ -285,6 +291,11 @@ class RolloutConfig(_Section):
     a GPU, fp32 on CPU). The weight sync casts the trainer's weights to it. A precision apart from
     the trainer's is what makes engine and actor disagree (rollout/logprob_abs_diff, and for MoE
     models rollout/routing_mismatch); the CPU MoE example uses bf16 to show routing replay."""
+    max_staleness: int = 0
+    """Asynchronous rollouts (docs/architecture.md): 0 = generate, then train, each step in turn; k >= 1
+    = the servers keep generating while the trainer trains, and a sample may come from weights up to k
+    versions older than the ones it is trained from. Needs rollout.engine=sglang with
+    rollout.sglang.colocate=false."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang server options."""
 
@@ -301,6 +312,11 @@ class RolloutConfig(_Section):
         if self.top_k != -1 and self.top_k < 1:
             _fail(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
         _check_min("rollout.generate_batch_size", self.generate_batch_size, 1)
+        _check_min("rollout.max_staleness", self.max_staleness, 0)
+        if self.max_staleness and (self.engine != "sglang" or self.sglang.colocate):
+            _fail(f"rollout.max_staleness={self.max_staleness} needs separate rollout servers: set "
+                  "rollout.engine=sglang and rollout.sglang.colocate=false (colocated servers share the "
+                  "trainer's GPUs, so generation cannot overlap training), or rollout.max_staleness=0")
 
 
 @dataclass

@@ -154,6 +154,27 @@ def parse_generate_item(item: dict) -> tuple[list[int], list[float], str]:
     return ids, logps, kind
 
 
+def parse_weight_versions(item: dict, num_tokens: int):
+    """Per-token weight versions ``[num_tokens]`` int32 of one ``/generate`` answer, from SGLang's
+    ``meta_info.weight_versions`` spans (``{"version", "start", "end"}``, reported when updates carry
+    ``weight_version``); empty when absent or not integers (updates that were never tagged)."""
+    import numpy as np
+
+    meta = item.get("meta_info", {}) if isinstance(item, dict) else {}
+    spans = meta.get("weight_versions")
+    if not spans and meta.get("weight_version") is not None:
+        spans = [{"version": meta["weight_version"], "start": 0, "end": num_tokens}]
+    out = np.full(num_tokens, -1, np.int64)
+    try:
+        for sp in spans or ():
+            out[int(sp["start"]):int(sp["end"])] = int(sp["version"])
+    except (KeyError, TypeError, ValueError):
+        return np.zeros(0, np.int32)
+    if not spans or (out < 0).any():
+        return np.zeros(0, np.int32)
+    return out.astype(np.int32)
+
+
 def parse_routed_experts(item: dict, positions: int):
     """``[positions, layers * top_k]`` experts of one ``/generate`` answer (`rollout.routed_experts`)."""
     encoded = item.get("meta_info", {}).get("routed_experts")
@@ -291,6 +312,7 @@ class SGLangEngine:
             self.servers, http=self.http, max_restarts=max_restarts)
         self._failed_in_sync: set[int] = set()  # servers of the current weight sync that failed it
         self._joining: list[int] = []  # servers the current weight sync brings back into use
+        self._weight_version: Optional[str] = None  # the tag of the update in progress (update_weights)
         atexit.register(self.shutdown)  # launched servers run in their own sessions: never leave them behind
         if self.weight_sync == "tensor" and self.world_size > 1 and self.world_size != len(self.servers) * self.tp:
             raise ValueError(f"weight_sync='tensor' needs one trainer rank per server GPU: world size "
@@ -395,7 +417,8 @@ class SGLangEngine:
             done = [Sample(prompt_ids=list(prompts[rows[i][0]]), response_ids=ids, rollout_logprobs=logps,
                            temperatures=[], finish_reason=reason, prompt_index=rows[i][0], sample_index=rows[i][1],
                            routed_experts=(parse_routed_experts(item, len(prompts[rows[i][0]]) + len(ids) - 1)
-                                           if params.return_routes else None))
+                                           if params.return_routes else None),
+                           weight_versions=parse_weight_versions(item, len(ids)))
                     for i, item, (ids, logps, reason) in zip(idx, answer, map(parse_generate_item, answer))]
             if on_samples is not None:
                 on_samples(done)
@@ -411,9 +434,28 @@ class SGLangEngine:
         return out
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def pause_generation(self, mode: str = "retract") -> None:
+        """``POST /pause_generation`` on every server in use (SGLang 0.5.23: ``retract`` sends
+        running requests back to the queue, ``in_place`` keeps them with their KV cache, ``abort``
+        ends them); then a weight update may run while requests wait (asynchronous rollouts)."""
+        from hapo_megatron.config.base import PAUSE_MODES
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        for s in self.supervisor.in_use():
+            self.http.request(self.servers[s], "/pause_generation", {"mode": mode}, retries=0)
+
+    def continue_generation(self) -> None:
+        """``POST /continue_generation`` on every server in use (after `pause_generation`)."""
+        for s in self.supervisor.in_use():
+            self.http.request(self.servers[s], "/continue_generation", {}, retries=0)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                       weight_version: Optional[int] = None) -> None:
         """Stream HF-named tensors to every server in buckets of ``bucket_size_mb`` (collective).
-        Every rank reads ``named_tensors`` to the end, also when the update fails."""
+        Every rank reads ``named_tensors`` to the end, also when the update fails.
+        ``weight_version``: tag every update request with it (SGLang then reports, per request,
+        which tokens each version generated: `Sample.weight_versions`)."""
+        self._weight_version = None if weight_version is None else str(int(weight_version))
         sync = {"tensor": self._sync_tensor, "distributed": self._sync_distributed, "disk": self._sync_disk}
         named = iter(named_tensors)
         joining: list[int] = []
@@ -440,6 +482,8 @@ class SGLangEngine:
         if s in self._failed_in_sync:
             return
         srv = self.servers[s]
+        if path.startswith("/update_weights") and self._weight_version is not None:
+            body = {**body, "weight_version": self._weight_version}
         try:
             _check_success(self.http.request(srv, path, body, retries=0), f"{srv.url} {path.lstrip('/')}")
         except EndpointNotFoundError:
@@ -566,6 +610,8 @@ class SGLangEngine:
             for bucket, last in ws.with_last(ws.bucket_named_tensors(named, self.bucket_bytes)):
                 flat, _ = ws.flatten_bucket(bucket)
                 body = ws.distributed_update_payload(bucket, group_name=self.group_name, flush_cache=last)
+                if self._weight_version is not None:
+                    body["weight_version"] = self._weight_version
                 futs = [pool.submit(self.http.request, srv, "/update_weights_from_distributed", body, retries=0)
                         for srv in self.servers]
                 torch.distributed.broadcast(flat.to(self._sync_device), group=self._nccl_group, group_src=0)
