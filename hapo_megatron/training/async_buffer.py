@@ -84,6 +84,18 @@ class StalenessBuffer:
             self._live[ticket] = int(prompt_index)
             return ticket
 
+    def wait_admissible(self, *, timeout: Optional[float] = None) -> bool:
+        """Wait until a group may start (or the buffer closes); whether one may."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or self.may_admit(), timeout=timeout)
+            return not self._closed and self.may_admit()
+
+    def wait_version_after(self, version: int, *, timeout: Optional[float] = None, stop=None) -> None:
+        """Wait until the servers hold a version newer than ``version`` (or the buffer closes)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or self.version > version or (stop is not None and stop.is_set()),
+                                timeout=timeout)
+
     def finish(self, group: FinishedGroup) -> None:
         """A group is done: kept ones wait for their turn, filtered ones leave at once."""
         with self._cond:
@@ -121,10 +133,10 @@ class StalenessBuffer:
             if not self._cond.wait_for(lambda: self._error is not None or self._closed or self._head_ready(),
                                        timeout=timeout):
                 return None
-            if self._error is not None:
-                raise self._error
             if self._closed:
                 raise BufferClosed("the rollout buffer is closed")
+            if self._error is not None:
+                raise self._error
             head = list(self._live)[:self.batch_groups]
             out = [self._done.pop(t) for t in head]
             for t in head:

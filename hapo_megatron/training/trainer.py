@@ -20,6 +20,7 @@ from hapo_megatron.training.preemption import (RunStopped, StopRequest, cpu_grou
 from hapo_megatron.training.build import build_runtime, setup_reference
 from hapo_megatron.training.runtime import Runtime, StepSnapshot
 from hapo_megatron.training.sft import run_sft
+from hapo_megatron.training.async_rollout import start_async_rollout, stop_async_rollout
 
 
 class TrainingStopped(RuntimeError):
@@ -56,6 +57,7 @@ def _fit(cfg: HapoConfig, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
     rl.sft_done = True
     setup_reference(rt)  # KL reference (algo.kl_loss_coef > 0 only)
     stages.sync_weights(rt)  # the engine starts from the actor (fresh, after SFT, or resumed)
+    start_async_rollout(rt)  # rollout.max_staleness >= 1: the producer starts generating (rank 0)
     if cfg.trainer.val_before_train and rl.step == 0:
         start_eval = stages.evaluate(rt, 0)
         rt.logger.log(0, start_eval, advance=False)
@@ -118,6 +120,7 @@ def _stop_if_agreed(rt: Runtime, stop: StopRequest, before: Optional[StepSnapsho
     rt.logger.write(f"stopping: {why}; " + (f"step {step} is saved in {saved}" if saved else
                                             "no step finished since the start, nothing to save"))
     rt.logger.close()
+    stop_async_rollout(rt)
     if rt.engine is not None:
         rt.engine.shutdown()
     raise RunStopped(f"{why}: stopped after step {step}" + (f", saved in {saved}; continue with --resume auto"
@@ -150,6 +153,7 @@ def _finish(rt: Runtime, t0: float, start_eval: dict, sft_s: float) -> dict[str,
     """Final checkpoint and evaluation, then the summary (printed and saved by rank 0)."""
     cfg = rt.cfg
     step = rt.rl.step
+    stop_async_rollout(rt)  # nothing more to train on; the final evaluation needs the servers
     if step > rt.start_step and _saved_path(rt, step) is None:
         rt.save_checkpoint()
     end_eval = stages.evaluate(rt, step) if cfg.trainer.val_at_end else {}
