@@ -53,6 +53,7 @@ top-k/top-p renormalisation.
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import shutil
 import tempfile
@@ -313,6 +314,11 @@ class SGLangEngine:
         self._failed_in_sync: set[int] = set()  # servers of the current weight sync that failed it
         self._joining: list[int] = []  # servers the current weight sync brings back into use
         self._weight_version: Optional[str] = None  # the tag of the update in progress (update_weights)
+        # asynchronous rollouts send one small generate call per prompt group, from many threads:
+        # with spread_calls, successive calls start on successive servers (else each call's
+        # chunks are spread from server 0, as the synchronous loop always did)
+        self.spread_calls = False
+        self._call_keys = itertools.count()
         atexit.register(self.shutdown)  # launched servers run in their own sessions: never leave them behind
         if self.weight_sync == "tensor" and self.world_size > 1 and self.world_size != len(self.servers) * self.tp:
             raise ValueError(f"weight_sync='tensor' needs one trainer rank per server GPU: world size "
@@ -406,12 +412,13 @@ class SGLangEngine:
         chunks = [list(range(i, min(i + self.requests_per_call, len(rows))))
                   for i in range(0, len(rows), self.requests_per_call)]
         seeds = row_seeds(params, range(len(rows))) if self.send_sampling_seed else [None] * len(rows)
+        base = next(self._call_keys) if self.spread_calls else 0
 
         def run(ci: int) -> list:
             idx = chunks[ci]
             body = generate_payload([prompts[rows[i][0]] for i in idx], params, seeds=[seeds[i] for i in idx])
             # a server that fails hands the same body (same sampling seeds) to another
-            answer = self.supervisor.request(ci, "/generate", body, rows=len(idx))
+            answer = self.supervisor.request(base + ci, "/generate", body, rows=len(idx))
             if not isinstance(answer, list) or len(answer) != len(idx):
                 raise SGLangError(f"/generate returned {type(answer).__name__} for {len(idx)} rows")
             done = [Sample(prompt_ids=list(prompts[rows[i][0]]), response_ids=ids, rollout_logprobs=logps,

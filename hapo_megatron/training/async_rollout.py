@@ -64,6 +64,8 @@ class AsyncRollout:
 
     # ------------------------------------------------------------------ producer
     def start(self) -> "AsyncRollout":
+        if hasattr(self.rt.engine, "spread_calls"):  # one call per group: start them on every server
+            self.rt.engine.spread_calls = True
         self._thread.start()
         return self
 
@@ -118,7 +120,8 @@ class AsyncRollout:
             with self._score_lock:
                 scoring = rt.scorer.start([record], decode=decode)
                 scoring.add(samples[0])
-                batch = build_batch(samples, [record], scoring.results(samples, self._counts), group_offset=ticket)
+                batch = build_batch(samples, [record], scoring.results(samples, self._counts),
+                                    group_offset=group_id(idx, ticket))
             batch = shape_rewards(batch, max_response_length=rt.cfg.rollout.max_response_length,
                                   overlong_buffer_enable=rt.cfg.reward.overlong_buffer_enable,
                                   overlong_buffer_len=rt.cfg.reward.overlong_buffer_len,
@@ -239,6 +242,12 @@ def _stop_ids(rt) -> list[int]:
 
 
 
+def group_id(prompt_index: int, ticket: int) -> int:
+    """A group's id: unique within a step (the ticket; the same prompt may come twice across an
+    epoch boundary) and naming its prompt (``id >> 32``, e.g. in saved rollouts' ``uid``)."""
+    return (int(prompt_index) << 32) + int(ticket) % (1 << 32)
+
+
 def start_async_rollout(rt) -> None:
     """Start the producer on rank 0 when ``rollout.max_staleness >= 1`` (after the first weight
     sync: the servers hold version ``rt.rl.step``); a resume regenerates the checkpoint's pending
@@ -253,4 +262,4 @@ def stop_async_rollout(rt) -> None:
     if rt.async_rollout is not None:
         rt.async_rollout.close()
         rt.async_rollout = None
-__all__ = ["AsyncRollout", "start_async_rollout", "stop_async_rollout"]
+__all__ = ["AsyncRollout", "group_id", "start_async_rollout", "stop_async_rollout"]

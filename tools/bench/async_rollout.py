@@ -28,16 +28,19 @@ SERVER = os.path.join(ROOT, "tools", "bench", "paced_sglang_server.py")
 CONFIG = os.path.join(ROOT, "examples", "cpu_tiny", "config.yaml")
 
 
-def start_servers(n: int, tokens_per_s: float, record_dir: str, vocab: int = 40) -> tuple[list, list[str]]:
-    """``n`` paced stand-in servers on free ports; (processes, URLs) once they answer /health."""
+def start_servers(n: int, tokens_per_s: float, record_dir: str, vocab: int = 40,
+                  extra: tuple = ()) -> tuple[list, list[str]]:
+    """``n`` paced stand-in servers on free ports; (processes, URLs) once they answer /health.
+    ``extra[i]``: more arguments of server ``i``."""
     from hapo_megatron.rollout.sglang_client import SGLangHTTP, ServerHandle
     from hapo_megatron.rollout.sglang_launch import free_port
     procs, urls = [], []
     env = {**os.environ, "HAPO_TEST_STANDIN_DIR": record_dir}
-    for _ in range(n):
+    for i in range(n):
         port = free_port()
+        more = list(extra[i]) if i < len(extra) else []
         procs.append(subprocess.Popen([sys.executable, SERVER, "--port", str(port), "--tokens-per-s",
-                                       str(tokens_per_s), "--vocab", str(vocab)], env=env))
+                                       str(tokens_per_s), "--vocab", str(vocab), *more], env=env))
         urls.append(f"http://127.0.0.1:{port}")
     http = SGLangHTTP(timeout_s=10, max_retries=0)
     for u in urls:

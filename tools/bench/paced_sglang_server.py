@@ -10,7 +10,8 @@ and ``weight_versions`` spans: the version each token was emitted under), ``/pau
 (no token is emitted until ``/continue_generation``; every mode keeps the requests, ``abort``
 included), ``/update_weights_from_*`` (takes ``weight_version``), every other POST ``{"success":
 true}``. With ``$HAPO_TEST_STANDIN_DIR`` set, it appends one JSON line per request to
-``paced_<port>.jsonl``: path, wall-clock start and end, weight versions.
+``paced_<port>.jsonl``: path, wall-clock start and end, weight versions. ``--die-at-request N``
+exits when the N-th ``/generate`` arrives (a crashed server, for fault tests).
 """
 
 import argparse
@@ -27,9 +28,10 @@ p.add_argument("--port", type=int, required=True)
 p.add_argument("--tokens-per-s", type=float, default=200.0)
 p.add_argument("--vocab", type=int, default=40)
 p.add_argument("--api-key", default=None)
+p.add_argument("--die-at-request", type=int, default=0, help="exit (like a crash) when this /generate arrives")
 args, _ = p.parse_known_args()
 RECORD_DIR = os.environ.get("HAPO_TEST_STANDIN_DIR")
-_state = {"version": "default"}
+_state = {"version": "default", "generates": 0}
 _running = threading.Event()
 _running.set()
 _lock = threading.Lock()
@@ -90,6 +92,10 @@ class Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null") or {}
         t0 = time.time()
         if self.path == "/generate":
+            _state["generates"] += 1
+            if _state["generates"] == args.die_at_request:
+                record(path="died", start=t0)
+                os._exit(1)
             out = generate(list(zip(body["input_ids"], body["sampling_params"])))
             record(path=self.path, rows=len(out), start=t0, end=time.time(),
                    versions=[o["meta_info"]["weight_versions"] for o in out])
