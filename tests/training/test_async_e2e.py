@@ -22,6 +22,8 @@ import os
 
 import pytest
 
+from hapo_megatron.analysis.rollouts import rollout_path
+from hapo_megatron.training.checkpoint import step_dir_name
 from hapo_megatron.training.metrics import read_jsonl
 from tests.tools._load import load_tool
 from tests.training.tiny_setup import prepare_tiny
@@ -45,11 +47,20 @@ def _server_log(rec_dir):
     return out
 
 
+def _survivor(log):
+    """The records of a server that did not crash, in time order."""
+    died = {e["server"] for e in log if e["path"] == "died"}
+    name = min(e["server"] for e in log if e["server"] not in died)
+    return sorted((e for e in log if e["server"] == name), key=lambda e: e["start"])
+
+
 def _trained_prompts(run_dir, steps):
     """The prompt (uid >> 32, `async_rollout.group_id`) of each trained group, step by step."""
     out = []
     for s in steps:
-        rows = list(read_jsonl(os.path.join(run_dir, "rollouts", f"step_{s}.jsonl")))
+        path = rollout_path(run_dir, s)
+        assert os.path.exists(path), path
+        rows = list(read_jsonl(path))
         out.append(list(dict.fromkeys(int(r["uid"]) >> 32 for r in rows)))
     return out
 
@@ -72,7 +83,8 @@ def runs(tmp_path_factory):
     try:
         part = str(root / "part")
         first = _job(data, part, urls, 2)
-        state = json.load(open(os.path.join(part, "checkpoints", "step_2", "rl_state.json")))
+        with open(os.path.join(part, "checkpoints", step_dir_name(2), "rl_state.json")) as f:
+            state = json.load(f)
         second = _job(data, part, urls, STEPS)
         out["part"] = (part, first, second, state)
     finally:
@@ -89,7 +101,7 @@ def test_every_batch_within_the_lag_and_generation_overlaps_training(runs):
                 "rollout_is/weight_mean", "rollout_is/kl_k3", "loss/rollout_is_weight"):
         assert key in recs[-1], key
     # the windows in which the trainer trained (see the module docstring), from the servers' clocks
-    server0 = sorted(e for e in log if e["server"] == min(x["server"] for x in log))
+    server0 = _survivor(log)
     pauses = [e["start"] for e in server0 if e["path"] == "/pause_generation"]
     conts = [e["end"] for e in server0 if e["path"] == "/continue_generation"]
     assert len(pauses) == len(conts) == STEPS
@@ -110,7 +122,7 @@ def test_a_crashed_server_is_replaced_by_the_other_and_the_lag_holds(runs):
 
 def test_weight_updates_are_paused_and_versioned(runs):
     _, _, log = runs["full"]
-    server0 = [e for e in log if e["server"] == min(x["server"] for x in log)]
+    server0 = _survivor(log)
     paths = [e["path"] for e in server0 if e["path"] in ("/pause_generation", "/update_weights_from_disk",
                                                           "/continue_generation")]
     # the first sync (before the producer starts) is not paused; every later one is

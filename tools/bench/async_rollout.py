@@ -31,20 +31,32 @@ CONFIG = os.path.join(ROOT, "examples", "cpu_tiny", "config.yaml")
 def start_servers(n: int, tokens_per_s: float, record_dir: str, vocab: int = 40,
                   extra: tuple = ()) -> tuple[list, list[str]]:
     """``n`` paced stand-in servers on free ports; (processes, URLs) once they answer /health.
-    ``extra[i]``: more arguments of server ``i``."""
-    from hapo_megatron.rollout.sglang_client import SGLangHTTP, ServerHandle
+    ``extra[i]``: more arguments of server ``i``. A server whose port was taken meanwhile starts
+    again on another; on failure the ones started are stopped."""
+    from hapo_megatron.rollout.sglang_client import SGLangHTTP, ServerDiedError, ServerHandle
     from hapo_megatron.rollout.sglang_launch import free_port
     procs, urls = [], []
     env = {**os.environ, "HAPO_TEST_STANDIN_DIR": record_dir}
-    for i in range(n):
-        port = free_port()
-        more = list(extra[i]) if i < len(extra) else []
-        procs.append(subprocess.Popen([sys.executable, SERVER, "--port", str(port), "--tokens-per-s",
-                                       str(tokens_per_s), "--vocab", str(vocab), *more], env=env))
-        urls.append(f"http://127.0.0.1:{port}")
     http = SGLangHTTP(timeout_s=10, max_retries=0)
-    for u in urls:
-        http.wait_healthy(ServerHandle(url=u), timeout_s=60, poll_s=0.1)
+    try:
+        for i in range(n):
+            more = list(extra[i]) if i < len(extra) else []
+            for attempt in range(5):
+                port = free_port()
+                proc = subprocess.Popen([sys.executable, SERVER, "--port", str(port), "--tokens-per-s",
+                                         str(tokens_per_s), "--vocab", str(vocab), *more], env=env)
+                try:
+                    http.wait_healthy(ServerHandle(url=f"http://127.0.0.1:{port}", process=proc), timeout_s=60,
+                                      poll_s=0.1)
+                    break
+                except ServerDiedError:  # the port went to someone else between free_port and bind
+                    if attempt == 4:
+                        raise
+            procs.append(proc)
+            urls.append(f"http://127.0.0.1:{port}")
+    except BaseException:
+        stop_servers(procs)
+        raise
     return procs, urls
 
 
