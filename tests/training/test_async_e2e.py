@@ -11,9 +11,9 @@ pause / continue), one of which crashes in the middle of the run; then the same 
 - resume with a non-empty buffer: the prompts trained by the stopped + resumed runs are those of
   the uninterrupted run, in the same order (none lost or repeated).
 
-Mutations tried: `AsyncRollout.snapshot` without the pending prompts fails the resume test (the
-prompts in flight at the checkpoint are never trained); `stages.sync_weights` without the pause
-(`paused` replaced by a null context) fails `test_weight_updates_are_paused_and_versioned`."""
+Mutations tried (together, in one run): `AsyncRollout.snapshot` without the pending prompts, and
+`stages.sync_weights` without the pause (`paused` replaced by a null context: the buffer never
+learns the new version, so the producer's lag check stops the run): the fixture's runs fail."""
 
 from __future__ import annotations
 
