@@ -7,7 +7,7 @@
 
 The token rate is calibrated so that one step's generation takes about as long as one step's
 training (measured on a first synchronous run: ``--gen-train-ratio``). Each setting runs
-``--steps`` steps after one warm-up step; steps per hour come from the wall time between the
+``--steps`` steps after two warm-up steps; steps per hour come from the wall time between the
 first and the last logged step (``perf/step_time_s`` would hide the overlap). The trainer's idle
 fraction is the time it waited for data (``timing/trainer_wait_s``, asynchronous) or generated
 (``timing/rollout_s``, synchronous) over the wall time.
@@ -68,7 +68,8 @@ def stop_servers(procs) -> None:
 
 
 def job_overrides(data: str, run_dir: str, urls: list[str], *, max_staleness: int, steps: int,
-                  batch: int = 4, n: int = 4, response_length: int = 16, extra: dict | None = None) -> list[str]:
+                  batch: int = 4, n: int = 4, response_length: int = 16, reward_workers: int = 0,
+                  extra: dict | None = None) -> list[str]:
     """The tiny CPU job (examples/cpu_tiny, one process, TP 1) on the stand-in servers."""
     kv = {
         "data.train_files": f"[{data}/train.jsonl]", "data.val_files": "[]",
@@ -77,7 +78,7 @@ def job_overrides(data: str, run_dir: str, urls: list[str], *, max_staleness: in
         "rollout.max_response_length": response_length, "reward.overlong_buffer_enable": "false",
         "trainer.sft_warmup_steps": 0, "trainer.total_steps": steps, "trainer.save_interval": 0,
         "trainer.run_dir": run_dir, "logging.console": "false", "trainer.val_before_train": "false",
-        "trainer.val_at_end": "false", "algo.filter_groups": "false", "reward.num_workers": 0,
+        "trainer.val_at_end": "false", "algo.filter_groups": "false", "reward.num_workers": reward_workers,
         "parallel.tensor_model_parallel_size": 1, "rollout.engine": "sglang",
         "rollout.sglang.server_urls": "[" + ",".join(urls) + "]", "rollout.sglang.colocate": "false",
         "rollout.sglang.weight_sync": "disk", "rollout.max_staleness": max_staleness,
@@ -104,7 +105,7 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [r for r in map(json.loads, f) if "rollout/reward_mean" in r]
 
 
-def summarize(recs: list[dict], *, warmup: int = 1) -> dict[str, float]:
+def summarize(recs: list[dict], *, warmup: int = 2) -> dict[str, float]:
     """Steps per hour and the trainer's idle fraction over the steps after ``warmup``."""
     rows = recs[warmup:]
     wall = sum(r["perf/step_time_s"] for r in rows)
@@ -117,29 +118,36 @@ def summarize(recs: list[dict], *, warmup: int = 1) -> dict[str, float]:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=8, help="measured steps (after 2 warm-up steps)")
+    ap.add_argument("--batch", type=int, default=16, help="prompts per step")
+    ap.add_argument("--n", type=int, default=8, help="responses per prompt")
+    ap.add_argument("--length", type=int, default=24, help="response tokens")
     ap.add_argument("--small", action="store_true", help="3 steps, tiny responses (the suite's smoke test)")
     ap.add_argument("--gen-train-ratio", type=float, default=1.0,
                     help="generation time / training time per step that the token rate is set to")
     ap.add_argument("--out", default=None, help="work directory (default: a temporary one)")
     args = ap.parse_args(argv)
-    steps = 3 if args.small else args.steps
-    length = 4 if args.small else 16
+    steps = 1 if args.small else args.steps
+    length = 4 if args.small else args.length
+    size = dict(batch=2, n=2) if args.small else dict(batch=args.batch, n=args.n)
+    size["reward_workers"] = 0 if args.small else 1  # scoring outside the trainer's process, as in a real run
     work = args.out or tempfile.mkdtemp(prefix="hapo_async_bench_")
     sys.path.insert(0, ROOT)
     from tests.training.tiny_setup import prepare_tiny
-    data = prepare_tiny(os.path.join(work, "data"), 64, 4)
+    data = prepare_tiny(os.path.join(work, "data"), 256, 4)
     rec_dir = os.path.join(work, "servers")
     os.makedirs(rec_dir, exist_ok=True)
-    # calibration: a synchronous run with fast servers measures the training time per step
-    procs, urls = start_servers(2, 2000.0, rec_dir)
-    try:
-        cal = summarize(run_job(data, os.path.join(work, "calibrate"),
-                                job_overrides(data, os.path.join(work, "calibrate"), urls, max_staleness=0,
-                                              steps=3, response_length=length)))
-    finally:
-        stop_servers(procs)
-    train_s = cal["wall_s"] / cal["steps"] - cal["rollout_s_mean"]
+    if args.small:  # the suite's smoke test: no calibration, a fixed rate
+        train_s = 0.2
+    else:  # calibration: a synchronous run with fast servers measures the training time per step
+        procs, urls = start_servers(2, 2000.0, rec_dir)
+        try:
+            cal = summarize(run_job(data, os.path.join(work, "calibrate"),
+                                    job_overrides(data, os.path.join(work, "calibrate"), urls, max_staleness=0,
+                                                  steps=4, response_length=length, **size)))
+        finally:
+            stop_servers(procs)
+        train_s = cal["wall_s"] / cal["steps"] - cal["rollout_s_mean"]
     # one step generates batch x n rows, one request per group (all at once): length tokens of wall time
     rate = length / max(args.gen_train_ratio * train_s, 1e-3)
     results = {}
@@ -149,7 +157,7 @@ def main(argv=None) -> dict:
             run_dir = os.path.join(work, f"staleness_{k}")
             t0 = time.time()
             results[k] = summarize(run_job(data, run_dir, job_overrides(
-                data, run_dir, urls, max_staleness=k, steps=steps + 1, response_length=length)))
+                data, run_dir, urls, max_staleness=k, steps=steps + 2, response_length=length, **size)))
             results[k]["job_s"] = time.time() - t0
     finally:
         stop_servers(procs)
