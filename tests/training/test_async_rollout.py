@@ -174,3 +174,45 @@ def test_an_engine_error_reaches_the_trainer_and_close_stops_the_producer():
     assert not ar._thread.is_alive()
     with pytest.raises(BufferClosed):
         ar.buffer.take(timeout=0)
+
+
+class _SyncEngine:
+    """Reads every tensor; records the call (a synchronous engine takes no keyword arguments)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def update_weights(self, named, **kw):
+        self.calls.append((sum(1 for _ in named), kw))
+
+
+def _sync_rt(k, async_rollout=None):
+    import torch
+    from hapo_megatron.training.engine_memory import EngineMemory
+    cfg = _rt(k).cfg if k else load_config(overrides=[])
+    actor = SimpleNamespace(export_hf_weights=lambda dtype=None: iter([("w", torch.zeros(2))] * 3))
+    return SimpleNamespace(cfg=cfg, engine=_SyncEngine(), actor=actor, memory=EngineMemory(),
+                           rl=SimpleNamespace(step=7), async_rollout=async_rollout)
+
+
+def test_weight_sync_is_untouched_without_staleness_and_versioned_with_it():
+    """max_staleness 0: `update_weights(named)` exactly as before (no version, no pause), what keeps
+    the synchronous loop identical; >= 1: tagged with the step, inside the producer's pause."""
+    from hapo_megatron.training import stages
+    rt = _sync_rt(0)
+    stages.sync_weights(rt)
+    assert rt.engine.calls == [(3, {})]
+    events = []
+
+    class Producer:
+        def paused(self, version):
+            class P:
+                def __enter__(self):
+                    events.append(("pause", version))
+
+                def __exit__(self, *a):
+                    events.append(("continue", version))
+            return P()
+    rt = _sync_rt(1, Producer())
+    stages.sync_weights(rt)
+    assert rt.engine.calls == [(3, {"weight_version": 7})] and events == [("pause", 7), ("continue", 7)]
