@@ -39,9 +39,13 @@ def fit(cfg: HapoConfig, *, tokenizer=None, datasets=None) -> dict[str, Any]:
     shield_checkpoint_writer(t.exit_signals)
     stop = StopRequest(signals=t.exit_signals, grace_s=t.exit_grace_s, exit_after_minutes=t.exit_after_minutes,
                        group=cpu_group_over_world(t.dist_timeout_minutes)).install()
+    rt = None
     try:
-        return _fit(cfg, build_runtime(cfg, groups, tokenizer=tokenizer, datasets=datasets), stop)
+        rt = build_runtime(cfg, groups, tokenizer=tokenizer, datasets=datasets)
+        return _fit(cfg, rt, stop)
     finally:
+        if rt is not None:  # an error: no request of the producer outlives the run
+            stop_async_rollout(rt)
         stop.uninstall()
 
 

@@ -7,7 +7,7 @@
 
 The token rate is calibrated so that one step's generation takes about as long as one step's
 training (measured on a first synchronous run: ``--gen-train-ratio``). Each setting runs
-``--steps`` steps after two warm-up steps; steps per hour come from the wall time between the
+``--steps`` steps after ``--warmup`` warm-up steps; steps per hour come from the wall time between the
 first and the last logged step (``perf/step_time_s`` would hide the overlap). The trainer's idle
 fraction is the time it waited for data (``timing/trainer_wait_s``, asynchronous) or generated
 (``timing/rollout_s``, synchronous) over the wall time.
@@ -118,7 +118,8 @@ def summarize(recs: list[dict], *, warmup: int = 2) -> dict[str, float]:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=8, help="measured steps (after 2 warm-up steps)")
+    ap.add_argument("--steps", type=int, default=16, help="measured steps (after the warm-up steps)")
+    ap.add_argument("--warmup", type=int, default=4, help="steps left out of the figures (start-up costs)")
     ap.add_argument("--batch", type=int, default=16, help="prompts per step")
     ap.add_argument("--n", type=int, default=8, help="responses per prompt")
     ap.add_argument("--length", type=int, default=24, help="response tokens")
@@ -128,6 +129,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None, help="work directory (default: a temporary one)")
     args = ap.parse_args(argv)
     steps = 1 if args.small else args.steps
+    warmup = 2 if args.small else args.warmup
     length = 4 if args.small else args.length
     size = dict(batch=2, n=2) if args.small else dict(batch=args.batch, n=args.n)
     size["reward_workers"] = 0 if args.small else 1  # scoring outside the trainer's process, as in a real run
@@ -157,7 +159,8 @@ def main(argv=None) -> dict:
             run_dir = os.path.join(work, f"staleness_{k}")
             t0 = time.time()
             results[k] = summarize(run_job(data, run_dir, job_overrides(
-                data, run_dir, urls, max_staleness=k, steps=steps + 2, response_length=length, **size)))
+                data, run_dir, urls, max_staleness=k, steps=steps + warmup, response_length=length, **size)),
+                warmup=warmup)
             results[k]["job_s"] = time.time() - t0
     finally:
         stop_servers(procs)
