@@ -69,7 +69,7 @@ def stop_servers(procs) -> None:
 
 def job_overrides(data: str, run_dir: str, urls: list[str], *, max_staleness: int, steps: int,
                   batch: int = 4, n: int = 4, response_length: int = 16, reward_workers: int = 0,
-                  extra: dict | None = None) -> list[str]:
+                  rollout_is: str | None = None, extra: dict | None = None) -> list[str]:
     """The tiny CPU job (examples/cpu_tiny, one process, TP 1) on the stand-in servers."""
     kv = {
         "data.train_files": f"[{data}/train.jsonl]", "data.val_files": "[]",
@@ -82,7 +82,7 @@ def job_overrides(data: str, run_dir: str, urls: list[str], *, max_staleness: in
         "parallel.tensor_model_parallel_size": 1, "rollout.engine": "sglang",
         "rollout.sglang.server_urls": "[" + ",".join(urls) + "]", "rollout.sglang.colocate": "false",
         "rollout.sglang.weight_sync": "disk", "rollout.max_staleness": max_staleness,
-        "algo.rollout_is": "token_tis" if max_staleness else "none",
+        "algo.rollout_is": rollout_is or ("token_tis" if max_staleness else "none"),
     }
     kv.update(extra or {})
     return [f"{k}={v}" for k, v in kv.items()]
@@ -127,12 +127,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--gen-train-ratio", type=float, default=1.0,
                     help="generation time / training time per step that the token rate is set to")
     ap.add_argument("--out", default=None, help="work directory (default: a temporary one)")
+    ap.add_argument("--rollout-is", default="token_tis",
+                    help="algo.rollout_is of every setting (the same algorithm in all three: with adaptive "
+                         "temperature the correction costs a second forward pass, in the synchronous run too)")
     args = ap.parse_args(argv)
     steps = 1 if args.small else args.steps
     warmup = 2 if args.small else args.warmup
     length = 4 if args.small else args.length
     size = dict(batch=2, n=2) if args.small else dict(batch=args.batch, n=args.n)
     size["reward_workers"] = 0 if args.small else 1  # scoring outside the trainer's process, as in a real run
+    size["rollout_is"] = args.rollout_is
     work = args.out or tempfile.mkdtemp(prefix="hapo_async_bench_")
     sys.path.insert(0, ROOT)
     from tests.training.tiny_setup import prepare_tiny
