@@ -10,7 +10,9 @@ training (measured on a first synchronous run: ``--gen-train-ratio``). Each sett
 ``--steps`` steps after ``--warmup`` warm-up steps; steps per hour come from the wall time between the
 first and the last logged step (``perf/step_time_s`` would hide the overlap). The trainer's idle
 fraction is the time it waited for data (``timing/trainer_wait_s``, asynchronous) or generated
-(``timing/rollout_s``, synchronous) over the wall time.
+(``timing/rollout_s``, synchronous) over the wall time. The reward is a cheap parity score (the
+stand-in's responses are random tokens): on the CPU job the math verifier's CPU time would compete
+with the trainer for the cores while generation overlaps training, which it does not on a GPU box.
 """
 
 from __future__ import annotations
@@ -135,7 +137,10 @@ def main(argv=None) -> dict:
     warmup = 2 if args.small else args.warmup
     length = 4 if args.small else args.length
     size = dict(batch=2, n=2) if args.small else dict(batch=args.batch, n=args.n)
-    size["reward_workers"] = 0 if args.small else 1  # scoring outside the trainer's process, as in a real run
+    size["reward_workers"] = 0
+    # a reward that costs no CPU (the stand-in's responses are random tokens): on a GPU box the
+    # CPU work of scoring does not slow the trainer; on this CPU job it would compete for the cores
+    size["extra"] = {"reward.reward_fn": "tests.training.parity_reward:score"}
     size["rollout_is"] = args.rollout_is
     work = args.out or tempfile.mkdtemp(prefix="hapo_async_bench_")
     sys.path.insert(0, ROOT)
