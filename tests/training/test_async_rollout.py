@@ -118,7 +118,9 @@ def test_batches_in_prompt_order_within_the_lag(k):
     finally:
         ar.close()
     assert [p for g in got for p in g[0]] == _sampler_order(5 * B)
-    assert max(g[1]["rollout/staleness_max"] for g in got) == k  # the producer ran ahead as far as allowed
+    # how far the producer ran ahead depends on thread timing here; that it may go exactly k
+    # versions ahead is tests/training/test_async_buffer.py's
+    assert max(g[1]["rollout/staleness_max"] for g in got) <= k
     for key in ("timing/trainer_wait_s", "rollout/generation_overlap_frac", "rollout/staleness_mean"):
         assert key in got[-1][1]
     pauses = [c for c in rt.engine.calls if c[0] != "generate"]
