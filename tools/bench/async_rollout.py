@@ -96,10 +96,30 @@ def run_job(data: str, run_dir: str, overrides: list[str], timeout: float = 900)
            "HAPO_SGLANG_SYNC_DIR": os.path.join(run_dir, "sync")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            "-m", "hapo_megatron.train", "--config", CONFIG, *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)  # torchrun's workers run in sessions of their own: kill them too
+        raise
     if proc.returncode != 0:
-        raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-6000:])
+        raise RuntimeError(out[-3000:] + err[-6000:])
     return read_metrics(run_dir)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    import psutil
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.kill()
+    proc.communicate()
 
 
 def read_metrics(run_dir: str) -> list[dict]:
