@@ -20,8 +20,9 @@ ALGO_TO_LOSS = dict(
     clip_ratio_low=0.15, clip_ratio_high=0.28, clip_ratio_c=10.0, adaptive_clip=False, clip_alpha=0.5,
     adaptive_advantage=False, adv_beta=0.25, loss_agg_mode="seq-mean-token-sum-norm", h_hat_mode="reference",
     entropy_stats_scope="microbatch", h_hat_entropy="current", entropy_pivot=0.6, kl_loss_coef=0.01,
-    kl_loss_type="k1", entropy_coeff=0.001, tis_cap=2.0,
+    kl_loss_type="k1", entropy_coeff=0.001, tis_cap=2.0, rollout_is="seq_tis", rollout_is_cap=1.5,
 )
+EXCLUSIVE = {"tis_cap"}  # tis_cap and rollout_is cannot both be set: "all at once" leaves tis_cap out
 NOT_FROM_ALGO = {"loss_scale_factor", "logprob_chunk_size"}  # trainer-side settings
 
 
@@ -39,8 +40,9 @@ def test_loss_config_from_algo_carries(name):
 
 
 def test_loss_config_from_algo_all_at_once_and_trainer_settings():
-    cfg = LossConfig.from_algo(AlgoConfig(**ALGO_TO_LOSS), loss_scale_factor=64.0, logprob_chunk_size=128)
-    assert {k: getattr(cfg, k) for k in ALGO_TO_LOSS} == ALGO_TO_LOSS
+    given = {k: v for k, v in ALGO_TO_LOSS.items() if k not in EXCLUSIVE}
+    cfg = LossConfig.from_algo(AlgoConfig(**given), loss_scale_factor=64.0, logprob_chunk_size=128)
+    assert {k: getattr(cfg, k) for k in given} == given
     assert (cfg.loss_scale_factor, cfg.logprob_chunk_size) == (64.0, 128)
 
 

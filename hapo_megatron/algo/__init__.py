@@ -21,6 +21,7 @@ from hapo_megatron.algo.choices import (
     KL_LOSS_TYPES,
     LOSS_AGG_MODES,
     OLD_LOGPROB_SOURCES,
+    ROLLOUT_IS_MODES,
 )
 from hapo_megatron.algo.clipping import adaptive_clip_ranges
 from hapo_megatron.algo.entropy import (
@@ -43,6 +44,13 @@ from hapo_megatron.algo.loss import (
     kl_penalty,
 )
 from hapo_megatron.algo.redistribution import redistribute_advantages
+from hapo_megatron.algo.rollout_is import (
+    behaviour_log_ratio,
+    mismatch_metrics,
+    mismatch_sums,
+    rollout_is_weights,
+    sequence_log_ratio,
+)
 from hapo_megatron.algo.temperature import adaptive_temperature, check_temperature_tau, temperature_from_entropy
 
 __all__ = [
@@ -54,12 +62,18 @@ __all__ = [
     "KL_LOSS_TYPES",
     "LOSS_AGG_MODES",
     "OLD_LOGPROB_SOURCES",
+    "ROLLOUT_IS_MODES",
     "LOSS_METRIC_COUNTS",
     "LOSS_METRIC_MEANS",
     "PolicyTokenFields",
     "EntropyStats",
     "adaptive_clip_ranges",
     "adaptive_temperature",
+    "behaviour_log_ratio",
+    "mismatch_metrics",
+    "mismatch_sums",
+    "rollout_is_weights",
+    "sequence_log_ratio",
     "agg_loss",
     "check_h_hat_mode",
     "check_temperature_tau",

@@ -14,3 +14,5 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 KL_LOSS_TYPES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 OLD_LOGPROB_SOURCES = ("recompute", "rollout")
 FILTER_GROUPS_METRICS = ("acc", "score")
+# off-policy correction between the behaviour (engine) and proximal (old-log-prob pass) policies
+ROLLOUT_IS_MODES = ("none", "token_tis", "token_mis", "seq_tis")

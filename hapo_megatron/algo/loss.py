@@ -30,12 +30,14 @@ loss/adv_scale_low_entropy  (|A'|/|A|) loss/adv_scale_low_entropy_sum         lo
 loss/entropy                           loss/entropy_sum                       loss/num_tokens
 loss/kl                                loss/kl_sum                            loss/num_tokens
 loss/tis_weight                        loss/tis_weight_sum                    loss/num_tokens
+loss/rollout_is_weight                 loss/rollout_is_weight_sum             loss/num_tokens
 =====================================  =====================================  ==========================
 
 Counts (``loss/num_tokens``, ``loss/num_seqs``, ``loss/num_high_entropy_tokens``,
 ``loss/num_low_entropy_tokens``) are sums too. The h_hat keys exist only when ``h_hat`` is given,
 ``loss/entropy_sum`` only with ``entropy``, ``loss/kl_sum`` only with ``ref_logprobs``,
-``loss/tis_weight_sum`` only with ``tis_cap``. ``|A'|/|A|`` is taken as 1 where ``A == 0``.
+``loss/tis_weight_sum`` only with ``tis_cap``, ``loss/rollout_is_weight_sum`` only with
+``rollout_is != "none"``. ``|A'|/|A|`` is taken as 1 where ``A == 0``.
 Clip fractions: "low" = the ``1 - eps_L`` bound is active (``A' < 0``, ``ratio < 1 - eps_L``),
 "high" = the ``1 + eps_R`` bound is active (``A' > 0``, ``ratio > 1 + eps_R``), "dual" = the
 dual-clip bound ``-A' c`` is active (``A' < 0``); the per-entropy-branch fractions
@@ -54,6 +56,7 @@ import torch
 from hapo_megatron.algo.choices import KL_LOSS_TYPES, LOSS_AGG_MODES
 from hapo_megatron.algo.clipping import adaptive_clip_ranges, check_nonneg
 from hapo_megatron.algo.redistribution import redistribute_advantages
+from hapo_megatron.algo.rollout_is import behaviour_log_ratio, check_rollout_is, rollout_is_weights
 #: log-ratios are clamped to this range before exp (numerical safety; exp(20) ~ 4.9e8)
 LOG_RATIO_CLAMP = 20.0
 
@@ -78,6 +81,7 @@ LOSS_METRIC_MEANS: Dict[str, Tuple[str, str]] = {
     "loss/entropy": ("loss/entropy_sum", "loss/num_tokens"),
     "loss/kl": ("loss/kl_sum", "loss/num_tokens"),
     "loss/tis_weight": ("loss/tis_weight_sum", "loss/num_tokens"),
+    "loss/rollout_is_weight": ("loss/rollout_is_weight_sum", "loss/num_tokens"),
 }
 LOSS_METRIC_COUNTS = ("loss/num_tokens", "loss/num_seqs", "loss/num_high_entropy_tokens", "loss/num_low_entropy_tokens")
 
@@ -254,7 +258,8 @@ def _policy_token_losses(logprobs, old_logprobs, advantages, valid, h_hat, *, ep
     return loss, aux
 
 
-def _policy_metrics(valid, aux, h_hat, pg_mat, entropy, kl_mat, tis_w, n_seq) -> Dict[str, torch.Tensor]:
+def _policy_metrics(valid, aux, h_hat, pg_mat, entropy, kl_mat, tis_w, n_seq,
+                    is_w=None) -> Dict[str, torch.Tensor]:
     """Summable float64 metrics (see the module docstring)."""
     f64 = torch.float64
 
@@ -297,6 +302,8 @@ def _policy_metrics(valid, aux, h_hat, pg_mat, entropy, kl_mat, tis_w, n_seq) ->
         m["loss/kl_sum"] = msum(kl_mat)
     if tis_w is not None:
         m["loss/tis_weight_sum"] = msum(tis_w)
+    if is_w is not None:
+        m["loss/rollout_is_weight_sum"] = msum(is_w)
     return m
 
 
@@ -345,6 +352,17 @@ def _check_extras(entropy, entropy_coeff, ref_logprobs, kl_loss_coef, kl_loss_ty
             raise ValueError("rollout_logprobs is required when tis_cap is set")
 
 
+def _check_rollout_is(rollout_is, rollout_is_cap, rollout_logprobs, tis_cap) -> None:
+    check_rollout_is(rollout_is, rollout_is_cap)
+    if rollout_is == "none":
+        return
+    if rollout_logprobs is None:
+        raise ValueError(f"rollout_logprobs (the behaviour policy's) are required with rollout_is={rollout_is!r}")
+    if tis_cap is not None:
+        raise ValueError(f"tis_cap and rollout_is={rollout_is!r} both weight the loss by the rollout "
+                         "log-probs; use one of them")
+
+
 def hapo_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -370,6 +388,10 @@ def hapo_policy_loss(
     kl_loss_type: str = "low_var_kl",
     rollout_logprobs: Optional[torch.Tensor] = None,
     tis_cap: Optional[float] = None,
+    rollout_is: str = "none",
+    rollout_is_cap: float = 2.0,
+    proximal_logprobs: Optional[torch.Tensor] = None,
+    seq_is_log_ratio: Optional[torch.Tensor] = None,
     return_token_fields: bool = False,
 ):
     """HAPO policy loss (docs/algorithm.md, "Policy loss") as ``(loss_sum, normalizer, metrics)``.
@@ -379,6 +401,9 @@ def hapo_policy_loss(
     :func:`redistribute_advantages` if ``adaptive_advantage`` else ``A``;
     ``l = max(-A' rho, -A' clip(rho, 1 - eps_L_t, 1 + eps_R_t))``, and ``min(l, -A' c)`` where ``A' < 0``.
     Optional extras: truncated importance sampling (``tis_cap``: ``l *= min(exp(old - rollout), cap)``),
+    the off-policy correction (``rollout_is``: ``l *= w``, ``w`` from ``proximal_logprobs -
+    rollout_logprobs`` by :func:`~hapo_megatron.algo.rollout_is.rollout_is_weights`, capped at
+    ``rollout_is_cap``; detached, so the clip stays on current / old),
     ``+ kl_loss_coef * kl_penalty(logprobs, ref_logprobs, kl_loss_type)``,
     ``- entropy_coeff * entropy``. Aggregated by :func:`agg_loss` (``loss_scale_factor``,
     ``seq_token_counts``, ``num_seqs`` are passed to it).
@@ -388,7 +413,12 @@ def hapo_policy_loss(
         loss_mask: ``[B, T]`` bool/0-1. h_hat: ``[B, T]`` normalised entropy (required by the
             adaptive switches; also enables the per-entropy-branch metrics).
         entropy: ``[B, T]`` current entropy (differentiable; required if ``entropy_coeff != 0``).
-        ref_logprobs / rollout_logprobs: ``[B, T]`` (required by ``kl_loss_coef > 0`` / ``tis_cap``).
+        ref_logprobs / rollout_logprobs: ``[B, T]`` (required by ``kl_loss_coef > 0`` / ``tis_cap``
+            or ``rollout_is``; ``rollout_logprobs`` are the behaviour policy's).
+        proximal_logprobs: ``[B, T]`` the proximal policy's log-probs under each token's sampling
+            distribution (``rollout_is``; default ``old_logprobs``).
+        seq_is_log_ratio: ``[B]`` full-sequence sums of ``proximal - rollout`` (``seq_tis`` when a
+            sequence is split over context-parallel ranks; default: the sum over this row).
 
     Returns:
         ``loss_sum`` (0-dim float32, differentiable), ``normalizer`` (0-dim float32; 0 when nothing
@@ -399,8 +429,10 @@ def hapo_policy_loss(
     eps_l, eps_r, c = _check_loss_args(clip_ratio_low, clip_ratio_high, clip_ratio_c, clip_alpha, adv_beta,
                                        adaptive_clip, adaptive_advantage, h_hat, loss_agg_mode)
     _check_loss_tensors(logprobs, old_logprobs, advantages, loss_mask, h_hat=h_hat, entropy=entropy,
-                        ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs)
+                        ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+                        proximal_logprobs=proximal_logprobs)
     _check_extras(entropy, entropy_coeff, ref_logprobs, kl_loss_coef, kl_loss_type, rollout_logprobs, tis_cap)
+    _check_rollout_is(rollout_is, rollout_is_cap, rollout_logprobs, tis_cap)
     valid = loss_mask.detach() != 0
     pg_mat, aux = _policy_token_losses(
         logprobs, old_logprobs, advantages, valid, h_hat, eps_l=eps_l, eps_r=eps_r, clip_c=c,
@@ -412,6 +444,12 @@ def hapo_policy_loss(
         d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         tis_w = torch.where(valid, torch.exp(d).clamp_max(float(tis_cap)), zero)
         pg_mat = pg_mat * tis_w
+    is_w = None
+    if rollout_is != "none":
+        proximal = old_logprobs if proximal_logprobs is None else proximal_logprobs
+        log_w = behaviour_log_ratio(proximal, rollout_logprobs, valid)
+        is_w, _ = rollout_is_weights(log_w, valid, rollout_is, rollout_is_cap, seq_is_log_ratio)
+        pg_mat = pg_mat * is_w
     loss_mat = pg_mat
     kl_mat = None if ref_logprobs is None else kl_penalty(logprobs, ref_logprobs, kl_loss_type)
     if kl_mat is not None and float(kl_loss_coef) > 0:
@@ -421,7 +459,7 @@ def hapo_policy_loss(
     loss_sum, normalizer = agg_loss(loss_mat, valid, loss_agg_mode, loss_scale_factor=loss_scale_factor,
                                     seq_token_counts=seq_token_counts, num_seqs=num_seqs)
     n_seq = _num_seqs(valid.sum(dim=-1), seq_token_counts, num_seqs)
-    metrics = _policy_metrics(valid, aux, h_hat, pg_mat, entropy, kl_mat, tis_w, n_seq)
+    metrics = _policy_metrics(valid, aux, h_hat, pg_mat, entropy, kl_mat, tis_w, n_seq, is_w)
     if not return_token_fields:
         return loss_sum, normalizer, metrics
     fields = PolicyTokenFields(ratio=aux["ratio"], adv_after=aux["adv_p"].detach(), clip_low=aux["clip_low"],

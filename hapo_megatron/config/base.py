@@ -22,12 +22,13 @@ from typing import Any, ClassVar, Optional, Union
 # the algorithm's choices are defined once, in algo (re-exported here for the sections)
 from hapo_megatron.algo.choices import (  # noqa: F401
     ADV_ESTIMATORS, ENTROPY_STATS_SCOPES, FILTER_GROUPS_METRICS, H_HAT_ENTROPIES, H_HAT_MODES, KL_LOSS_TYPES,
-    LOSS_AGG_MODES, OLD_LOGPROB_SOURCES,
+    LOSS_AGG_MODES, OLD_LOGPROB_SOURCES, ROLLOUT_IS_MODES,
 )
 
 SCORE_FORMATS = ("pm1", "01")
 ROLLOUT_ENGINES = ("hf", "sglang")
 WEIGHT_SYNC_MODES = ("auto", "tensor", "distributed", "disk")
+PAUSE_MODES = ("retract", "in_place", "abort")  # SGLang's /pause_generation modes
 DTYPES = ("bf16", "fp16", "fp32")
 ROLLOUT_QUANTIZATIONS = ("none", "fp8")  # docs/fp8.md
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "bf16", "bfloat16")  # SGLang's --kv-cache-dtype

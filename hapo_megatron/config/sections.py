@@ -7,8 +7,8 @@ from typing import ClassVar, Optional
 
 from hapo_megatron.config.base import (
     ADV_ESTIMATORS, DTYPES, ENTROPY_STATS_SCOPES, FILTER_GROUPS_METRICS, H_HAT_ENTROPIES, H_HAT_MODES,
-    KL_LOSS_TYPES, KV_CACHE_DTYPES, LOSS_AGG_MODES, OLD_LOGPROB_SOURCES, ROLLOUT_ENGINES, ROLLOUT_QUANTIZATIONS,
-    SCORE_FORMATS, WEIGHT_SYNC_MODES,
+    KL_LOSS_TYPES, KV_CACHE_DTYPES, LOSS_AGG_MODES, OLD_LOGPROB_SOURCES, PAUSE_MODES, ROLLOUT_ENGINES,
+    ROLLOUT_IS_MODES, ROLLOUT_QUANTIZATIONS, SCORE_FORMATS, WEIGHT_SYNC_MODES,
     _check_choice, _check_min, _check_open_unit, _fail, _Section,
 )
 
@@ -65,6 +65,12 @@ class AlgoConfig(_Section):
     """Old log-probs from a Megatron forward pass ("recompute") or as reported by the rollout engine."""
     tis_cap: Optional[float] = None
     """Truncated importance sampling cap on pi_old / pi_rollout (null = no correction)."""
+    rollout_is: str = "none"
+    """Off-policy correction (docs/algorithm.md): a detached weight from proximal / behaviour log-probs
+    multiplies each token's loss: none, token_tis (truncated at rollout_is_cap), token_mis (tokens
+    over the cap masked), seq_tis (the sequence's product of ratios, truncated)."""
+    rollout_is_cap: float = 2.0
+    """Cap of the rollout_is weight (> 0)."""
     filter_groups: bool = False
     """DAPO dynamic sampling: drop groups whose responses all got the same metric value."""
     filter_groups_metric: str = "acc"
@@ -89,6 +95,13 @@ class AlgoConfig(_Section):
         _check_choice(f"{p}.kl_loss_type", self.kl_loss_type, KL_LOSS_TYPES)
         _check_choice(f"{p}.old_logprob_source", self.old_logprob_source, OLD_LOGPROB_SOURCES)
         _check_min(f"{p}.tis_cap", self.tis_cap, 0.0, strict=True)
+        _check_choice(f"{p}.rollout_is", self.rollout_is, ROLLOUT_IS_MODES)
+        _check_min(f"{p}.rollout_is_cap", self.rollout_is_cap, 0.0, strict=True)
+        if self.rollout_is != "none" and self.tis_cap is not None:
+            _fail(f"{p}.tis_cap and {p}.rollout_is both weight the loss by the rollout log-probs; set one")
+        if self.rollout_is != "none" and self.old_logprob_source != "recompute":
+            _fail(f"{p}.rollout_is={self.rollout_is} compares the recomputed (proximal) log-probs with the "
+                  f"rollout's: it needs {p}.old_logprob_source=recompute")
         _check_choice(f"{p}.filter_groups_metric", self.filter_groups_metric, FILTER_GROUPS_METRICS)
         _check_min(f"{p}.max_num_gen_batches", self.max_num_gen_batches, 1)
 
@@ -216,9 +229,15 @@ class SGLangConfig(_Section):
     within request_timeout_s), per run; their requests go to the other servers meanwhile and a
     restarted server is used again after the next weight sync. One more failure stops the run,
     as does having no server left (docs/multinode.md, "Fault tolerance of the rollout servers")."""
+    pause_mode: str = "retract"
+    """How generation pauses for a weight update under rollout.max_staleness >= 1 (SGLang's
+    /pause_generation): retract (running requests go back to the queue, their KV cache is recomputed
+    after), in_place (they stay, keeping their KV cache from the old weights), abort (they end and the
+    producer sends them again)."""
 
     def _validate(self) -> None:
         p = self._path
+        _check_choice(f"{p}.pause_mode", self.pause_mode, PAUSE_MODES)
         for name in ("server_tp_size", "bucket_size_mb"):
             _check_min(f"{p}.{name}", getattr(self, name), 1)
         _check_min(f"{p}.num_servers", self.num_servers, 0)
@@ -280,6 +299,11 @@ class RolloutConfig(_Section):
     kv_cache_dtype: str = "auto"
     """The SGLang servers' KV-cache dtype (--kv-cache-dtype): auto (the servers' dtype), fp8_e4m3,
     fp8_e5m2, bf16 or bfloat16 (docs/fp8.md)."""
+    max_staleness: int = 0
+    """Asynchronous rollouts (docs/architecture.md): 0 = generate, then train, each step in turn; k >= 1
+    = the servers keep generating while the trainer trains, and a sample may come from weights up to k
+    versions older than the ones it is trained from. Needs rollout.engine=sglang with
+    rollout.sglang.colocate=false."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang server options."""
 
@@ -302,6 +326,11 @@ class RolloutConfig(_Section):
         if self.top_k != -1 and self.top_k < 1:
             _fail(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
         _check_min("rollout.generate_batch_size", self.generate_batch_size, 1)
+        _check_min("rollout.max_staleness", self.max_staleness, 0)
+        if self.max_staleness and (self.engine != "sglang" or self.sglang.colocate):
+            _fail(f"rollout.max_staleness={self.max_staleness} needs separate rollout servers: set "
+                  "rollout.engine=sglang and rollout.sglang.colocate=false (colocated servers share the "
+                  "trainer's GPUs, so generation cannot overlap training), or rollout.max_staleness=0")
 
 
 @dataclass

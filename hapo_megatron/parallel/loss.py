@@ -44,11 +44,13 @@ from hapo_megatron.algo import (
     H_HAT_MODES,
     KL_LOSS_TYPES,
     LOSS_AGG_MODES,
+    ROLLOUT_IS_MODES,
     EntropyStats,
     PolicyTokenFields,
     compute_entropy_stats,
     hapo_policy_loss,
     normalize_entropy,
+    sequence_log_ratio,
 )
 from hapo_megatron.parallel.linear import HiddenStates, logprobs_entropy_from_hidden
 from hapo_megatron.parallel.micro_batch import MicroBatch
@@ -77,6 +79,8 @@ class LossConfig:
         kl_loss_coef, kl_loss_type: KL penalty to batch["ref_logprobs"] (off at 0).
         entropy_coeff: entropy bonus (backpropagates through the entropy when != 0).
         tis_cap: truncated importance sampling cap against batch["rollout_logprobs"], or None.
+        rollout_is, rollout_is_cap: the off-policy correction (docs/algorithm.md, "Off-policy
+            correction"): weights from batch["proximal_logprobs"] - batch["rollout_logprobs"].
         loss_scale_factor: horizon of "seq-mean-token-sum-norm" (None = full sequence length).
         logprob_chunk_size: tokens per chunk in the fused log-prob/entropy (None = no chunking).
             Peak extra memory of that step is about `2 * chunk * V/tp * 4` bytes.
@@ -98,13 +102,15 @@ class LossConfig:
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
     tis_cap: Optional[float] = None
+    rollout_is: str = "none"
+    rollout_is_cap: float = 2.0
     loss_scale_factor: Optional[float] = None
     logprob_chunk_size: Optional[int] = DEFAULT_LOGPROB_CHUNK
 
     def __post_init__(self) -> None:
         choices = {"loss_agg_mode": LOSS_AGG_MODES, "h_hat_mode": H_HAT_MODES,
                    "entropy_stats_scope": ENTROPY_STATS_SCOPES, "h_hat_entropy": H_HAT_ENTROPIES,
-                   "kl_loss_type": KL_LOSS_TYPES}
+                   "kl_loss_type": KL_LOSS_TYPES, "rollout_is": ROLLOUT_IS_MODES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LossConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -115,6 +121,10 @@ class LossConfig:
             raise ValueError(f"LossConfig.loss_scale_factor must be > 0, got {self.loss_scale_factor}")
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             raise ValueError(f"LossConfig.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
+        if not (self.rollout_is_cap > 0 and math.isfinite(self.rollout_is_cap)):
+            raise ValueError(f"LossConfig.rollout_is_cap must be > 0, got {self.rollout_is_cap}")
+        if self.rollout_is != "none" and self.tis_cap is not None:
+            raise ValueError("LossConfig.tis_cap and rollout_is both weight the loss by the rollout log-probs")
 
     @classmethod
     def from_algo(cls, algo: Any, *, loss_scale_factor: Optional[float] = None,
@@ -129,6 +139,7 @@ class LossConfig:
             entropy_stats_scope=algo.entropy_stats_scope, h_hat_entropy=algo.h_hat_entropy,
             entropy_pivot=algo.entropy_pivot, kl_loss_coef=algo.kl_loss_coef,
             kl_loss_type=algo.kl_loss_type, entropy_coeff=algo.entropy_coeff, tis_cap=algo.tis_cap,
+            rollout_is=algo.rollout_is, rollout_is_cap=algo.rollout_is_cap,
             loss_scale_factor=loss_scale_factor, logprob_chunk_size=logprob_chunk_size,
         )
 
@@ -210,6 +221,18 @@ def _sequence_counts(valid: torch.Tensor, cp_group):
     return lengths, n_seq
 
 
+def _seq_is_log_ratio(cfg: LossConfig, t: dict, cp_group) -> Optional[torch.Tensor]:
+    """``seq_tis``: each sequence's sum of ``proximal - behaviour`` log-probs ``[b]``, summed
+    over the CP ranks that hold its chunks (None for the other modes: nothing to reduce)."""
+    if cfg.rollout_is != "seq_tis":
+        return None
+    d = (t["proximal"] - t["rollout"]).detach().float()
+    sums = sequence_log_ratio(d, t["valid"])
+    if _cp_size(cp_group) > 1:
+        dist.all_reduce(sums, group=cp_group)
+    return sums
+
+
 TokenSink = Callable[[PolicyTokenFields], None]
 
 
@@ -224,7 +247,7 @@ def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: LossConfig,
             `HiddenStates` of `models.forward_hidden_states` (fused output layer).
         batch: a `MicroBatch` (this rank's CP shard) with `old_logprobs` and `advantages`;
             `old_entropy` (h_hat_entropy "old"); optional `ref_logprobs` (KL),
-            `rollout_logprobs` (tis_cap).
+            `rollout_logprobs` (tis_cap, rollout_is), `proximal_logprobs` (rollout_is).
         cfg: `LossConfig`. stats: the step's global `EntropyStats` (scope "global").
         tp_group / cp_group: tensor / context parallel groups (None = not split).
         temperature: float or `[b, s]` tensor dividing the logits (the sampling base temperature;
@@ -243,6 +266,9 @@ def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: LossConfig,
     if not isinstance(logits, HiddenStates) and logits.dim() != 3:
         raise ValueError(f"logits must be [b, s, V/tp], got shape {tuple(logits.shape)}")
     _check_batch(batch)
+    if cfg.rollout_is != "none" and (batch.rollout_logprobs is None or batch.proximal_logprobs is None):
+        raise ValueError(f"rollout_is={cfg.rollout_is!r} needs batch.rollout_logprobs (behaviour) and "
+                         "batch.proximal_logprobs (the old-log-prob pass at the sampling temperatures)")
     shape = batch.labels.shape
     valid = batch.loss_mask.detach() != 0
     logprobs, entropy = logprobs_entropy_from_logits(
@@ -250,7 +276,8 @@ def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: LossConfig,
         chunk_size=cfg.logprob_chunk_size, entropy_grad=cfg.entropy_coeff != 0.0)
     h_hat, _ = _h_hat(cfg, stats, batch, entropy, valid)
     per_token = dict(logprobs=logprobs, old=batch.old_logprobs, adv=batch.advantages, valid=valid,
-                     h_hat=h_hat, entropy=entropy, ref=batch.ref_logprobs, rollout=batch.rollout_logprobs)
+                     h_hat=h_hat, entropy=entropy, ref=batch.ref_logprobs, rollout=batch.rollout_logprobs,
+                     proximal=batch.proximal_logprobs if cfg.rollout_is != "none" else None)
     layout = batch.sequence_layout()
     if layout is not None:  # one row per sequence: the seq-mean modes count sequences, not rows
         per_token = {k: None if v is None else layout.to_rows(v) for k, v in per_token.items()}
@@ -273,7 +300,9 @@ def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: LossConfig,
         entropy=t["entropy"], entropy_coeff=cfg.entropy_coeff,
         ref_logprobs=t["ref"], kl_loss_coef=cfg.kl_loss_coef,
         kl_loss_type=cfg.kl_loss_type, rollout_logprobs=t["rollout"],
-        tis_cap=cfg.tis_cap, return_token_fields=True)
+        tis_cap=cfg.tis_cap, rollout_is=cfg.rollout_is, rollout_is_cap=cfg.rollout_is_cap,
+        proximal_logprobs=t["proximal"], seq_is_log_ratio=_seq_is_log_ratio(cfg, t, cp_group),
+        return_token_fields=True)
     if layout is not None:
         token_fields = token_fields.apply(layout.to_packed)
     if on_token_fields is not None:

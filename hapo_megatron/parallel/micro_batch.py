@@ -104,6 +104,9 @@ class MicroBatch:
         recomputed_logprobs: ``[b, s]`` float32, the actor's own log-probs at T_base before the
             update (the same tensor as ``old_logprobs`` with ``old_logprob_source: recompute``).
         ref_logprobs: ``[b, s]`` float32, the KL reference's log-probs.
+        proximal_logprobs: ``[b, s]`` float32, the actor's log-probs before the update under each
+            token's sampling distribution (``softmax(z / T_t)``, the one ``rollout_logprobs`` are
+            taken under); what the off-policy correction (``algo.rollout_is``) compares them with.
         updates: the loss's `PolicyTokenFields` of this micro-batch, full sequences, one per PPO
             epoch in order.
     """
@@ -125,6 +128,7 @@ class MicroBatch:
     old_entropy: Optional[torch.Tensor] = None
     recomputed_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
+    proximal_logprobs: Optional[torch.Tensor] = None
     updates: tuple[PolicyTokenFields, ...] = ()
 
     def __post_init__(self) -> None:

@@ -159,6 +159,9 @@ class Sample:
             ``[len(prompt_ids) + len(response_ids) - 1, num_hidden_layers * top_k]``, per token the
             engine ran through the model (the last sampled token never is), each layer's top-k
             experts in turn (dense layers hold 0); an empty array otherwise.
+        weight_versions: per response token, the weight version that generated it (int32; SGLang
+            reports version spans when the updates were tagged with ``weight_version``, see
+            `SGLangEngine.update_weights`); an EMPTY array when the engine did not report them.
     """
 
     prompt_ids: np.ndarray
@@ -169,6 +172,7 @@ class Sample:
     prompt_index: int
     sample_index: int = 0
     routed_experts: Optional[np.ndarray] = None
+    weight_versions: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
         for name, dtype in (("prompt_ids", np.int32), ("response_ids", np.int32), ("rollout_logprobs", np.float32),
@@ -185,6 +189,12 @@ class Sample:
             raise ValueError(f"routed_experts must be [prompt + response - 1 = {positions}, layers * top_k], "
                              f"got shape {routes.shape}")
         self.routed_experts = routes
+        versions = np.zeros(0, np.int32) if self.weight_versions is None else \
+            np.asarray(self.weight_versions, np.int32).reshape(-1)
+        if versions.size and len(versions) != len(self.response_ids):
+            raise ValueError(f"weight_versions has {len(versions)} entries for {len(self.response_ids)} "
+                             "response tokens")
+        self.weight_versions = versions
 
     @property
     def has_routes(self) -> bool:

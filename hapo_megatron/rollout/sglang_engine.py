@@ -61,6 +61,7 @@ top-k/top-p renormalisation.
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import shutil
 import tempfile
@@ -163,6 +164,27 @@ def parse_generate_item(item: dict) -> tuple[list[int], list[float], str]:
     if out_ids is not None and list(map(int, out_ids)) != ids:
         raise SGLangError(f"output_ids ({len(out_ids)}) disagree with output_token_logprobs ({len(ids)})")
     return ids, logps, kind
+
+
+def parse_weight_versions(item: dict, num_tokens: int):
+    """Per-token weight versions ``[num_tokens]`` int32 of one ``/generate`` answer, from SGLang's
+    ``meta_info.weight_versions`` spans (``{"version", "start", "end"}``, reported when updates carry
+    ``weight_version``); empty when absent or not integers (updates that were never tagged)."""
+    import numpy as np
+
+    meta = item.get("meta_info", {}) if isinstance(item, dict) else {}
+    spans = meta.get("weight_versions")
+    if not spans and meta.get("weight_version") is not None:
+        spans = [{"version": meta["weight_version"], "start": 0, "end": num_tokens}]
+    out = np.full(num_tokens, -1, np.int64)
+    try:
+        for sp in spans or ():
+            out[int(sp["start"]):int(sp["end"])] = int(sp["version"])
+    except (KeyError, TypeError, ValueError):
+        return np.zeros(0, np.int32)
+    if not spans or (out < 0).any():
+        return np.zeros(0, np.int32)
+    return out.astype(np.int32)
 
 
 def parse_routed_experts(item: dict, positions: int):
@@ -312,6 +334,12 @@ class SGLangEngine:
         self._aborted = threading.Event()
         self._failed_in_sync: set[int] = set()  # servers of the current weight sync that failed it
         self._joining: list[int] = []  # servers the current weight sync brings back into use
+        self._weight_version: Optional[str] = None  # the tag of the update in progress (update_weights)
+        # asynchronous rollouts send one small generate call per prompt group, from many threads:
+        # with spread_calls, successive calls start on successive servers (else each call's
+        # chunks are spread from server 0, as the synchronous loop always did)
+        self.spread_calls = False
+        self._call_keys = itertools.count()
         atexit.register(self.shutdown)  # launched servers run in their own sessions: never leave them behind
         if self.weight_sync == "tensor" and self.world_size > 1 and self.world_size != len(self.servers) * self.tp:
             raise ValueError(f"weight_sync='tensor' needs one trainer rank per server GPU: world size "
@@ -409,6 +437,7 @@ class SGLangEngine:
         chunks = [list(range(i, min(i + self.requests_per_call, len(rows))))
                   for i in range(0, len(rows), self.requests_per_call)]
         seeds = row_seeds(params, range(len(rows))) if self.send_sampling_seed else [None] * len(rows)
+        base = next(self._call_keys) if self.spread_calls else 0
 
         def run(ci: int) -> list:
             if self._aborted.is_set():
@@ -416,13 +445,14 @@ class SGLangEngine:
             idx = chunks[ci]
             body = generate_payload([prompts[rows[i][0]] for i in idx], params, seeds=[seeds[i] for i in idx])
             # a server that fails hands the same body (same sampling seeds) to another
-            answer = self.supervisor.request(ci, "/generate", body, rows=len(idx))
+            answer = self.supervisor.request(base + ci, "/generate", body, rows=len(idx))
             if not isinstance(answer, list) or len(answer) != len(idx):
                 raise SGLangError(f"/generate returned {type(answer).__name__} for {len(idx)} rows")
             done = [Sample(prompt_ids=list(prompts[rows[i][0]]), response_ids=ids, rollout_logprobs=logps,
                            temperatures=[], finish_reason=reason, prompt_index=rows[i][0], sample_index=rows[i][1],
                            routed_experts=(parse_routed_experts(item, len(prompts[rows[i][0]]) + len(ids) - 1)
-                                           if params.return_routes else None))
+                                           if params.return_routes else None),
+                           weight_versions=parse_weight_versions(item, len(ids)))
                     for i, item, (ids, logps, reason) in zip(idx, answer, map(parse_generate_item, answer))]
             if on_samples is not None:
                 on_samples(done)
@@ -471,9 +501,28 @@ class SGLangEngine:
                 warnings.warn(f"SGLang server {self.servers[i].url}: abort_request failed ({first_line(e)})")
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def pause_generation(self, mode: str = "retract") -> None:
+        """``POST /pause_generation`` on every server in use (SGLang 0.5.23: ``retract`` sends
+        running requests back to the queue, ``in_place`` keeps them with their KV cache, ``abort``
+        ends them); then a weight update may run while requests wait (asynchronous rollouts)."""
+        from hapo_megatron.config.base import PAUSE_MODES
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        for s in self.supervisor.in_use():
+            self.http.request(self.servers[s], "/pause_generation", {"mode": mode}, retries=0)
+
+    def continue_generation(self) -> None:
+        """``POST /continue_generation`` on every server in use (after `pause_generation`)."""
+        for s in self.supervisor.in_use():
+            self.http.request(self.servers[s], "/continue_generation", {}, retries=0)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                       weight_version: Optional[int] = None) -> None:
         """Stream HF-named tensors to every server in buckets of ``bucket_size_mb`` (collective).
-        Every rank reads ``named_tensors`` to the end, also when the update fails."""
+        Every rank reads ``named_tensors`` to the end, also when the update fails.
+        ``weight_version``: tag every update request with it (SGLang then reports, per request,
+        which tokens each version generated: `Sample.weight_versions`)."""
+        self._weight_version = None if weight_version is None else str(int(weight_version))
         sync = {"tensor": self._sync_tensor, "distributed": self._sync_distributed, "disk": self._sync_disk}
         named = iter(named_tensors)
         stream = fp8_weights.quantize_named_tensors(named) if self.quantization == "fp8" else named
@@ -501,6 +550,8 @@ class SGLangEngine:
         if s in self._failed_in_sync:
             return
         srv = self.servers[s]
+        if path.startswith("/update_weights") and self._weight_version is not None:
+            body = {**body, "weight_version": self._weight_version}
         try:
             _check_success(self.http.request(srv, path, body, retries=0), f"{srv.url} {path.lstrip('/')}")
         except EndpointNotFoundError:
@@ -633,6 +684,8 @@ class SGLangEngine:
             for bucket, last in ws.with_last(self._buckets(named)):
                 flat, _ = ws.flatten_bucket(bucket)
                 body = ws.distributed_update_payload(bucket, group_name=self.group_name, flush_cache=last)
+                if self._weight_version is not None:
+                    body["weight_version"] = self._weight_version
                 futs = [pool.submit(self.http.request, srv, "/update_weights_from_distributed", body, retries=0)
                         for srv in self.servers]
                 torch.distributed.broadcast(flat.to(self._sync_device), group=self._nccl_group, group_src=0)

@@ -258,20 +258,26 @@ class MegatronActor:
         parallelism every TP rank counts the same ones, which scales both sums alike."""
         return take_mismatch_counts(self.routers)
 
-    def compute_logprobs_entropy(self, micro_batches: list[MicroBatch], *, temperature: float = 1.0,
+    def compute_logprobs_entropy(self, micro_batches: list[MicroBatch], *, temperature: float | str = 1.0,
                                  chunk_size: Optional[int] = None,
                                  model: Optional[list] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Forward-only pass: ``(logprobs, entropy)`` of each micro-batch, ``[b, s]`` float32 on
         the host, full sequences (gathered over CP), zero where ``loss_mask`` is 0; on the last
-        pipeline stage (``[]`` elsewhere). ``model`` selects another model (e.g. the KL reference)."""
+        pipeline stage (``[]`` elsewhere). ``model`` selects another model (e.g. the KL reference).
+        ``temperature="per_token"``: each micro-batch's own ``temperatures`` (the sampling ones)."""
         from hapo_megatron.parallel.loss import logprobs_entropy_from_logits, zero_loss_like
 
         results: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def make_loss(mb: MicroBatch):
             def loss_func(output):  # logits, or HiddenStates with the fused output layer
+                temp = temperature
+                if temperature == "per_token":
+                    if mb.temperatures is None:
+                        raise ValueError("temperature='per_token' needs MicroBatch.temperatures")
+                    temp = mb.temperatures.to(mb.labels.device)
                 lp, ent = logprobs_entropy_from_logits(output, mb.labels, tp_group=self.groups.tp,
-                                                       temperature=temperature, chunk_size=chunk_size)
+                                                       temperature=temp, chunk_size=chunk_size)
                 mask = mb.loss_mask
                 results.append(((lp * mask).float(), (ent * mask).float()))
                 return zero_loss_like(output), mask.sum().to(torch.int), {}

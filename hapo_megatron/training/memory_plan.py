@@ -23,12 +23,12 @@ layer: the final norm's output (2*s*h/t) and either the fused log-prob kernel's 
 d-hidden accumulator 4*s*h and, under SP, the gathered hidden states 2*s*h) or, without it, the
 fp32 logits and their gradient (2 x 4*s*V/t). With routing replay (or mismatch measurement) the
 engine's routes of this rank's whole step (k per token and layer of its pipeline stage, uint8 up to
-256 experts, else int16: `MicroBatch.routed_experts`, training/route_share.py) sit on the device during the old-log-prob pass, which takes all its
-micro-batches there at once (at full length: the bound, not the typical step). Everything else
-(CUDA context, NCCL, allocator slack) is a fixed overhead per process. With colocated tensor-mode
-weight sync, each node's leader serialises every bucket for every server TP rank of its node from
-its own GPU, so every server worker on another GPU of the node opens a CUDA context on the
-leader's GPU (`PEER_CONTEXT_BYTES` each, for the server's lifetime): the plan adds them to that
+256 experts, else int16: `MicroBatch.routed_experts`, training/route_share.py) sit on the device
+during the old-log-prob pass, which takes all its micro-batches there at once (at full length: the
+bound, not the typical step). Everything else (CUDA context, NCCL, allocator slack) is a fixed
+overhead per process. With colocated tensor-mode weight sync, each node's leader serialises every
+bucket for every server TP rank of its node from its own GPU, so every server worker on another
+GPU of the node opens a CUDA context on the leader's GPU (`PEER_CONTEXT_BYTES` each, for the server's lifetime): the plan adds them to that
 GPU, the busiest one (docs/multinode.md, "Colocated memory").
 """
 

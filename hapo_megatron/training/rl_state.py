@@ -31,6 +31,12 @@ class RLState:
             the first step). Checkpoint key ``entropy_stats``.
         consecutive_skips: steps skipped in a row (no usable group, non-finite update).
         sft_done: the supervised warm start has run (or was not asked for).
+        async_state: asynchronous rollouts (`training.async_rollout`): the sampler cursor and the
+            prompts admitted but not yet trained as of the last step's batch; checkpointed as the
+            ``sampler`` and ``async_pending`` keys (the live sampler runs ahead on rank 0).
+        async_pending: after a resume, the prompts to regenerate first (``async_pending``).
+        sequence_sampling_stats: asynchronous rollouts: the entropy statistics (dicts) each
+            sequence of the current step was sampled with (not checkpointed: a step is redone whole).
     """
 
     sampler: PromptSampler
@@ -39,6 +45,9 @@ class RLState:
     rollout_entropy_stats: Optional[EntropyStats] = None
     consecutive_skips: int = 0
     sft_done: bool = False
+    async_state: Optional[dict] = None
+    async_pending: Optional[list] = None
+    sequence_sampling_stats: Optional[list] = None
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state (the keys of ``rl_state.json``)."""
@@ -50,7 +59,13 @@ class RLState:
             "consecutive_skips": int(self.consecutive_skips),
             "sft_done": bool(self.sft_done),
             "dynamic_sampling": self.dyn.state_dict(),
+            **self._async_keys(),
         }
+
+    def _async_keys(self) -> dict[str, Any]:
+        if self.async_state is None:
+            return {}
+        return {"sampler": self.async_state["sampler"], "async_pending": list(self.async_state["pending"])}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Inverse of `state_dict`. Older checkpoints: without ``consecutive_skips`` the count
@@ -63,6 +78,7 @@ class RLState:
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
         self.sft_done = bool(state.get("sft_done", True))
         self.dyn.load_state_dict(state.get("dynamic_sampling", {}))
+        self.async_pending = [int(i) for i in state["async_pending"]] if "async_pending" in state else None
 
 
 __all__ = ["RLState"]

@@ -12,6 +12,7 @@ it adds (`MicroBatch.with_`); it never edits the ones it was given.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from contextlib import contextmanager
@@ -97,7 +98,8 @@ def rollout(rt: Runtime, step: int, stop_check: Optional[Callable[[], bool]] = N
         else:
             try:
                 with rt.control.heartbeats({"step": step}):
-                    kept, metrics, sampler_state = _rollout_rank0(rt, step, stop_check)
+                    kept, metrics, sampler_state = (_rollout_rank0(rt, step, stop_check)
+                                                    if rt.async_rollout is None else _take_async(rt, step))
             except (RolloutAbandoned, GenerationAborted) as e:
                 _release_after_abandon(rt)
                 rt.control.send(ABANDONED, str(e))
@@ -107,7 +109,7 @@ def rollout(rt: Runtime, step: int, stop_check: Optional[Callable[[], bool]] = N
                 raise
             meta = SequenceMeta.of(kept)
             rt.control.send(DONE, (meta, metrics, sampler_state))
-    rt.rl.sampler.load_state_dict(sampler_state)
+    _apply_sampler_state(rt, sampler_state)
     return _share_out(rt, kept, meta), metrics
 
 
@@ -132,6 +134,24 @@ def _engine_stop_check(engine, stop_check: Optional[Callable[[], bool]]) -> Iter
         yield
     finally:
         engine.stop_check = None
+
+
+def _take_async(rt: Runtime, step: int) -> tuple[RolloutBatch, dict[str, float], dict]:
+    """Rank 0 under ``rollout.max_staleness >= 1``: the step's batch from the producer's buffer
+    (training/async_rollout.py); the checkpoint state and per-sequence sampling statistics travel
+    with it to every rank."""
+    kept, metrics, snapshot, seq_stats = rt.async_rollout.take_step(step)
+    return kept, metrics, {"async": snapshot, "sequence_sampling_stats": seq_stats}
+
+
+def _apply_sampler_state(rt: Runtime, state: dict) -> None:
+    """Every rank takes rank 0's sampler cursor; asynchronous rollouts keep it (and the prompts in
+    flight) as the state to checkpoint instead: rank 0's live sampler runs ahead in the producer."""
+    if "async" not in state:
+        rt.rl.sampler.load_state_dict(state)
+        return
+    rt.rl.async_state = state["async"]
+    rt.rl.sequence_sampling_stats = state["sequence_sampling_stats"]
 
 
 def _rollout_rank0(rt: Runtime, step: int, stop_check: Optional[Callable[[], bool]] = None
@@ -285,6 +305,9 @@ def recompute_temperatures(rt: Runtime,
         if params.uses_adaptive:
             temps = temperature_from_entropy(ent, params.entropy_stats, t_base, params.temperature_tau,
                                              params.h_hat_mode)
+        seq_stats = getattr(rt.rl, "sequence_sampling_stats", None)
+        if seq_stats is not None and params.adaptive:  # asynchronous: each sequence's own statistics
+            temps = _temperatures_by_sequence(mb, ent, seq_stats, params)
         temps = torch.where(mask, temps, torch.ones_like(temps))
         if mb.engine_temperatures is not None:
             both = mask & mb.tokens_of_sequences(mb.engine_temperatures)
@@ -296,6 +319,20 @@ def recompute_temperatures(rt: Runtime,
         sums["t_sum"] += float((temps * mask).sum())
         sums["t_sq"] += float((temps.double() ** 2 * mask).sum())
     return out, sums
+
+
+def _temperatures_by_sequence(mb: MicroBatch, ent: torch.Tensor, seq_stats: list, params: SamplingParams):
+    """``[b, s]`` temperatures with the statistics each sequence was sampled with (``seq_stats``
+    by the step's sequence index; None: sampled at ``T_base``, e.g. the first step's)."""
+    t_base = float(params.temperature)
+    out = torch.full_like(ent, t_base)
+    rows = mb.seq_index.tolist()
+    for d in {repr(seq_stats[i]): seq_stats[i] for i in rows if i >= 0 and seq_stats[i]}.values():
+        stats = EntropyStats.from_dict(d)
+        t = temperature_from_entropy(ent, stats, t_base, params.temperature_tau, params.h_hat_mode)
+        mine = torch.tensor([i >= 0 and seq_stats[i] == d for i in rows])
+        out = torch.where(mb.tokens_of_sequences(mine), t, out)
+    return out
 
 
 def _temperature_metrics(tot: dict[str, float]) -> dict[str, float]:
@@ -348,6 +385,10 @@ def old_logprob_pass(rt: Runtime, minis: Minis) -> tuple[Minis, EntropyStats, di
                    for mb in flat)
         flat, t_sums = recompute_temperatures(rt, flat)
         sums = {"n": float(mask.sum()), "ent": float((ent * mask).sum()), "diff": diff, **t_sums}
+    is_metrics = {}
+    if cfg.algo.rollout_is != "none":  # the off-policy correction's proximal log-probs (collective)
+        from hapo_megatron.training.off_policy import with_proximal_logprobs
+        flat, is_metrics = with_proximal_logprobs(rt, flat)
     if g.pp_size > 1:  # the rollout (rank 0, first stage) needs the statistics
         last = dist.get_global_rank(g.pp, g.pp_size - 1)
         stats = broadcast_object(stats.to_dict() if stats is not None else None, src=last, group=g.pp)
@@ -355,7 +396,8 @@ def old_logprob_pass(rt: Runtime, minis: Minis) -> tuple[Minis, EntropyStats, di
     tot = sum_metrics(sums, contribute=rt.contributes_metrics and g.is_pipeline_last)
     n = max(tot.get("n", 0.0), 1.0)
     metrics = {"entropy/mean": tot.get("ent", 0.0) / n, "rollout/logprob_abs_diff": tot.get("diff", 0.0) / n,
-               **{f"entropy/{k}": float(v) for k, v in stats.to_dict().items()}, **_temperature_metrics(tot)}
+               **{f"entropy/{k}": float(v) for k, v in stats.to_dict().items()}, **_temperature_metrics(tot),
+               **is_metrics}
     if rt.actor.routing != "off":
         mismatch = _routing_mismatch(rt)
         if mismatch is not None:  # not a measured step (model.routing_mismatch_fraction)
@@ -454,7 +496,11 @@ def sync_weights(rt: Runtime) -> None:
         drain_weights(named)
         return
     rt.memory.resume_weights()  # the KV cache comes back in rollout, after the offload
-    rt.engine.update_weights(named)
+    if rt.cfg.rollout.max_staleness:  # asynchronous: tag the version; generation pauses around the update
+        with rt.async_rollout.paused(rt.rl.step) if rt.async_rollout is not None else contextlib.nullcontext():
+            rt.engine.update_weights(named, weight_version=rt.rl.step)
+    else:
+        rt.engine.update_weights(named)
     left = drain_weights(named)
     if left:
         raise RuntimeError(f"{type(rt.engine).__name__}.update_weights left {left} exported tensors unread; "

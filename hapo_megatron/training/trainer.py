@@ -21,6 +21,7 @@ from hapo_megatron.training.build import build_runtime, setup_reference
 from hapo_megatron.training.rollout_protocol import RolloutAbandoned
 from hapo_megatron.training.runtime import Runtime, StepSnapshot
 from hapo_megatron.training.sft import run_sft
+from hapo_megatron.training.async_rollout import start_async_rollout, stop_async_rollout
 
 
 class TrainingStopped(RuntimeError):
@@ -39,9 +40,13 @@ def fit(cfg: HapoConfig, *, tokenizer=None, datasets=None) -> dict[str, Any]:
     shield_checkpoint_writer(t.exit_signals)
     stop = StopRequest(signals=t.exit_signals, grace_s=t.exit_grace_s, exit_after_minutes=t.exit_after_minutes,
                        group=cpu_group_over_world(t.control_timeout_minutes)).install()
+    rt = None
     try:
-        return _fit(cfg, build_runtime(cfg, groups, tokenizer=tokenizer, datasets=datasets), stop)
+        rt = build_runtime(cfg, groups, tokenizer=tokenizer, datasets=datasets)
+        return _fit(cfg, rt, stop)
     finally:
+        if rt is not None:  # an error: no request of the producer outlives the run
+            stop_async_rollout(rt)
         stop.uninstall()
 
 
@@ -58,6 +63,7 @@ def _fit(cfg: HapoConfig, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
     rl.sft_done = True
     setup_reference(rt)  # KL reference (algo.kl_loss_coef > 0 only)
     stages.sync_weights(rt)  # the engine starts from the actor (fresh, after SFT, or resumed)
+    start_async_rollout(rt)  # rollout.max_staleness >= 1: the producer starts generating (rank 0)
     if cfg.trainer.val_before_train and rl.step == 0:
         start_eval = stages.evaluate(rt, 0)
         rt.logger.log(0, start_eval, advance=False)
@@ -124,6 +130,7 @@ def _stop_if_agreed(rt: Runtime, stop: StopRequest, before: Optional[StepSnapsho
     rt.logger.write(f"stopping: {why}; " + (f"step {step} is saved in {saved}" if saved else
                                             "no step finished since the start, nothing to save"))
     rt.logger.close()
+    stop_async_rollout(rt)
     if rt.engine is not None:
         rt.engine.shutdown()
     raise RunStopped(f"{why}: stopped after step {step}" + (f", saved in {saved}; continue with --resume auto"
@@ -156,6 +163,7 @@ def _finish(rt: Runtime, t0: float, start_eval: dict, sft_s: float) -> dict[str,
     """Final checkpoint and evaluation, then the summary (printed and saved by rank 0)."""
     cfg = rt.cfg
     step = rt.rl.step
+    stop_async_rollout(rt)  # nothing more to train on; the final evaluation needs the servers
     if step > rt.start_step and _saved_path(rt, step) is None:
         rt.save_checkpoint()
     end_eval = stages.evaluate(rt, step) if cfg.trainer.val_at_end else {}

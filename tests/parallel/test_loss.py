@@ -41,6 +41,11 @@ def _configs():
                  dict(tis_cap=1.5, clip_ratio_high=0.28)][i]
         out.append((LossConfig(loss_agg_mode=mode, **extra), "token" if i % 2 else 0.9))
     out.append((LossConfig(adaptive_clip=False, adaptive_advantage=False, h_hat_mode="reference"), 1.0))
+    # the off-policy correction: seq_tis needs each sequence's sum over the CP ranks (a dropped CP
+    # reduction in parallel.loss._seq_is_log_ratio fails the "cp" layout below)
+    out.append((LossConfig(rollout_is="seq_tis", rollout_is_cap=1.5), "token"))
+    out.append((LossConfig(rollout_is="token_mis", rollout_is_cap=1.3, loss_agg_mode="seq-mean-token-mean"), 0.9))
+    out.append((LossConfig(rollout_is="token_tis", rollout_is_cap=1.2), 1.0))
     return out
 
 
@@ -61,6 +66,8 @@ def _data(seed=0):
         rollout_logprobs=logp + 0.2 * torch.randn(B, S, generator=g),
     )
     temp_tok = 0.7 + 0.6 * torch.rand(B, S, generator=g)
+    g2 = torch.Generator().manual_seed(seed + 1000)  # the other fields keep their values
+    batch = batch.with_(proximal_logprobs=batch.rollout_logprobs + 0.25 * torch.randn(B, S, generator=g2))
     stats = compute_entropy_stats(batch.old_entropy, mask)
     return logits, batch, stats, temp_tok
 
@@ -116,7 +123,8 @@ def _reference(logits, batch, cfg, stats, temperature):
         adaptive_advantage=cfg.adaptive_advantage, adv_beta=cfg.adv_beta,
         loss_agg_mode=cfg.loss_agg_mode, entropy=ent, entropy_coeff=cfg.entropy_coeff,
         ref_logprobs=batch.ref_logprobs, kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
-        rollout_logprobs=batch.rollout_logprobs, tis_cap=cfg.tis_cap)
+        rollout_logprobs=batch.rollout_logprobs, tis_cap=cfg.tis_cap, rollout_is=cfg.rollout_is,
+        rollout_is_cap=cfg.rollout_is_cap, proximal_logprobs=batch.proximal_logprobs)
     loss = loss_sum / norm
     loss.backward()
     return loss.item(), x.grad

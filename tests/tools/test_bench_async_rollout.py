@@ -1,0 +1,32 @@
+"""Smoke test of tools/bench/async_rollout.py at its tiny size (`--small`: no calibration, one
+measured step per setting): the three settings run in one call and report steps per hour, the
+trainer's idle fraction and a staleness within each setting's bound."""
+
+import pytest
+
+from tests.tools._load import load_tool
+
+pytestmark = pytest.mark.slow
+
+
+def test_small_run_reports_every_setting(tmp_path, capsys):
+    bench = load_tool("bench/async_rollout")
+    out = bench.main(["--small", "--out", str(tmp_path)])
+    res = out["results"]
+    assert sorted(res) == [0, 1, 2]
+    for k, r in res.items():
+        assert r["steps"] == 1 and r["steps_per_hour"] > 0 and 0 <= r["idle_frac"] <= 1
+        assert r["staleness_max"] <= k
+    assert res[0]["staleness_max"] == 0
+    printed = capsys.readouterr().out
+    assert "steps/h" in printed and "ratio" in printed and "idle" in printed
+
+
+def test_summarize_counts_steps_after_the_warm_up():
+    bench = load_tool("bench/async_rollout")
+    recs = [{"perf/step_time_s": 9.0, "timing/rollout_s": 9.0}] * 2 + [
+        {"perf/step_time_s": 2.0, "timing/trainer_wait_s": 0.5, "rollout/staleness_max": 1.0},
+        {"perf/step_time_s": 2.0, "timing/trainer_wait_s": 0.5, "rollout/staleness_max": 0.0}]
+    s = bench.summarize(recs)
+    assert s["steps"] == 2 and s["wall_s"] == 4.0 and s["steps_per_hour"] == 1800.0
+    assert s["idle_frac"] == 0.25 and s["staleness_max"] == 1.0

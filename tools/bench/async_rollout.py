@@ -1,0 +1,207 @@
+"""Asynchronous rollouts: steps per hour of the CPU job for rollout.max_staleness 0 (synchronous),
+1 and 2, in one run, against stand-in servers that emit tokens at a fixed rate
+(`paced_sglang_server.py`: generation costs wall time, not the trainer's CPU, as on a GPU box).
+
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python tools/bench/async_rollout.py            # the figures
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python tools/bench/async_rollout.py --small    # seconds
+
+The token rate is calibrated so that one step's generation takes about as long as one step's
+training (measured on a first synchronous run: ``--gen-train-ratio``). Each setting runs
+``--steps`` steps after ``--warmup`` warm-up steps; steps per hour come from the wall time between the
+first and the last logged step (``perf/step_time_s`` would hide the overlap). The trainer's idle
+fraction is the time it waited for data (``timing/trainer_wait_s``, asynchronous) or generated
+(``timing/rollout_s``, synchronous) over the wall time. The reward is a cheap parity score (the
+stand-in's responses are random tokens): on the CPU job the math verifier's CPU time would compete
+with the trainer for the cores while generation overlaps training, which it does not on a GPU box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SERVER = os.path.join(ROOT, "tools", "bench", "paced_sglang_server.py")
+CONFIG = os.path.join(ROOT, "examples", "cpu_tiny", "config.yaml")
+
+
+def start_servers(n: int, tokens_per_s: float, record_dir: str, vocab: int = 40,
+                  extra: tuple = ()) -> tuple[list, list[str]]:
+    """``n`` paced stand-in servers on free ports; (processes, URLs) once they answer /health.
+    ``extra[i]``: more arguments of server ``i``. A server whose port was taken meanwhile starts
+    again on another; on failure the ones started are stopped."""
+    from hapo_megatron.rollout.sglang_client import SGLangHTTP, ServerDiedError, ServerHandle
+    from hapo_megatron.rollout.sglang_launch import free_port
+    procs, urls = [], []
+    env = {**os.environ, "HAPO_TEST_STANDIN_DIR": record_dir}
+    http = SGLangHTTP(timeout_s=10, max_retries=0)
+    try:
+        for i in range(n):
+            more = list(extra[i]) if i < len(extra) else []
+            for attempt in range(5):
+                port = free_port()
+                proc = subprocess.Popen([sys.executable, SERVER, "--port", str(port), "--tokens-per-s",
+                                         str(tokens_per_s), "--vocab", str(vocab), *more], env=env)
+                try:
+                    http.wait_healthy(ServerHandle(url=f"http://127.0.0.1:{port}", process=proc), timeout_s=60,
+                                      poll_s=0.1)
+                    break
+                except ServerDiedError:  # the port went to someone else between free_port and bind
+                    if attempt == 4:
+                        raise
+            procs.append(proc)
+            urls.append(f"http://127.0.0.1:{port}")
+    except BaseException:
+        stop_servers(procs)
+        raise
+    return procs, urls
+
+
+def stop_servers(procs) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(timeout=30)
+
+
+def job_overrides(data: str, run_dir: str, urls: list[str], *, max_staleness: int, steps: int,
+                  batch: int = 4, n: int = 4, response_length: int = 16, reward_workers: int = 0,
+                  rollout_is: str | None = None, extra: dict | None = None) -> list[str]:
+    """The tiny CPU job (examples/cpu_tiny, one process, TP 1) on the stand-in servers."""
+    kv = {
+        "data.train_files": f"[{data}/train.jsonl]", "data.val_files": "[]",
+        "data.tokenizer_path": f"{data}/model", "model.hf_model_path": f"{data}/model",
+        "data.train_batch_size": batch, "trainer.ppo_mini_batch_size": batch, "rollout.n": n,
+        "rollout.max_response_length": response_length, "reward.overlong_buffer_enable": "false",
+        "trainer.sft_warmup_steps": 0, "trainer.total_steps": steps, "trainer.save_interval": 0,
+        "trainer.run_dir": run_dir, "logging.console": "false", "trainer.val_before_train": "false",
+        "trainer.val_at_end": "false", "algo.filter_groups": "false", "reward.num_workers": reward_workers,
+        "parallel.tensor_model_parallel_size": 1, "rollout.engine": "sglang",
+        "rollout.sglang.server_urls": "[" + ",".join(urls) + "]", "rollout.sglang.colocate": "false",
+        "rollout.sglang.weight_sync": "disk", "rollout.max_staleness": max_staleness,
+        "algo.rollout_is": rollout_is or ("token_tis" if max_staleness else "none"),
+    }
+    kv.update(extra or {})
+    return [f"{k}={v}" for k, v in kv.items()]
+
+
+def run_job(data: str, run_dir: str, overrides: list[str], timeout: float = 900) -> list[dict]:
+    """One training process; returns its metrics.jsonl records with a wall-clock ``_t``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "HAPO_SGLANG_SYNC_DIR": os.path.join(run_dir, "sync")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           "-m", "hapo_megatron.train", "--config", CONFIG, *overrides]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)  # torchrun's workers run in sessions of their own: kill them too
+        raise
+    if proc.returncode != 0:
+        raise RuntimeError(out[-3000:] + err[-6000:])
+    return read_metrics(run_dir)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    import psutil
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.kill()
+    proc.communicate()
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "rollout/reward_mean" in r]
+
+
+def summarize(recs: list[dict], *, warmup: int = 2) -> dict[str, float]:
+    """Steps per hour and the trainer's idle fraction over the steps after ``warmup``."""
+    rows = recs[warmup:]
+    wall = sum(r["perf/step_time_s"] for r in rows)
+    idle = sum(r.get("timing/trainer_wait_s", r.get("timing/rollout_s", 0.0)) for r in rows)
+    gen = [r.get("timing/rollout_s", 0.0) for r in rows]
+    return {"steps": len(rows), "wall_s": wall, "steps_per_hour": 3600.0 * len(rows) / max(wall, 1e-9),
+            "idle_frac": idle / max(wall, 1e-9), "rollout_s_mean": sum(gen) / max(len(gen), 1),
+            "staleness_max": max((r.get("rollout/staleness_max", 0.0) for r in rows), default=0.0)}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=16, help="measured steps (after the warm-up steps)")
+    ap.add_argument("--warmup", type=int, default=4, help="steps left out of the figures (start-up costs)")
+    ap.add_argument("--batch", type=int, default=16, help="prompts per step")
+    ap.add_argument("--n", type=int, default=8, help="responses per prompt")
+    ap.add_argument("--length", type=int, default=24, help="response tokens")
+    ap.add_argument("--small", action="store_true", help="3 steps, tiny responses (the suite's smoke test)")
+    ap.add_argument("--gen-train-ratio", type=float, default=1.0,
+                    help="generation time / training time per step that the token rate is set to")
+    ap.add_argument("--out", default=None, help="work directory (default: a temporary one)")
+    ap.add_argument("--rollout-is", default="token_tis",
+                    help="algo.rollout_is of every setting (the same algorithm in all three: with adaptive "
+                         "temperature the correction costs a second forward pass, in the synchronous run too)")
+    args = ap.parse_args(argv)
+    steps = 1 if args.small else args.steps
+    warmup = 2 if args.small else args.warmup
+    length = 4 if args.small else args.length
+    size = dict(batch=2, n=2) if args.small else dict(batch=args.batch, n=args.n)
+    size["reward_workers"] = 0
+    # a reward that costs no CPU (the stand-in's responses are random tokens): on a GPU box the
+    # CPU work of scoring does not slow the trainer; on this CPU job it would compete for the cores
+    size["extra"] = {"reward.reward_fn": "tests.training.parity_reward:score"}
+    size["rollout_is"] = args.rollout_is
+    work = args.out or tempfile.mkdtemp(prefix="hapo_async_bench_")
+    sys.path.insert(0, ROOT)
+    from tests.training.tiny_setup import prepare_tiny
+    data = prepare_tiny(os.path.join(work, "data"), 256, 4)
+    rec_dir = os.path.join(work, "servers")
+    os.makedirs(rec_dir, exist_ok=True)
+    if args.small:  # the suite's smoke test: no calibration, a fixed rate
+        train_s = 0.2
+    else:  # calibration: a synchronous run with fast servers measures the training time per step
+        procs, urls = start_servers(2, 2000.0, rec_dir)
+        try:
+            cal = summarize(run_job(data, os.path.join(work, "calibrate"),
+                                    job_overrides(data, os.path.join(work, "calibrate"), urls, max_staleness=0,
+                                                  steps=4, response_length=length, **size)))
+        finally:
+            stop_servers(procs)
+        train_s = cal["wall_s"] / cal["steps"] - cal["rollout_s_mean"]
+    # one step generates batch x n rows, one request per group (all at once): length tokens of wall time
+    rate = length / max(args.gen_train_ratio * train_s, 1e-3)
+    results = {}
+    procs, urls = start_servers(2, rate, rec_dir)
+    try:
+        for k in (0, 1, 2):
+            run_dir = os.path.join(work, f"staleness_{k}")
+            t0 = time.time()
+            results[k] = summarize(run_job(data, run_dir, job_overrides(
+                data, run_dir, urls, max_staleness=k, steps=steps + warmup, response_length=length, **size)),
+                warmup=warmup)
+            results[k]["job_s"] = time.time() - t0
+    finally:
+        stop_servers(procs)
+    base = results[0]["steps_per_hour"]
+    print(f"training {train_s:.2f} s/step (calibration), token rate {rate:.1f}/s -> generation "
+          f"~{length / rate:.2f} s/step")
+    print(f"{'max_staleness':>13} {'steps/h':>9} {'ratio':>6} {'idle':>6} {'staleness_max':>13}")
+    for k, r in results.items():
+        print(f"{k:>13} {r['steps_per_hour']:>9.0f} {r['steps_per_hour'] / base:>6.2f} {r['idle_frac']:>6.2f} "
+              f"{r['staleness_max']:>13.0f}")
+    return {"train_s": train_s, "rate": rate, "results": results}
+
+
+if __name__ == "__main__":
+    main()
