@@ -27,9 +27,9 @@ engine's routes of this rank's whole step (k per token and layer of its pipeline
 during the old-log-prob pass, which takes all its micro-batches there at once (at full length: the
 bound, not the typical step). Everything else (CUDA context, NCCL, allocator slack) is a fixed
 overhead per process. With colocated tensor-mode weight sync, each node's leader serialises every
-bucket for every server TP rank of its node from its own GPU, so every server worker on another
-GPU of the node opens a CUDA context on the leader's GPU (`PEER_CONTEXT_BYTES` each, for the server's lifetime): the plan adds them to that
-GPU, the busiest one (docs/multinode.md, "Colocated memory").
+bucket for every server TP rank of its node from its own GPU, so every server worker on another GPU
+of the node opens a CUDA context on the leader's GPU (`PEER_CONTEXT_BYTES` each, for the server's
+lifetime): the plan adds them to that GPU, the busiest one (docs/multinode.md, "Colocated memory").
 """
 
 from __future__ import annotations
