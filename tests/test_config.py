@@ -278,3 +278,23 @@ def test_choices_come_from_algo():
         assert getattr(C, name) is getattr(choices, name), name
     assert parallel_loss.ENTROPY_STATS_SCOPES is choices.ENTROPY_STATS_SCOPES
     assert parallel_loss.H_HAT_ENTROPIES is choices.H_HAT_ENTROPIES
+
+
+def test_fp8_rollouts_turn_the_off_policy_correction_on_by_default():
+    """algo.rollout_is=auto (the default) resolves once, at load: token_tis with FP8 rollouts, none
+    otherwise; an explicit value wins, and so do the settings that already decide the weighting
+    (fails when the auto rule is dropped: FP8 then trains with no correction; or when it ignores
+    tis_cap: the config is then refused for carrying two weights)."""
+    from hapo_megatron.config import HapoConfig
+
+    def resolved(**algo):
+        return HapoConfig.from_dict({"rollout": {"engine": "sglang", "quantization": "fp8", "dtype": "bf16"},
+                                     "algo": algo}).algo.rollout_is
+
+    assert HapoConfig().algo.rollout_is == "none"
+    assert resolved() == "token_tis"
+    assert resolved(rollout_is="none") == "none" and resolved(rollout_is="seq_tis") == "seq_tis"
+    assert resolved(tis_cap=2.0) == "none"
+    assert resolved(old_logprob_source="rollout") == "none"
+    saved = HapoConfig.from_dict({"rollout": {"engine": "sglang", "quantization": "fp8", "dtype": "bf16"}})
+    assert HapoConfig.from_dict(saved.to_dict()).algo.rollout_is == "token_tis"  # a saved config keeps it

@@ -46,6 +46,8 @@ class HapoConfig(_Section):
         """Checks that span sections, then fill the defaults that point at other fields."""
         self._check_batching()
         self._check_rollout()
+        if self.algo.rollout_is == "auto":
+            self.algo.rollout_is = self._default_rollout_is()
         if self.data.tokenizer_path is None:
             self.data.tokenizer_path = self.model.hf_model_path
         if self.logging.wandb_project is None:
@@ -54,6 +56,15 @@ class HapoConfig(_Section):
             self.logging.wandb_run_name = self.trainer.experiment_name
         if self.logging.tensorboard_dir is None:
             self.logging.tensorboard_dir = os.path.join(self.trainer.run_dir, "tensorboard")
+
+    def _default_rollout_is(self) -> str:
+        """The off-policy correction a run gets unless it sets one: FP8 rollouts sample from another
+        policy than the trainer's, and the published FP8-RL recipes pair them with a token-level
+        truncated importance weight (docs/fp8.md, "The correction"). algo.tis_cap is such a weight
+        already; old_logprob_source=rollout makes proximal and behaviour the same policy."""
+        algo = self.algo
+        fp8 = self.rollout.quantization == "fp8"
+        return "token_tis" if fp8 and algo.tis_cap is None and algo.old_logprob_source == "recompute" else "none"
 
     def _check_batching(self) -> None:
         bsz, mini = self.data.train_batch_size, self.trainer.ppo_mini_batch_size

@@ -65,10 +65,12 @@ class AlgoConfig(_Section):
     """Old log-probs from a Megatron forward pass ("recompute") or as reported by the rollout engine."""
     tis_cap: Optional[float] = None
     """Truncated importance sampling cap on pi_old / pi_rollout (null = no correction)."""
-    rollout_is: str = "none"
+    rollout_is: str = "auto"
     """Off-policy correction (docs/algorithm.md): a detached weight from proximal / behaviour log-probs
     multiplies each token's loss: none, token_tis (truncated at rollout_is_cap), token_mis (tokens
-    over the cap masked), seq_tis (the sequence's product of ratios, truncated)."""
+    over the cap masked), seq_tis (the sequence's product of ratios, truncated); auto = token_tis
+    with FP8 rollouts (rollout.quantization=fp8, docs/fp8.md) unless algo.tis_cap or
+    algo.old_logprob_source=rollout already decide the weighting, else none."""
     rollout_is_cap: float = 2.0
     """Cap of the rollout_is weight (> 0)."""
     filter_groups: bool = False
@@ -95,11 +97,11 @@ class AlgoConfig(_Section):
         _check_choice(f"{p}.kl_loss_type", self.kl_loss_type, KL_LOSS_TYPES)
         _check_choice(f"{p}.old_logprob_source", self.old_logprob_source, OLD_LOGPROB_SOURCES)
         _check_min(f"{p}.tis_cap", self.tis_cap, 0.0, strict=True)
-        _check_choice(f"{p}.rollout_is", self.rollout_is, ROLLOUT_IS_MODES)
+        _check_choice(f"{p}.rollout_is", self.rollout_is, ("auto",) + ROLLOUT_IS_MODES)
         _check_min(f"{p}.rollout_is_cap", self.rollout_is_cap, 0.0, strict=True)
-        if self.rollout_is != "none" and self.tis_cap is not None:
+        if self.rollout_is not in ("none", "auto") and self.tis_cap is not None:
             _fail(f"{p}.tis_cap and {p}.rollout_is both weight the loss by the rollout log-probs; set one")
-        if self.rollout_is != "none" and self.old_logprob_source != "recompute":
+        if self.rollout_is not in ("none", "auto") and self.old_logprob_source != "recompute":
             _fail(f"{p}.rollout_is={self.rollout_is} compares the recomputed (proximal) log-probs with the "
                   f"rollout's: it needs {p}.old_logprob_source=recompute")
         _check_choice(f"{p}.filter_groups_metric", self.filter_groups_metric, FILTER_GROUPS_METRICS)

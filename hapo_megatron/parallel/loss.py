@@ -139,7 +139,9 @@ class LossConfig:
             entropy_stats_scope=algo.entropy_stats_scope, h_hat_entropy=algo.h_hat_entropy,
             entropy_pivot=algo.entropy_pivot, kl_loss_coef=algo.kl_loss_coef,
             kl_loss_type=algo.kl_loss_type, entropy_coeff=algo.entropy_coeff, tis_cap=algo.tis_cap,
-            rollout_is=algo.rollout_is, rollout_is_cap=algo.rollout_is_cap,
+            # "auto" is resolved by HapoConfig from the rollout section; an AlgoConfig on its own has
+            # no FP8 rollouts, for which auto means none (docs/fp8.md, "The correction")
+            rollout_is="none" if algo.rollout_is == "auto" else algo.rollout_is, rollout_is_cap=algo.rollout_is_cap,
             loss_scale_factor=loss_scale_factor, logprob_chunk_size=logprob_chunk_size,
         )
 

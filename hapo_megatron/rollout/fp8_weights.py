@@ -131,15 +131,6 @@ def server_weight_bytes(shapes: Mapping[str, tuple[int, ...]], *, quantization: 
     return total
 
 
-def default_rollout_is(quantization: str) -> str:
-    """The off-policy correction a run gets unless it sets one: FP8 rollouts sample from another
-    policy than the trainer's bf16 one, and every published FP8-RL recipe pairs them with a
-    token-level truncated importance-sampling correction (docs/fp8.md, "The correction")."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    return "token_tis" if quantization == "fp8" else "none"
-
-
 def write_fp8_checkpoint(model_dir: str, out_dir: str, *, shard_bytes: int = 2 << 30, tp_size: int = 1,
                          block: tuple[int, int] = BLOCK) -> str:
     """The FP8 checkpoint FP8 servers start from: ``model_dir``'s (safetensors) weights with the
@@ -199,5 +190,5 @@ def mark_fp8_config(model_dir: str, block: tuple[int, int] = BLOCK) -> None:
 
 __all__ = ["QUANTIZATIONS", "SCALE_SUFFIX", "is_fp8_weight", "scale_name", "quantization_config",
            "quantize_named_tensors", "bucket_by_dtype", "check_servable", "server_weight_bytes",
-           "default_rollout_is", "mark_fp8_config", "write_fp8_checkpoint",
+           "mark_fp8_config", "write_fp8_checkpoint",
            "dequantized_state_dict"]

@@ -10,7 +10,7 @@ from hapo_megatron.convert import get_adapter
 from hapo_megatron.models.hf_config import tiny_hf_config
 from hapo_megatron.rollout.fp8 import FP8_DTYPE, dequantize_blockwise, scale_shape
 from hapo_megatron.rollout.fp8_weights import (
-    bucket_by_dtype, check_servable, default_rollout_is, is_fp8_weight, mark_fp8_config, quantization_config,
+    bucket_by_dtype, check_servable, is_fp8_weight, mark_fp8_config, quantization_config,
     quantize_named_tensors, scale_name, server_weight_bytes, write_fp8_checkpoint,
 )
 
@@ -133,13 +133,6 @@ def test_server_weight_bytes_counts_fp8_weights_and_scales():
     assert server_weight_bytes(shapes, quantization="fp8") == 256 * 384 + 6 * 4 + 2 * 256
     with pytest.raises(ValueError, match="quantization"):
         server_weight_bytes(shapes, quantization="int4")
-
-
-def test_default_rollout_is():
-    assert default_rollout_is("fp8") == "token_tis"
-    assert default_rollout_is("none") == "none"
-    with pytest.raises(ValueError):
-        default_rollout_is("fp4")
 
 
 def test_fp8_checkpoint_of_a_model_dir(tmp_path):
