@@ -62,7 +62,7 @@ def check_te_vs_local() -> CheckResult:
 
 def check_packed_vs_padded() -> CheckResult:
     """A packed row (THD, megatron-core `PackedSeqParams` into TE's attention) against each of its
-    sequences alone in a padded row: the logits of every real position (issue 26's GPU path)."""
+    sequences alone in a padded row: the logits of every real position (the packed GPU path, docs/architecture.md)."""
     name = "packed == padded (TE THD)"
     if not torch.cuda.is_available():
         return CheckResult(name, SKIP, "needs a CUDA GPU (the CPU path is tested by tests/training/test_packing_*)")

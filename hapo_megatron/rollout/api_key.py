@@ -1,4 +1,4 @@
-"""The per-run API key of the SGLang rollout servers (issue 15).
+"""The per-run API key of the SGLang rollout servers (docs/multinode.md).
 
 A server started with ``--enable-custom-logit-processor`` runs code sent in a request, and its
 weight endpoints load pickled tensors and arbitrary paths: whoever can reach the port must also

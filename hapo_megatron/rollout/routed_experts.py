@@ -1,5 +1,5 @@
 """The experts a MoE rollout engine routed each token to, and how often the actor routes them
-otherwise (issue 27: routing replay).
+otherwise (routing replay, docs/moe.md).
 
 SGLang (``--enable-return-routed-experts`` and per-request ``return_routed_experts``) answers
 ``meta_info["routed_experts"]``: base64 of int32 expert ids, shape ``[prompt + response - 1,

@@ -311,4 +311,4 @@ def stop_process(handle: ServerHandle, timeout_s: float = 30.0) -> None:
 __all__ = ["sglang_dtype", "server_command", "resolve_device", "server_env", "cpu_stubs_dir", "CPU_STUBS_ENV",
            "node_ip", "free_port", "start_process", "launch_server", "stop_process", "LaunchSpec", "restart_process",
            "kill_process"]
-__all__ += ["module_argv", "SERVER_KEY_FLAGS"]  # the API key (issue 15)
+__all__ += ["module_argv", "SERVER_KEY_FLAGS"]  # the API key (rollout/api_key.py)

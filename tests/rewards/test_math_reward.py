@@ -102,7 +102,7 @@ def test_thread_safe():
     assert not errors and all(results)
 
 
-# --- bounded time (issue 29): every call returns, with a defined score and a counted timeout ---
+# --- bounded time: every call returns, with a defined score and a counted timeout ---
 
 from math import comb  # noqa: E402
 

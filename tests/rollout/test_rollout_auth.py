@@ -1,4 +1,4 @@
-"""The rollout servers' API key (issue 15): key files, the header on every request, the key kept off
+"""The rollout servers' API key: key files, the header on every request, the key kept off
 command lines and out of logs (no server), then the session's real SGLang server, which requires
 the key: refusals without it, its listening socket, its log."""
 

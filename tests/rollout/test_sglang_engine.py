@@ -403,7 +403,7 @@ def test_cpu_payload_is_pickled_by_value_and_accepted_by_sglangs_safe_unpickler(
     assert [m.name for m in data["metadata"]] == [n for n, _ in named_weights()]
 
 
-# ---------------------------------------------------------------- bind policy (issue 15, part 1)
+# ---------------------------------------------------------------- bind policy
 def test_launched_servers_bind_loopback_on_one_node(monkeypatch, tmp_path):
     from hapo_megatron.rollout import sglang_launch
 

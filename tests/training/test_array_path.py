@@ -1,4 +1,4 @@
-"""The rollout's array path (issue 24) against the per-token-list path it replaced (the baseline of
+"""The rollout's array path against the per-token-list path it replaced (the baseline of
 tools/bench/host_step.py, the pre-issue-24 functions): the same advantages, metrics, kept groups
 and micro-batches, tensor for tensor, on a hand-computed case and random batches (empty responses,
 a rank without valid tokens, more DP ranks than sequences); each rank's share holds only what it

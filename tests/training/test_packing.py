@@ -1,4 +1,4 @@
-"""Packed micro-batches (issue 26): the plan, the packed row's layout, the THD context-parallel
+"""Packed micro-batches: the plan, the packed row's layout, the THD context-parallel
 split, the block-diagonal mask, token efficiency and the config switch; checked against slow
 loops and hand cases (the model-level equality is in test_packing_model / test_packing_parity)."""
 

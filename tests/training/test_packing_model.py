@@ -1,4 +1,4 @@
-"""A packed row through megatron-core's GPTModel on CPU (issue 26): `PackedDotProductAttention`
+"""A packed row through megatron-core's GPTModel on CPU: `PackedDotProductAttention`
 (block-diagonal causal mask, computed block by block; checked against the dense masked product) +
 megatron-core's per-sequence rotary embedding give every sequence the logits it gets alone in a
 padded row, for Llama with llama3-scaled RoPE (untied) and

@@ -1,4 +1,4 @@
-"""Packed rows give the numbers padded rows give (issue 26), on 8 gloo ranks at TP=2, PP=2, DP=2.
+"""Packed rows give the numbers padded rows give, on 8 gloo ranks at TP=2, PP=2, DP=2.
 
 One `MegatronActor` (a random Qwen2: q/k/v biases, tied output layer) lays the same sequences out
 padded and packed (`parallel.pack_sequences`); the two layouts put sequences on different DP ranks
@@ -25,7 +25,7 @@ NUM_SEQS, BUDGET = 14, 64
 #: shapes, softmax over rows of other lengths). Each result is a few sums of O(1) terms over
 #: hidden 64 / vocab 256 through 2 layers: a relative error of a few hundred float32 ulps (eps
 #: 1.2e-7) at most, far below the smallest real effect (a wrong mask or position moves log-probs
-#: by > 1e-2, see the mutations in the report of issue 26).
+#: by > 1e-2: the mutations named in this file's tests).
 RTOL, ATOL = 1e-4, 2e-5
 
 

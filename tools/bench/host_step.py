@@ -1,4 +1,4 @@
-"""The host (CPU) side of one rollout step at recipe scale (issue 24): the old path and the new one
+"""The host (CPU) side of one rollout step at recipe scale: the old path and the new one
 in the same run.
 
 A synthetic rollout of ``--prompts x --n`` responses (prompts of ``--prompt-len`` tokens, lognormal
@@ -6,7 +6,7 @@ response lengths of mean ``--mean`` and shape ``--sigma``, capped at ``--cap``; 
 a ``\\boxed{}`` answer, right or wrong) goes through the real math reward and the real data path,
 each role in a fresh process (its peak RSS is its own):
 
-- **rank 0, old path** (BASELINE, reconstructed below from the functions before issue 24, the
+- **rank 0, old path** (BASELINE, reconstructed below from the functions before the array path, the
   ``legacy_*`` functions): after the last response, score every response serially, build the batch
   as per-token Python lists, shape, filter, metrics, pack and pickle the whole batch (one message
   for every rank). All of it is left after the last response.
@@ -103,7 +103,7 @@ def rss_mb() -> float:
 
 
 # --------------------------------------------------------------------------- BASELINE: the old path
-# The functions of hapo_megatron/training/rl_step.py and stages.layout before issue 24, per-token
+# The functions of hapo_megatron/training/rl_step.py and stages.layout before the array path, per-token
 # Python lists throughout; kept here only to measure against (and as the reference of
 # tests/training/test_array_path.py).
 LEGACY_RAGGED = {"prompt_ids": "int32", "response_ids": "int32", "rollout_logprobs": "float32",

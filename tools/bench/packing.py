@@ -1,4 +1,4 @@
-"""Padding vs packing of RL micro-batches (issue 26): token efficiency, micro-batches per rank and
+"""Padding vs packing of RL micro-batches: token efficiency, micro-batches per rank and
 the update phase's time, both layouts in the same run.
 
 One PPO mini-batch of ``--prompts x --responses`` sequences (``--prompt-len`` tokens of prompt,
