@@ -49,7 +49,7 @@ def test_contract_field_names_present():
     for section, names in expected.items():
         assert set(names.split()) <= set(d[section]), section
     sglang = "server_urls num_servers server_tp_size mem_fraction_static weight_sync bucket_size_mb " \
-             "request_timeout_s max_retries colocate use_router extra_server_args port_base"
+             "request_timeout_s max_retries colocate extra_server_args port_base"
     assert set(sglang.split()) <= set(d["rollout"]["sglang"])
 
 
@@ -71,7 +71,6 @@ def test_contract_field_names_present():
     ("rollout.engine=vllm", "rollout.engine must be one of 'hf', 'sglang'"),
     ("rollout.sglang.weight_sync=nccl", "rollout.sglang.weight_sync must be one of"),
     ("rollout.sglang.mem_fraction_static=0", "rollout.sglang.mem_fraction_static must be in (0, 1]"),
-    ("rollout.sglang.use_router=true", "rollout.sglang.use_router=true is not supported: sglang-router 0.3.2"),
     ("model.dtype=fp8", "model.dtype must be one of 'bf16', 'fp16', 'fp32'"),
     ("parallel.tensor_model_parallel_size=0", "parallel.tensor_model_parallel_size must be >= 1"),
     ("optim.min_lr=1.0", "optim.min_lr must be in [0, optim.lr=1e-06], got 1.0"),
@@ -125,6 +124,7 @@ def test_override_value_parsing():
 
 
 @pytest.mark.parametrize("override", ["algo.clip_ratio_hi=0.3", "algo=3", "foo.bar=1", "rollout.sglang.nope=1",
+                                      "rollout.sglang.use_router=false",
                                       "algo.clip_ratio_low.x=1", "noequals"])
 def test_bad_override_keys(override):
     with pytest.raises(ValueError) as info:
@@ -135,7 +135,7 @@ def test_bad_override_keys(override):
         assert "valid keys of section 'algo': adv_estimator," in msg
     elif override == "foo.bar=1":
         assert "unknown config key 'foo'" in msg and "valid keys of the top level: algo, reward" in msg
-    elif override == "rollout.sglang.nope=1":
+    elif override in ("rollout.sglang.nope=1", "rollout.sglang.use_router=false"):  # no router field
         assert "valid keys of section 'rollout.sglang': server_urls" in msg
     elif override == "algo.clip_ratio_low.x=1":
         assert "'algo.clip_ratio_low' is a value, not a section" in msg

@@ -497,7 +497,7 @@ def test_modelopt_goes_in_without_its_hf_extra(lock, lock_texts, metadata, requi
 
 def test_no_router_in_the_image(requirement_files):
     names = {canonicalize_name(r.name) for reqs in requirement_files.values() for r in reqs}
-    assert "sglang-router" not in names  # rollout.sglang.use_router is refused at start
+    assert "sglang-router" not in names  # the engine spreads requests itself (docs/multinode.md)
 
 
 def test_consistency_check_catches_an_unmet_requirement():

@@ -184,14 +184,6 @@ class DataConfig(_Section):
         _check_min("data.val_max_samples", self.val_max_samples, 1)
 
 
-#: why ``rollout.sglang.use_router`` is refused (measured with sglang-router 0.3.2 in front of a
-#: request-recording server)
-ROUTER_REFUSED = (
-    "{field}=true is not supported: sglang-router 0.3.2 answers 422 to the engine's batched /generate "
-    "bodies and silently drops sampling_params.custom_params, which carry HAPO's adaptive temperature. "
-    "Leave it false: the engine spreads the requests over every server itself.")
-
-
 @dataclass
 class SGLangConfig(_Section):
     """SGLang rollout servers (used when rollout.engine is "sglang")."""
@@ -217,11 +209,6 @@ class SGLangConfig(_Section):
     """Retries of a failed generate request before the step fails."""
     colocate: bool = True
     """Servers share the training GPUs (memory released/resumed around generation)."""
-    use_router: bool = False
-    """Must stay false (true is refused at start; the field stays so that configs naming it load):
-    sglang-router 0.3.2 answers 422 to the engine's batched /generate bodies and drops
-    sampling_params.custom_params, which carry HAPO's adaptive temperature. The engine spreads the
-    requests round-robin over the servers itself."""
     extra_server_args: list[str] = field(default_factory=list)
     """Extra command-line arguments for launched servers."""
     port_base: int = 30000
@@ -248,8 +235,6 @@ class SGLangConfig(_Section):
         _check_min(f"{p}.request_timeout_s", self.request_timeout_s, 0.0, strict=True)
         _check_min(f"{p}.max_retries", self.max_retries, 0)
         _check_min(f"{p}.max_restarts", self.max_restarts, 0)
-        if self.use_router:
-            _fail(ROUTER_REFUSED.format(field=f"{p}.use_router"))
         if not 1 <= self.port_base <= 65535 - self.num_servers:
             _fail(f"{p}.port_base must leave room for {self.num_servers} ports below 65536, got {self.port_base}")
         for i, url in enumerate(self.server_urls):

@@ -74,7 +74,6 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from hapo_megatron.config.base import WEIGHT_SYNC_MODES
-from hapo_megatron.config.sections import ROUTER_REFUSED
 from hapo_megatron.parallel.collectives import all_gather_objects, broadcast_object, rank_and_world
 from hapo_megatron.rollout import fp8_serving
 from hapo_megatron.rollout import fp8_weights
@@ -350,14 +349,12 @@ class SGLangEngine:
                     **kwargs: Any) -> "SGLangEngine":
         """Build from an ``SGLangConfig`` (``rollout.sglang``)."""
         names = ("server_urls", "num_servers", "server_tp_size", "mem_fraction_static", "weight_sync",
-                 "bucket_size_mb", "request_timeout_s", "max_retries", "colocate", "use_router",
+                 "bucket_size_mb", "request_timeout_s", "max_retries", "colocate",
                  "extra_server_args", "port_base", "max_restarts")
         missing = [n for n in names if not hasattr(cfg, n)]
         if missing:  # strict wiring: a dropped field must not fall back to a default silently
             raise TypeError(f"SGLangEngine.from_config: {type(cfg).__name__} lacks {missing}")
         args = {n: getattr(cfg, n) for n in names}
-        if args.pop("use_router"):  # a config built in Python without validation
-            raise ValueError(ROUTER_REFUSED.format(field="use_router"))
         args.update(kwargs)
         return cls(model_path=model_path, tokenizer=tokenizer, dtype=dtype, **args)
 

@@ -293,9 +293,6 @@ def test_from_config_and_weight_sync_resolution():
     dropped = types.SimpleNamespace(**{k: v for k, v in vars(cfg).items() if k != "request_timeout_s"})
     with pytest.raises(TypeError, match="request_timeout_s"):  # strict wiring: no silent default
         se.SGLangEngine.from_config(dropped, model_path="/m", session=FakeSession(), launch=False)
-    routed = types.SimpleNamespace(**dict(vars(cfg), use_router=True))  # built without validation
-    with pytest.raises(ValueError, match="422.*custom_params"):
-        se.SGLangEngine.from_config(routed, model_path="/m", session=FakeSession(), launch=False)
     assert se.resolve_weight_sync("auto", colocate=True) == "tensor"
     with pytest.raises(ValueError, match="colocate"):
         se.resolve_weight_sync("tensor", colocate=False)
