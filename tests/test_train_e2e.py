@@ -119,12 +119,21 @@ def test_token_diagnostics_logged_and_rollouts_saved(full_run, tiny):
     assert diag_main(["rollouts", rollout_path(run_dir, 2), "--tokenizer", os.path.join(tiny, "model")]) == 0
 
 
-def test_killed_run_resumes_to_identical_metrics(tiny, full_run, tmp_path):
-    run_dir = str(tmp_path / "killed")
+@pytest.fixture(scope="module")
+def killed_run(tiny, full_run, tmp_path_factory):
+    """A run SIGKILLed once its step-2 checkpoint is the latest, then given a newer checkpoint that
+    fails verification: the full run's step 4 with a shard cut short after its COMPLETE marker, as
+    `latest`, and the metrics lines the full run logged after step 2. One `--resume auto` then
+    serves two tests: it must skip step 4, resume the killed run from its own step 2 and drop those
+    lines. Returns (run dir, `latest` after the kill, the resume's output, the
+    truncated shard's name)."""
+    import shutil
+    run_dir = str(tmp_path_factory.mktemp("killed") / "run")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(_cmd(tiny, run_dir), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
-    pointer = os.path.join(run_dir, "checkpoints", "latest")
+    ckpts = os.path.join(run_dir, "checkpoints")
+    pointer = os.path.join(ckpts, "latest")
     deadline = time.time() + 400
     try:
         while time.time() < deadline and proc.poll() is None:
@@ -133,8 +142,33 @@ def test_killed_run_resumes_to_identical_metrics(tiny, full_run, tmp_path):
             time.sleep(0.05)
     finally:
         _kill_tree(proc)
-    assert open(pointer).read().strip() == "step_000002", "the run never wrote its step-2 checkpoint"
-    _run(_cmd(tiny, run_dir, "--resume", "auto"))
+    after_kill = open(pointer).read().strip() if os.path.exists(pointer) else None
+    if after_kill != "step_000002":
+        return run_dir, after_kill, None, None
+    assert not os.path.exists(os.path.join(ckpts, "step_000004"))
+    shutil.copytree(os.path.join(full_run[0], "checkpoints", "step_000004"), os.path.join(ckpts, "step_000004"))
+    model = os.path.join(ckpts, "step_000004", "model")
+    shard = sorted(f for f in os.listdir(model) if f.endswith(".distcp"))[0]
+    os.truncate(os.path.join(model, shard), os.path.getsize(os.path.join(model, shard)) // 2)
+    with open(pointer, "w") as f:
+        f.write("step_000004\n")
+    # and the lines a run that reached step 4 would have logged after step 2 (resume drops them)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    later = [line for line in open(os.path.join(full_run[0], "metrics.jsonl")) if json.loads(line).get("step", 0) > 2]
+    with open(metrics) as f:
+        torn = f.read()[-1:] not in ("", "\n")
+    with open(metrics, "a") as f:
+        f.write("\n" * torn + "".join(later))
+    out = _run(_cmd(tiny, run_dir, "--resume", "auto"))
+    return run_dir, after_kill, out, shard
+
+
+def test_killed_run_resumes_to_identical_metrics(killed_run, full_run):
+    """SIGKILL (torchrun and its workers) once the step-2 checkpoint is the latest; `--resume auto`
+    (past a damaged newer checkpoint, `killed_run`) reproduces the uninterrupted run's metrics."""
+    run_dir, after_kill, out, _ = killed_run
+    assert after_kill == "step_000002", "the run never wrote its step-2 checkpoint"
+    assert "resumed from " + os.path.join(run_dir, "checkpoints", "step_000002") in out, out[-3000:]
     full = [strip_timing(r) for r in read_jsonl(os.path.join(full_run[0], "metrics.jsonl"))]
     resumed = [strip_timing(r) for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
     assert resumed == full
@@ -283,13 +317,14 @@ def _assert_continues(full_dir, run_dir):
         d_h_before = d_h
 
 
-def _preempted_run(tiny, run_dir: str, stage: str, step: int):
-    """The example under torchrun with ``stage`` of ``step`` held on every rank until its SIGTERM
-    arrives (tests/training/preempt_hook.py); SIGTERM goes to torchrun, which forwards it to the
-    workers. Returns (each rank's exit code, torchrun's exit code, the run's output)."""
-    markers, log = run_dir + ".markers", run_dir + ".log"
+def _preempted_run(tiny, run_dir: str, stage: str, step: int, *extra: str):
+    """The example under torchrun (``extra``: more arguments, e.g. ``--resume auto``) with ``stage``
+    of ``step`` held on every rank until its SIGTERM arrives (tests/training/preempt_hook.py);
+    SIGTERM goes to torchrun, which forwards it to the workers. Returns (each rank's exit code,
+    torchrun's exit code, the run's output)."""
+    markers, log = f"{run_dir}.{stage}.markers", f"{run_dir}.{stage}.log"
     os.makedirs(markers)
-    cmd = _cmd(tiny, run_dir)
+    cmd = _cmd(tiny, run_dir, *extra)
     cmd[cmd.index("hapo_megatron.train")] = "tests.training.preempt_hook"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HAPO_TEST_HOLD_STAGE": stage,
            "HAPO_TEST_HOLD_STEP": str(step), "HAPO_TEST_MARKER_DIR": markers}
@@ -312,43 +347,58 @@ def _preempted_run(tiny, run_dir: str, stage: str, step: int):
     return codes, torchrun_code, open(log).read()
 
 
+@pytest.fixture(scope="module")
+def preempted_runs(tiny, tmp_path_factory):
+    """One run stopped twice: SIGTERM during step 2's rollout (a run from scratch), then, resumed,
+    SIGTERM during step 3's update (after the resumed run's own periodic save of step 2), then
+    resumed to the end. After each stop: (each rank's exit code, torchrun's, the output, the
+    checkpoints listed, `latest`, whether it has its COMPLETE marker, its manifest's verification
+    problems, the steps logged); and the run dir."""
+    from hapo_megatron.training.checkpoint_manifest import verify
+    run_dir = str(tmp_path_factory.mktemp("preempted") / "run")
+    ckpts = os.path.join(run_dir, "checkpoints")
+    stops = {}
+    for stage, step, extra in (("rollout", 2, ()), ("update", 3, ("--resume", "auto"))):
+        codes, torchrun_code, out = _preempted_run(tiny, run_dir, stage, step, *extra)
+        logged = [r["step"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "rollout/reward_mean" in r]
+        latest = open(os.path.join(ckpts, "latest")).read().strip()
+        stops[stage] = (codes, torchrun_code, out, sorted(os.listdir(ckpts)), latest,
+                        os.path.isfile(os.path.join(ckpts, latest, "COMPLETE")), verify(os.path.join(ckpts, latest)),
+                        logged)
+    _run(_cmd(tiny, run_dir, "--resume", "auto"))
+    return stops, run_dir
+
+
 @pytest.mark.parametrize("stage,step,saved,kept", [("rollout", 2, 1, [1]), ("update", 3, 3, [2, 3])])
-def test_sigterm_saves_the_last_finished_step_and_resumes_to_identical_metrics(tiny, full_run, tmp_path,
+def test_sigterm_saves_the_last_finished_step_and_resumes_to_identical_metrics(preempted_runs, full_run,
                                                                                stage, step, saved, kept):
     """SIGTERM during step 2's rollout abandons step 2 and saves step 1 (the state before the
-    rollout); during step 3's update the update finishes and step 3 is saved (after step 2's
-    periodic save: dist_checkpointing's writer process outlives the signal). Every rank exits
-    with EXIT_STOPPED; `--resume auto` then reproduces the uninterrupted run's metrics exactly."""
-    from hapo_megatron.training.checkpoint_manifest import verify
+    rollout); during step 3's update (of the run resumed from that step 1) the update finishes and
+    step 3 is saved (after step 2's periodic save in the same process: dist_checkpointing's writer
+    process outlives the signal). Every rank exits with EXIT_STOPPED; `--resume auto` then
+    reproduces the uninterrupted run's metrics exactly (`preempted_runs`: one run, both stops)."""
     from hapo_megatron.training.preemption import EXIT_STOPPED
-    run_dir = str(tmp_path / stage)
-    codes, torchrun_code, out = _preempted_run(tiny, run_dir, stage, step)
+    stops, run_dir = preempted_runs
+    codes, torchrun_code, out, listed, latest, complete, problems, logged = stops[stage]
     assert codes == [EXIT_STOPPED, EXIT_STOPPED], out[-3000:]
     assert torchrun_code != 0  # torchrun re-raises the signal it forwarded (docs/troubleshooting.md)
-    ckpts = os.path.join(run_dir, "checkpoints")
     name = f"step_{saved:06d}"
-    assert open(os.path.join(ckpts, "latest")).read().strip() == name
-    assert sorted(os.listdir(ckpts)) == ["latest"] + [f"step_{k:06d}" for k in kept]  # step 2: save_interval
-    assert os.path.isfile(os.path.join(ckpts, name, "COMPLETE")) and verify(os.path.join(ckpts, name)) == []
+    assert latest == name
+    # step 2: save_interval; step 1 went at step 3's save (keep_last_k: 2)
+    assert listed == ["latest"] + [f"step_{k:06d}" for k in kept]
+    assert complete and problems == []
     assert f"stopping: SIGTERM received; step {saved} is saved in" in out
-    logged = [r["step"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "rollout/reward_mean" in r]
     assert logged == list(range(1, saved + 1))
-    _run(_cmd(tiny, run_dir, "--resume", "auto"))
     full = [strip_timing(r) for r in read_jsonl(os.path.join(full_run[0], "metrics.jsonl"))]
     resumed = [strip_timing(r) for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
     assert resumed == full
 
 
-def test_truncated_shard_in_newest_checkpoint_resumes_from_the_previous_one(tiny, full_run, tmp_path):
-    """A shard of step 4 cut short after its COMPLETE marker: `--resume auto` says it skips step 4
-    and why, resumes from step 2 and reproduces the uninterrupted run's steps 3-4."""
-    import shutil
-    run_dir = str(tmp_path / "truncated")
-    shutil.copytree(full_run[0], run_dir)
-    model = os.path.join(run_dir, "checkpoints", "step_000004", "model")
-    shard = sorted(f for f in os.listdir(model) if f.endswith(".distcp"))[0]
-    os.truncate(os.path.join(model, shard), os.path.getsize(os.path.join(model, shard)) // 2)
-    out = _run(_cmd(tiny, run_dir, "--resume", "auto"))
+def test_truncated_shard_in_newest_checkpoint_resumes_from_the_previous_one(killed_run, full_run):
+    """A shard of step 4 cut short after its COMPLETE marker (`killed_run`): `--resume auto` says it
+    skips step 4 and why, resumes from step 2 and reproduces the uninterrupted run's steps 3-4."""
+    run_dir, after_kill, out, shard = killed_run
+    assert after_kill == "step_000002", "the run never wrote its step-2 checkpoint"
     assert f"resume: skipping step_000004: checkpoint {os.path.join(run_dir, 'checkpoints', 'step_000004')} " \
            f"fails verification against its manifest.json: model/{shard}:" in out, out[-3000:]
     assert "resumed from " + os.path.join(run_dir, "checkpoints", "step_000002") in out
