@@ -98,8 +98,10 @@ def _recompute_ranks(rank, world, tmpdir):
         host_counts, handles = _per_call_host_counts(actor)
         actor.train_step(mbs, cross_entropy_loss_factory(g.tp))
         device_counts = actor.moe_monitor.counts.cpu().double()
-        out[recompute] = {"metrics": actor.moe_step_metrics(), "host": host_counts, "device": device_counts,
-                          "mbs": [mb.input_ids for mb in mbs]}
+        # numpy, not tensors: torch's queue would share tensor storage through this process, which
+        # exits before the parent reads it
+        out[recompute] = {"metrics": actor.moe_step_metrics(), "host": host_counts.numpy(),
+                          "device": device_counts.numpy(), "mbs": [mb.input_ids.numpy() for mb in mbs]}
         for h in handles:
             h.remove()
         destroy_parallel()
@@ -114,10 +116,10 @@ def test_aux_loss_counted_once_under_recompute(tmp_path):
     from tests.parallel.test_moe_training import _routing_reference
 
     out = run_distributed(_recompute_ranks, 1, str(tmp_path), timeout=600)[0]
-    expected = _routing_reference(out[False]["mbs"])
+    expected = _routing_reference([torch.as_tensor(ids) for ids in out[False]["mbs"]])
     for recompute in (False, True):
         run = out[recompute]
-        assert torch.equal(run["device"], run["host"]), recompute
+        assert np.array_equal(run["device"], run["host"]), recompute
         assert float(run["device"].sum()) > 0
         for key, value in expected.items():  # float32 router softmax vs float64: ~1e-7 relative
             np.testing.assert_allclose(run["metrics"][key], value, rtol=1e-5, err_msg=f"{key} recompute={recompute}")
