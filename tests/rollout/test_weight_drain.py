@@ -103,7 +103,8 @@ def test_sync_weights_drains_without_an_engine_and_refuses_an_engine_that_stops_
     assert stream.left == 0
     stream = Stream(named_weights())
     engine = _HalfReader()
-    rt = SimpleNamespace(engine=engine, actor=_Actor(stream), memory=EngineMemory(engine))
+    rt = SimpleNamespace(engine=engine, actor=_Actor(stream), memory=EngineMemory(engine),
+                         cfg=SimpleNamespace(rollout=SimpleNamespace(max_staleness=0)))  # synchronous
     with pytest.raises(RuntimeError, match="_HalfReader.update_weights left 2 exported tensors unread"):
         stages.sync_weights(rt)
     assert stream.left == 0  # read before raising: no rank is left waiting in the export
