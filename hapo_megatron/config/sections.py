@@ -69,8 +69,8 @@ class AlgoConfig(_Section):
     """Off-policy correction (docs/algorithm.md): a detached weight from proximal / behaviour log-probs
     multiplies each token's loss: none, token_tis (truncated at rollout_is_cap), token_mis (tokens
     over the cap masked), seq_tis (the sequence's product of ratios, truncated); auto = token_tis
-    with FP8 rollouts (rollout.quantization=fp8, docs/fp8.md) unless algo.tis_cap or
-    algo.old_logprob_source=rollout already decide the weighting, else none."""
+    with FP8 rollouts (the rollout section's quantization: fp8, docs/fp8.md) unless tis_cap or
+    old_logprob_source: rollout already decide the weighting, else none."""
     rollout_is_cap: float = 2.0
     """Cap of the rollout_is weight (> 0)."""
     filter_groups: bool = False

@@ -232,11 +232,12 @@ def _distributed_share(rank, world, seed):
     res = _results(rng, smp)
     recs = [SimpleNamespace(data_source="d")] * 5
     batch = build_batch(smp, recs, res)
-    stages._rollout_rank0 = lambda rt, step: (batch, {"m": 1.0}, {"epoch": 1})
+    stages._rollout_rank0 = lambda rt, step, stop_check=None: (batch, {"m": 1.0}, {"epoch": 1})
     cfg = _cfg()
     channel = Rank0Channel.create(timeout_minutes=5, heartbeat_s=5)
     sampler = SimpleNamespace(load_state_dict=lambda s: None)
     rt = SimpleNamespace(is_main=rank == 0, memory=EngineMemory(), rl=SimpleNamespace(sampler=sampler),
+                         async_rollout=None,
                          control=channel, cfg=cfg, groups=SimpleNamespace(tp_size=2, cp_size=1, dp_size=2,
                                                                           dp_rank=rank // 2, pp_rank=0, pp_size=1),
                          actor=SimpleNamespace(routing="off"))

@@ -67,7 +67,8 @@ def _rollout_protocol(rank, world, fail):
     sampler = SimpleNamespace(state=None, load_state_dict=lambda s: setattr(sampler, "state", s))
     rt = SimpleNamespace(is_main=rank == 0, memory=EngineMemory(), rl=SimpleNamespace(sampler=sampler), control=channel,
                          groups=SimpleNamespace(dp_rank=0, dp_size=1, pp_rank=0, pp_size=1),
-                         actor=SimpleNamespace(routing="off"))  # one DP group: both ranks get the batch
+                         actor=SimpleNamespace(routing="off"),  # one DP group: both ranks get the batch
+                         async_rollout=None)
     calls = []
     _record_collectives(calls)
     try:
