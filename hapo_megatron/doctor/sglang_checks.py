@@ -1,5 +1,5 @@
 """A real SGLang server on a tiny random model, driven through the trainer's own engine
-(`rollout.engine.make_engine`, which launches servers with `rollout.sglang_launch`): generation
+(`rollout.engine.make_engine`, which launches servers with `rollout.sglang.launch`): generation
 with the adaptive-temperature processor, then one weight update per weight-sync mode. On CPU the
 server runs SGLang's CPU engine with the import-only stand-ins of tools/sglang_cpu_stubs (the
 launcher adds them), in float32, for the modes that need no NCCL (tensor, disk): one server, which
@@ -15,8 +15,8 @@ import time
 import torch
 
 from hapo_megatron.doctor.report import FAIL, PASS, SKIP, CheckResult
-from hapo_megatron.rollout.api_key import new_api_key
-from hapo_megatron.rollout.sglang_launch import CPU_STUBS_ENV, cpu_stubs_dir
+from hapo_megatron.rollout.sglang.api_key import new_api_key
+from hapo_megatron.rollout.sglang.launch import CPU_STUBS_ENV, cpu_stubs_dir
 
 MODES = ("tensor", "distributed", "disk")
 CPU_MODES = ("tensor", "disk")  # "distributed" is NCCL
@@ -36,7 +36,7 @@ def _engine(model_dir: str, mode: str, log_dir: str, dtype: torch.dtype, api_key
     URL) uses that running one, as a run with ``rollout.sglang.server_urls`` does."""
     from hapo_megatron.config import HapoConfig
     from hapo_megatron.rollout.factory import make_engine
-    from hapo_megatron.rollout.sglang_launch import free_port
+    from hapo_megatron.rollout.sglang.launch import free_port
     # a free port: on a shared machine another job's server may hold the default one (it would
     # answer /health, then refuse our key)
     cfg = HapoConfig.from_dict({"rollout": {"engine": "sglang", "n": 2, "max_response_length": 16, "sglang": {
