@@ -29,7 +29,7 @@ from hapo_megatron.config.base import (
     ADV_ESTIMATORS, DTYPES, ENTROPY_STATS_SCOPES, FILTER_GROUPS_METRICS, H_HAT_ENTROPIES, H_HAT_MODES,
     KL_LOSS_TYPES, LOSS_AGG_MODES, LR_DECAY_STYLES, OLD_LOGPROB_SOURCES, ROLLOUT_ENGINES, SCORE_FORMATS,
     WANDB_MODES, WEIGHT_SYNC_MODES, _check_choice, _check_min, _check_open_unit, _coerce, _coerce_scalar,
-    _fail, _hints, _Section, _type_name, _unknown_key_error, field_docs,
+    _fail, _hints, _Section, _type_name, _unknown_key_error, config_keys, field_docs, key_docs,
 )
 from hapo_megatron.config.loading import (
     _flatten, _read_yaml, _resolve_key, _set_dotted, apply_overrides, format_config, load_config,
@@ -46,5 +46,5 @@ __all__ = [
     "AlgoConfig", "RewardConfig", "DataConfig", "SGLangConfig", "RolloutConfig", "ModelConfig",
     "ParallelConfig", "OptimConfig", "TrainerConfig", "LoggingConfig", "HapoConfig",
     "PRESETS", "load_config", "save_config", "format_config", "apply_overrides",
-    "parse_override", "field_docs",
+    "parse_override", "field_docs", "key_docs", "config_keys",
 ]

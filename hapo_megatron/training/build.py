@@ -47,7 +47,7 @@ def setup_reference(rt: Runtime) -> None:
     After a warm start it is saved to ``<run_dir>/reference`` so a resumed run gets the same
     one; without a warm start it is the initial weights (rebuilt from the model paths on resume).
     """
-    if rt.cfg.algo.kl_loss_coef <= 0:
+    if rt.cfg.algo.loss.kl_loss_coef <= 0:
         return
     ref_dir = os.path.join(rt.run_dir, "reference")
     if os.path.isfile(os.path.join(ref_dir, COMPLETE)):

@@ -289,7 +289,7 @@ def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int, gpus
                        tokens_per_micro_batch=tokens, recompute=cfg.model.recompute_activations,
                        sglang_fraction=sg.mem_fraction_static, server_tp=sg.server_tp_size, colocated=colocated,
                        offload=offload, device_bytes=device_bytes, fused_output_layer=cfg.model.fused_output_layer,
-                       reference_model=cfg.algo.kl_loss_coef > 0,
+                       reference_model=cfg.algo.loss.kl_loss_coef > 0,
                        routed_tokens=step_tokens // max(dp, 1) if routes_travel else 0,
                        peer_contexts=tensor_sync_peer_contexts(cfg, min(gpus_per_node, world_size)),
                        server_weight_bytes=fp8_server_weight_bytes(shape, param_count(shape)) if fp8 else None)

@@ -182,7 +182,7 @@ def test_memory_plan_reads_the_config_fields(cfg, hf_config):
         return plan_from_config(c, hf_config, world_size=16, device_bytes=int(H100_GIB * GiB))
 
     base = plan()
-    assert cfg.model.fused_output_layer and cfg.model.routing_replay and cfg.algo.kl_loss_coef == 0
+    assert cfg.model.fused_output_layer and cfg.model.routing_replay and cfg.algo.loss.kl_loss_coef == 0
     assert base.routes == 512 * 16 * (1024 + 10240) // 4 * (48 // 2) * 8 * 1  # PP=2: a stage's layers, uint8 ids
     assert plan(model={"routing_replay": False, "measure_routing_mismatch": False}).routes == 0
     measured = plan(model={"routing_replay": False, "measure_routing_mismatch": True})
