@@ -13,8 +13,7 @@ import torch.distributed as dist
 from hapo_megatron.config import HapoConfig
 from hapo_megatron.data import PromptSampler
 from hapo_megatron.dtypes import torch_dtype
-from hapo_megatron.models.hf_config import is_moe
-from hapo_megatron.models.moe import check_moe_training_layout
+from hapo_megatron.config.validate import ModelSpec
 from hapo_megatron.parallel.collectives import all_gather_objects
 from hapo_megatron.parallel.groups import ParallelGroups
 from hapo_megatron.rewards import get_reward_fn
@@ -88,7 +87,7 @@ ROUTES_SERVER_FLAG = "--enable-return-routed-experts"  # SGLang answers return_r
 def routing_mode(cfg, hf_config) -> str:
     """The actor's MoE routing (`MegatronActor` ``routing``): replay, measure or off. Replay on a
     dense model is a config error."""
-    if not is_moe(hf_config):
+    if not ModelSpec.of(hf_config).is_moe:
         if cfg.model.routing_replay:
             raise ValueError(f"model.routing_replay=true needs a MoE model; {cfg.model.hf_model_path} "
                              f"({getattr(hf_config, 'model_type', None)}) has no experts")
@@ -179,10 +178,6 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
     hf_config = load_hf_config(cfg.model.hf_model_path, cfg.model.max_position_embeddings)
     init_hf = initial_hf_weights(cfg.model)
     total_opt = cfg.trainer.total_steps * optimizer_steps_per_rl_step(cfg) + cfg.trainer.sft_warmup_steps
-    p = cfg.parallel
-    check_moe_training_layout(hf_config, tp=p.tensor_model_parallel_size, ep=p.expert_model_parallel_size,
-                              etp=p.expert_tensor_parallel_size, pp=p.pipeline_model_parallel_size,
-                              cp=p.context_parallel_size, sequence_parallel=p.sequence_parallel)
     actor = MegatronActor(
         hf_config, groups=groups, optim=cfg.optim, total_optimizer_steps=total_opt,
         dtype=cfg.model.dtype if torch.cuda.is_available() else "fp32", use_te=cfg.model.use_te,
