@@ -16,7 +16,7 @@ def check_memory_plan(config: str, overrides=(), *, world_size: int | None = Non
     (GiB, 2^30 bytes, as torch reports a GPU's memory) is given; on CPU the default is an 80 GB
     H100's 79.6 GiB. The world is the visible GPUs x 1 node
     unless ``world_size`` is given (at least TP x PP x CP). ValueError (from
-    ``ParallelConfig.validate_world``) when the layout cannot run on that world."""
+    ``validate_run``) when the layout cannot run that model on that world."""
     from hapo_megatron.config import load_config
     from hapo_megatron.config.validate import ModelSpec, validate_run
     from hapo_megatron.training.memory.plan import format_plan, plan_from_config
