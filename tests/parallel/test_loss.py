@@ -218,6 +218,17 @@ def test_microbatch_scope_uses_current_entropy_stats():
     assert torch.allclose(l3, l4)
 
 
+def test_loss_scale_factor_is_the_seq_mean_token_sum_norm_horizon():
+    """The horizon divides the loss sum (Megatron's count stays the sequence count): the row
+    length S by default, the given constant otherwise."""
+    logits, batch, stats, _ = _data()
+    cfg = PolicyLossConfig(loss_agg_mode="seq-mean-token-sum-norm")
+    row, n_row, _ = hapo_loss_from_logits(logits, batch, cfg=cfg, stats=stats)
+    const, n_const, _ = hapo_loss_from_logits(logits, batch, cfg=cfg, stats=stats, loss_scale_factor=100.0)
+    assert int(n_row) == int(n_const) == 5  # the rows with a valid token
+    assert float(const) * 100.0 == pytest.approx(float(row) * S, rel=1e-6)
+
+
 def test_make_loss_func_and_logprob_func():
     logits, batch, stats, _ = _data(2)
     f = make_loss_func(batch, cfg=PolicyLossConfig(), stats=stats)
