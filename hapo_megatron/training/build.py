@@ -159,14 +159,9 @@ def start_engine(rt: Runtime) -> None:
 
 
 def build_logger(cfg: HapoConfig, *, enabled: bool) -> MetricsLogger:
-    """The metric sinks of ``cfg.logging`` (rank 0 only: ``enabled``), every field named."""
-    lg = cfg.logging
-    return MetricsLogger(
-        cfg.trainer.run_dir, total_steps=cfg.trainer.total_steps, enabled=enabled, console=lg.console,
-        jsonl=lg.jsonl, wandb=lg.wandb, wandb_mode=lg.wandb_mode, wandb_project=lg.wandb_project,
-        wandb_entity=lg.wandb_entity, experiment_name=lg.wandb_run_name, tensorboard=lg.tensorboard,
-        log_interval=lg.log_interval, config=cfg.to_dict(), desc=cfg.trainer.experiment_name,
-        tensorboard_dir=lg.tensorboard_dir, initial_step=0)
+    """The metric sinks of ``cfg.logging`` (rank 0 only: ``enabled``)."""
+    return MetricsLogger(cfg.logging, cfg.trainer.run_dir, total_steps=cfg.trainer.total_steps, enabled=enabled,
+                         config=cfg.to_dict(), desc=cfg.trainer.experiment_name, initial_step=0)
 
 
 def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, datasets=None) -> Runtime:
@@ -206,7 +201,7 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
                                   shuffle=cfg.data.shuffle),
             dyn=DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
                                max_num_gen_batches=cfg.algo.max_num_gen_batches)),
-        scorer=RewardScorer.from_config(cfg.reward) if rank == 0 else None)
+        scorer=RewardScorer(cfg.reward) if rank == 0 else None)
     rt.control = Rank0Channel.create(timeout_minutes=cfg.trainer.control_timeout_minutes)  # collective
     for name, n in rt.data_metrics().items():
         logger.write(f"{name}: dropped {n:.0f} prompt(s) longer than data.max_prompt_length="
