@@ -125,7 +125,7 @@ def _num_seqs(lengths: torch.Tensor, seq_token_counts: Optional[torch.Tensor],
 def agg_loss(
     loss_mat: torch.Tensor,
     loss_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
+    loss_agg_mode: str,
     *,
     loss_scale_factor: Optional[float] = None,
     seq_token_counts: Optional[torch.Tensor] = None,
