@@ -1,7 +1,7 @@
 """A real SGLang server on a tiny random model, driven through the trainer's own engine
 (`rollout.engine.make_engine`, which launches servers with `rollout.sglang_launch`): generation
 with the adaptive-temperature processor, then one weight update per weight-sync mode. On CPU the
-server runs SGLang's CPU engine with the import-only stand-ins of tools/sglang_cpu_stubs (the
+server runs SGLang's CPU engine with the import-only stand-ins of hapo_megatron/compat/sglang_cpu (the
 launcher adds them), in float32, for the modes that need no NCCL (tensor, disk)."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import time
 import torch
 
 from hapo_megatron.doctor.report import FAIL, PASS, SKIP, CheckResult
-from hapo_megatron.rollout.sglang_launch import CPU_STUBS_ENV, cpu_stubs_dir
 
 MODES = ("tensor", "distributed", "disk")
 CPU_MODES = ("tensor", "disk")  # "distributed" is NCCL
@@ -68,9 +67,6 @@ def check_sglang_server(model_dir: str | None = None) -> CheckResult:
     if importlib.util.find_spec("sglang") is None:
         return CheckResult("SGLang server", SKIP, "sglang is not installed")
     cuda = torch.cuda.is_available()
-    if not cuda and cpu_stubs_dir() is None:
-        return CheckResult("SGLang server", SKIP, f"CPU server needs the stand-ins of tools/sglang_cpu_stubs "
-                           f"(set {CPU_STUBS_ENV} to a source checkout's copy)")
     device, dtype, modes = ("cuda", torch.bfloat16, MODES) if cuda else ("cpu", torch.float32, CPU_MODES)
     figures, failed = [], []
     with tempfile.TemporaryDirectory(prefix="hapo_doctor_") as tmp:
