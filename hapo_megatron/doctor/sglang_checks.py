@@ -1,5 +1,5 @@
 """A real SGLang server on a tiny random model, driven through the trainer's own engine
-(`rollout.engine.make_engine`, which launches servers with `rollout.sglang_launch`): generation
+(`rollout.engine.make_engine`, which launches servers with `rollout.sglang.launch`): generation
 with the adaptive-temperature processor, then one weight update per weight-sync mode. On CPU the
 server runs SGLang's CPU engine with the import-only stand-ins of hapo_megatron/compat/sglang_cpu (the
 launcher adds them), in float32, for the modes that need no NCCL (tensor, disk)."""
@@ -31,7 +31,7 @@ def write_tiny_model(out_dir: str, dtype: torch.dtype = torch.bfloat16) -> str:
 def _engine(model_dir: str, mode: str, log_dir: str, dtype: torch.dtype):
     from hapo_megatron.config import HapoConfig
     from hapo_megatron.rollout.factory import make_engine
-    from hapo_megatron.rollout.sglang_launch import free_port
+    from hapo_megatron.rollout.sglang.launch import free_port
     # a free port: on a shared machine another job's server may hold the default one (it would
     # answer /health, then refuse our key)
     cfg = HapoConfig.from_dict({"rollout": {"engine": "sglang", "n": 2, "max_response_length": 16, "sglang": {

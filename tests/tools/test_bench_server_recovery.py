@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.rollout.real_sglang import require_sglang
+from tests.rollout.sglang.real_sglang import require_sglang
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = 8  # x n=2: 16 rows, 4 calls of 4 rows, 2 per server: the kill comes before server 1's second

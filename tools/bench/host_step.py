@@ -138,9 +138,9 @@ def role_rank0(d: dict, out_dir: str, cap: int, chunk: int, gen_s: float, dps: l
     from hapo_megatron.rewards import get_reward_fn
     from hapo_megatron.rewards.scoring import RewardScorer
     from hapo_megatron.training import stages
-    from hapo_megatron.training.engine_memory import EngineMemory
-    from hapo_megatron.training.rl_step import DynamicSampler
-    from hapo_megatron.training.rollout_share import SequenceMeta, split_for_ranks
+    from hapo_megatron.training.memory.engine_memory import EngineMemory
+    from hapo_megatron.training.batches.rollout_batch import DynamicSampler
+    from hapo_megatron.training.batches.rollout_share import SequenceMeta, split_for_ranks
     prompts, n = len(d["prompts"]), int(d["n"])
     cfg = _cfg(prompts, n, cap)
     recs = records(d)
@@ -186,7 +186,7 @@ def _rt_for(cfg, dp: int, dp_rank: int):
 
 def role_rank(out_dir: str, dp: int, prompts: int, n: int, cap: int) -> dict:
     from hapo_megatron.training import stages
-    from hapo_megatron.training.rollout_share import RankBatch, held_sequences
+    from hapo_megatron.training.batches.rollout_share import RankBatch, held_sequences
     cfg = _cfg(prompts, n, cap)
     rss0 = rss_mb()
     with open(os.path.join(out_dir, "meta.msg"), "rb") as f:

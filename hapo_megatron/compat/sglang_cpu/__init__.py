@@ -1,5 +1,5 @@
 """SGLang on CPU: import-only stand-ins and a host-cache fix (README.md here), put on the
-``PYTHONPATH`` of a CPU SGLang server's processes only (`rollout.sglang_launch.server_env`); never
+``PYTHONPATH`` of a CPU SGLang server's processes only (`rollout.sglang.launch.server_env`); never
 imported by the trainer. The directory is a package only so that it ships with ``hapo_megatron``.
 
 - ``sitecustomize.py``: run at a server process's start; installs the host-cache fix.
