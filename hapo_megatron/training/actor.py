@@ -232,7 +232,7 @@ class MegatronActor:
 
     def _route_first_layer(self, routes: Optional[torch.Tensor]) -> int:
         """The layer of a micro-batch's first route column: routes hold every layer, or (shared
-        out by `stages.rollout`) only this pipeline stage's (`training.route_share`)."""
+        out by `stages.rollout`) only this pipeline stage's (`training.batches.route_share`)."""
         if routes is None:
             return 0
         g, cfg = self.groups, self.hf_config
