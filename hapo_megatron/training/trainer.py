@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from hapo_megatron.config import HapoConfig
 from hapo_megatron.training import stages
-from hapo_megatron.training.metrics.sinks.diagnostics import token_diagnostics
+from hapo_megatron.training.metrics.diagnostics import token_diagnostics
 from hapo_megatron.training.metrics.sinks import read_jsonl
 from hapo_megatron.training.checkpointing.checkpoint import step_dir_name
 from hapo_megatron.training.checkpointing.preemption import (RunStopped, StopRequest, cpu_group_over_world,

@@ -70,7 +70,7 @@ def _run_layout(actor, g, seqs, pack: bool, ref_model):
     from hapo_megatron.parallel.stats import global_entropy_stats
     from hapo_megatron.parallel.collectives import sum_metrics
     from hapo_megatron.training.batches.micro_batches import PadMultiples, build_rank_micro_batches
-    from hapo_megatron.training.metrics.sinks.diagnostics import accumulate_token_diagnostics
+    from hapo_megatron.training.metrics.diagnostics import accumulate_token_diagnostics
     from hapo_megatron.training.stages import with_old_policy
 
     pads = PadMultiples.of(tp_size=g.tp_size, cp_size=g.cp_size, sequence_parallel=False)

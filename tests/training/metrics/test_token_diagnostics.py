@@ -14,7 +14,7 @@ from hapo_megatron.algo import EntropyStats, PolicyTokenFields, finalize_loss_me
 from hapo_megatron.config import AlgoConfig
 from hapo_megatron.parallel.loss import LossConfig, hapo_loss_from_logits
 from hapo_megatron.training.batches.micro_batches import SequenceData, collate, dummy_sequence
-from hapo_megatron.training.metrics.sinks.diagnostics import (accumulate_token_diagnostics,
+from hapo_megatron.training.metrics.diagnostics import (accumulate_token_diagnostics,
                                                         entropy_histogram_summary, rollout_records)
 from hapo_megatron.training.batches.rollout_batch import RolloutBatch
 
