@@ -46,8 +46,8 @@ class HapoConfig(_Section):
         """Checks that span sections, then fill the defaults that point at other fields."""
         self._check_batching()
         self._check_rollout()
-        if self.algo.rollout_is == "auto":
-            self.algo.rollout_is = self._default_rollout_is()
+        fp8_rollouts = self.rollout.quantization == "fp8"
+        self.algo.loss = self.algo.loss.with_default_rollout_is(fp8_rollouts=fp8_rollouts)
         if self.data.tokenizer_path is None:
             self.data.tokenizer_path = self.model.hf_model_path
         if self.logging.wandb_project is None:
@@ -56,15 +56,6 @@ class HapoConfig(_Section):
             self.logging.wandb_run_name = self.trainer.experiment_name
         if self.logging.tensorboard_dir is None:
             self.logging.tensorboard_dir = os.path.join(self.trainer.run_dir, "tensorboard")
-
-    def _default_rollout_is(self) -> str:
-        """The off-policy correction a run gets unless it sets one: FP8 rollouts sample from another
-        policy than the trainer's, and the published FP8-RL recipes pair them with a token-level
-        truncated importance weight (docs/fp8.md, "The correction"). algo.tis_cap is such a weight
-        already; old_logprob_source=rollout makes proximal and behaviour the same policy."""
-        algo = self.algo
-        fp8 = self.rollout.quantization == "fp8"
-        return "token_tis" if fp8 and algo.tis_cap is None and algo.old_logprob_source == "recompute" else "none"
 
     def _check_batching(self) -> None:
         bsz, mini = self.data.train_batch_size, self.trainer.ppo_mini_batch_size
@@ -96,7 +87,7 @@ class HapoConfig(_Section):
         if ro.engine != "sglang" and ro.sglang.server_urls:
             _fail(f"rollout.sglang.server_urls is set but rollout.engine is {ro.engine!r}; "
                   "set rollout.engine=sglang")
-        if algo.old_logprob_source == "rollout" and algo.adaptive_temperature:
+        if algo.loss.old_logprob_source == "rollout" and algo.adaptive_temperature:
             warnings.warn("algo.old_logprob_source='rollout' with algo.adaptive_temperature: the "
                           "rollout log-probs are under the adaptive temperatures, not T_base",
                           stacklevel=3)

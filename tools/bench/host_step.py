@@ -145,7 +145,7 @@ def role_rank0(d: dict, out_dir: str, cap: int, chunk: int, gen_s: float, dps: l
     cfg = _cfg(prompts, n, cap)
     recs = records(d)
     engine = _ChunkedEngine(samples(d), chunk, gen_s)
-    scorer = RewardScorer.from_config(cfg.reward)
+    scorer = RewardScorer(cfg.reward)
     rt = SimpleNamespace(
         cfg=cfg, engine=engine, memory=EngineMemory(engine), control=SimpleNamespace(send=lambda kind, body: None),
         sampling_seed=lambda step, i: 0,
