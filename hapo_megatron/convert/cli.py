@@ -77,16 +77,14 @@ def _init(tp: int, pp: int, ep: int = 1, etp: int | None = None):
                               f"WORLD_SIZE={world}: run under `torchrun --nproc-per-node {need} ...`")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    from megatron.core import parallel_state
-
     from hapo_megatron.compat import activate_cpu_shims
-    from hapo_megatron.parallel.groups import initialize_parallel
+    from hapo_megatron.parallel.groups import initialize_parallel, parallel_initialized
 
     activate_cpu_shims()  # megatron-core on CPU (gloo); a no-op where CUDA is available
     _OWNED.clear()
     if not dist.is_initialized():
         _OWNED.append("process_group")
-    if not parallel_state.model_parallel_is_initialized():
+    if not parallel_initialized():
         _OWNED.append("model_parallel")
     return initialize_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-import traceback
 
 import torch
 
+from hapo_megatron.doctor import two_ranks
 from hapo_megatron.doctor.report import FAIL, PASS, SKIP, CheckResult
 
 NAME = "MoE EP=2 (2 GPUs)"
@@ -98,48 +98,14 @@ def _rank_body(rank: int, tmpdir: str, packed_rows: bool = True) -> dict:
             "skipped": actor.num_skipped, "metrics": metrics, "step": type(result).__name__}
 
 
-def _worker(rank: int, port: int, tmpdir: str, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
-    try:
-        torch.cuda.set_device(rank)
-        torch.distributed.init_process_group("nccl", rank=rank, world_size=2)
-        results.put((rank, "ok", _rank_body(rank, tmpdir)))
-    except BaseException:  # noqa: BLE001 - sent back to the doctor
-        results.put((rank, "error", traceback.format_exc().strip().splitlines()[-1]))
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+def _gpu_rank(rank: int, device: str, tmpdir: str) -> dict:
+    return _rank_body(rank, tmpdir)
 
 
 def _run_two_ranks(timeout_s: float = 600.0) -> dict:
-    import queue
-
-    import torch.multiprocessing as mp
-
-    from hapo_megatron.doctor.parallel_checks import _free_port
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmpdir:
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, port, tmpdir, results), daemon=True) for r in range(2)]
-        for p in procs:
-            p.start()
-        out = {}
-        try:
-            for _ in range(2):
-                rank, status, body = results.get(timeout=timeout_s)
-                if status != "ok":
-                    return {"error": f"rank {rank}: {body}"}
-                out[rank] = body
-        except queue.Empty:
-            return {"error": f"no answer within {timeout_s:.0f} s (a rank may wait in an expert dispatch)"}
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-    return out
+        return two_ranks.run_two_ranks(_gpu_rank, tmpdir, use_cuda=True, timeout_s=timeout_s,
+                                       on_timeout=" (a rank may wait in an expert dispatch)")
 
 
 def check_moe_ep2() -> CheckResult:

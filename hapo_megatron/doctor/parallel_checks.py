@@ -4,21 +4,12 @@ context-parallel split / all-gather of a sequence."""
 
 from __future__ import annotations
 
-import os
-import socket
-import traceback
-
 import torch
 
+from hapo_megatron.doctor import two_ranks
 from hapo_megatron.doctor.report import FAIL, PASS, SKIP, CheckResult
 
 TOLERANCE = 1e-4  # float32 on both sides
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tp2(rank: int, device: str) -> float:
@@ -50,49 +41,17 @@ def _cp2(rank: int, device: str) -> float:
     return max(float((back - seq).abs().max()), abs(float(total) - float(seq.sum())))
 
 
-def _worker(rank: int, port: int, use_cuda: bool, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        device = f"cuda:{rank}" if use_cuda else "cpu"
-        if use_cuda:
-            torch.cuda.set_device(rank)
-        torch.distributed.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=2)
-        results.put((rank, "ok", {"TP=2": _tp2(rank, device), "CP=2": _cp2(rank, device)}))
-    except BaseException:  # noqa: BLE001 - sent back to the doctor
-        results.put((rank, "error", traceback.format_exc().strip().splitlines()[-1]))
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+def _tp2_cp2(rank: int, device: str) -> dict:
+    return {"TP=2": _tp2(rank, device), "CP=2": _cp2(rank, device)}
 
 
 def run_two_ranks(timeout_s: float = 240.0) -> dict:
     """{"TP=2": err, "CP=2": err} (max over ranks) or {"error": message}."""
-    import queue
-
-    import torch.multiprocessing as mp
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= 2
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, use_cuda, results), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    out: dict = {}
-    try:
-        for _ in range(2):
-            rank, status, body = results.get(timeout=timeout_s)
-            if status != "ok":
-                return {"error": f"rank {rank}: {body}"}
-            for k, v in body.items():
-                out[k] = max(out.get(k, 0.0), v)
-    except queue.Empty:
-        return {"error": f"no answer within {timeout_s:.0f} s"}
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    answers = two_ranks.run_two_ranks(_tp2_cp2, use_cuda=use_cuda, timeout_s=timeout_s)
+    if "error" in answers:
+        return answers
+    out = {k: max(a[k] for a in answers.values()) for k in ("TP=2", "CP=2")}
     out["backend"] = "nccl, 2 GPUs" if use_cuda else "gloo, 2 CPU processes"
     return out
 

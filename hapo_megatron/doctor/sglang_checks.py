@@ -1,9 +1,9 @@
 """A real SGLang server on a tiny random model, driven through the trainer's own engine
 (`rollout.engine.make_engine`, which launches servers with `rollout.sglang.launch`): generation
 with the adaptive-temperature processor, then one weight update per weight-sync mode. On CPU the
-server runs SGLang's CPU engine with the import-only stand-ins of tools/sglang_cpu_stubs (the
-launcher adds them), in float32, for the modes that need no NCCL (tensor, disk): one server, which
-the tensor mode's engine launches and the disk mode's engine attaches to."""
+server runs SGLang's CPU engine with the import-only stand-ins of hapo_megatron/compat/sglang_cpu
+(the launcher adds them), in float32, for the modes that need no NCCL (tensor, disk): one server,
+which the tensor mode's engine launches and the disk mode's engine attaches to."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import torch
 
 from hapo_megatron.doctor.report import FAIL, PASS, SKIP, CheckResult
 from hapo_megatron.rollout.sglang.api_key import new_api_key
-from hapo_megatron.rollout.sglang.launch import CPU_STUBS_ENV, cpu_stubs_dir
 
 MODES = ("tensor", "distributed", "disk")
 CPU_MODES = ("tensor", "disk")  # "distributed" is NCCL
@@ -94,9 +93,6 @@ def check_sglang_server(model_dir: str | None = None) -> CheckResult:
     if importlib.util.find_spec("sglang") is None:
         return CheckResult("SGLang server", SKIP, "sglang is not installed")
     cuda = torch.cuda.is_available()
-    if not cuda and cpu_stubs_dir() is None:
-        return CheckResult("SGLang server", SKIP, f"CPU server needs the stand-ins of tools/sglang_cpu_stubs "
-                           f"(set {CPU_STUBS_ENV} to a source checkout's copy)")
     device, dtype, modes = ("cuda", torch.bfloat16, MODES) if cuda else ("cpu", torch.float32, CPU_MODES)
     with tempfile.TemporaryDirectory(prefix="hapo_doctor_") as tmp:
         model_dir = model_dir or write_tiny_model(os.path.join(tmp, "model"), dtype)

@@ -12,7 +12,7 @@ dropped again on export (`hapo_megatron.convert`).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ from hapo_megatron.models.hf_config import (
     validate_hf_config,
 )
 from hapo_megatron.models.moe import moe_config_fields
+from hapo_megatron.parallel.groups import ParallelGroups, get_parallel_groups
 
 DEFAULT_VOCAB_DIVISIBLE_BY = 128
 # Logit given to padded vocab ids: exp() underflows to exactly 0 next to real logits, yet stays
@@ -188,22 +189,21 @@ def _mask_padded_vocab_hook(vocab_size: int) -> Callable:
     return hook
 
 
-def _parallel_sizes() -> tuple[dict, bool, bool]:
-    """({tp, pp, cp, ep, etp}, first_stage, last_stage) from Megatron's initialised parallel state."""
-    from megatron.core import parallel_state as ps
-
-    sizes = dict(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
-                 cp=ps.get_context_parallel_world_size(), ep=ps.get_expert_model_parallel_world_size(),
-                 etp=ps.get_expert_tensor_parallel_world_size())
-    return sizes, ps.is_pipeline_first_stage(ignore_virtual=True), ps.is_pipeline_last_stage(ignore_virtual=True)
+def _parallel_sizes(groups: Optional[ParallelGroups]) -> tuple[dict, bool, bool]:
+    """({tp, pp, cp, ep, etp}, first_stage, last_stage) of ``groups`` (None: the initialised ones,
+    read by `parallel.groups`, the one reader of Megatron's global state)."""
+    g = groups if groups is not None else get_parallel_groups()
+    sizes = dict(tp=g.tp_size, pp=g.pp_size, cp=g.cp_size, ep=g.ep_size, etp=g.etp_size)
+    return sizes, g.is_pipeline_first, g.is_pipeline_last
 
 
 def build_gpt_model(hf_config, *, pre_process: bool | None = None, post_process: bool | None = None,
                     dtype: torch.dtype = torch.float32, use_te: bool | None = None,
                     parallel_output: bool = True, vp_stage: int | None = None, config=None,
                     make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
-                    sequence_parallel: bool = False, **config_kw):
-    """A GPTModel for `hf_config` on this rank (Megatron parallel state must be initialised).
+                    sequence_parallel: bool = False, groups: Optional[ParallelGroups] = None, **config_kw):
+    """A GPTModel for `hf_config` on this rank of ``groups`` (`ParallelGroups`; None: the
+    initialised ones, `parallel.groups.get_parallel_groups`).
 
     pre_process/post_process default to "this rank is the first/last pipeline stage". `config`
     is a ready TransformerConfig; otherwise one is built with the initialised TP/PP/CP sizes,
@@ -211,7 +211,7 @@ def build_gpt_model(hf_config, *, pre_process: bool | None = None, post_process:
     """
     from megatron.core.models.gpt import GPTModel
 
-    sizes, first, last = _parallel_sizes()
+    sizes, first, last = _parallel_sizes(groups)
     pre_process = first if pre_process is None else pre_process
     post_process = last if post_process is None else post_process
     use_te = te_available() if use_te is None else use_te

@@ -118,7 +118,7 @@ def routes_for_router(routes: torch.Tensor, layer: int, top_k: int, *, tp_rank: 
                       sequence_parallel: bool = False, first_layer: int = 0) -> torch.Tensor:
     """Layer ``layer``'s (0-based) ``[tokens, top_k]`` int64 routes in the order its router sees
     this rank's tokens, from a micro-batch's ``[b, s, L * top_k]`` routes of the layers from
-    ``first_layer`` on (a pipeline stage's, `training.route_share`)."""
+    ``first_layer`` on (a pipeline stage's, `training.batches.route_share`)."""
     b, s, width = routes.shape
     if width % top_k:
         raise ValueError(f"routes carry {width} experts per position, not layers x top-{top_k}")

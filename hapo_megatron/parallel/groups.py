@@ -133,6 +133,14 @@ def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234,
     return get_parallel_groups()
 
 
+def parallel_initialized() -> bool:
+    """Whether Megatron's model-parallel groups are initialised (by this process's `initialize_parallel`
+    or another owner's)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.model_parallel_is_initialized()
+
+
 def get_parallel_groups() -> ParallelGroups:
     """The groups of the current `initialize_parallel` call (RuntimeError if none)."""
     global _GROUPS

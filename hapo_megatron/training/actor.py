@@ -1,11 +1,11 @@
 """The Megatron actor: model chunks wrapped in Megatron DDP, the (distributed) optimizer, the LR
 schedule, forward-only log-prob passes and mini-batch updates through ``forward_backward_func``.
 
-Micro-batches are `MicroBatch` values from `hapo_megatron.training.batches.micro_batches` (full sequences, on
-the host; this class cuts the context-parallel chunk and moves it to the model's device). A loss
-factory ``make_loss(mb)`` returns Megatron's ``loss_func(output_tensor) -> (loss_sum, num_tokens,
-metrics)`` with ``calculate_per_token_loss=True``: Megatron divides the gradients by the global
-token count.
+Micro-batches are `MicroBatch` values (`hapo_megatron.parallel.micro_batch`, laid out by
+`training.batches.micro_batches`: full sequences, on the host; this class cuts the context-parallel
+chunk and moves it to the model's device). A loss factory ``make_loss(mb)`` returns Megatron's
+``loss_func(output_tensor) -> (loss_sum, num_tokens, metrics)`` with
+``calculate_per_token_loss=True``: Megatron divides the gradients by the global token count.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class MegatronActor:
         from hapo_megatron.models import build_gpt_model
 
         g = self.groups
-        self._build_kw = dict(pre_process=g.is_pipeline_first, post_process=g.is_pipeline_last,
+        self._build_kw = dict(groups=g, pre_process=g.is_pipeline_first, post_process=g.is_pipeline_last,
                               dtype=self.dtype, use_te=use_te, sequence_parallel=sequence_parallel,
                               **transformer_overrides(recompute_activations=recompute, pp=g.pp_size),
                               **self._moe_kw)
@@ -233,7 +233,7 @@ class MegatronActor:
 
     def _route_first_layer(self, routes: Optional[torch.Tensor]) -> int:
         """The layer of a micro-batch's first route column: routes hold every layer, or (shared
-        out by `stages.rollout`) only this pipeline stage's (`training.route_share`)."""
+        out by `stages.rollout`) only this pipeline stage's (`training.batches.route_share`)."""
         if routes is None:
             return 0
         g, cfg = self.groups, self.hf_config

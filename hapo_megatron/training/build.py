@@ -103,7 +103,7 @@ def engine_returns_routes(cfg, hf_config) -> bool:
 
 
 def launches_node_servers(cfg) -> bool:
-    """SGLang servers the trainer starts itself: on every node (rollout.node_servers)."""
+    """SGLang servers the trainer starts itself: on every node (rollout.sglang.node_servers)."""
     return cfg.rollout.engine == "sglang" and not cfg.rollout.sglang.server_urls
 
 
@@ -126,7 +126,7 @@ def engine_settings(cfg, hf_config, *, on_gpu: bool):
 def build_engine(cfg, hf_config, tokenizer):
     """The rollout engine of this rank (every rank calls it). Rank 0 gets the engine that
     generates. Launched SGLang servers start on every node, each node's first rank starting its
-    own (`rollout.node_servers`); those ranks get an engine too (weight sync of their node's
+    own (`rollout.sglang.node_servers`); those ranks get an engine too (weight sync of their node's
     servers, shutdown). Every other rank: None."""
     if not launches_node_servers(cfg) and dist.get_rank() != 0:
         return None

@@ -2,7 +2,7 @@
 
 Rank 0 owns the rollout engine and the metric sinks; every rank holds the actor shard, the
 datasets and the per-step metadata (broadcast from rank 0). The checkpointed RL state is one
-`RLState` (`training.rl_state`). Building it from a config is `training.build`.
+`RLState` (`training.checkpointing.rl_state`). Building it from a config is `training.build`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Runtime:
     memory: EngineMemory = field(default_factory=EngineMemory)  # engine regions + actor offloader (named moves)
     scorer: Optional[RewardScorer] = None  # rank 0: the reward with its worker pool (rewards.scoring)
     control: Any = None  # rollout_protocol.Rank0Channel: rank 0's messages while it alone works (CPU group)
-    async_rollout: Any = None  # rank 0 with rollout.max_staleness >= 1: training.async_rollout.AsyncRollout
+    async_rollout: Any = None  # rank 0 with rollout.max_staleness >= 1: training.asynchronous.producer.AsyncRollout
 
     @property
     def is_main(self) -> bool:

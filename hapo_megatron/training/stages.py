@@ -29,7 +29,7 @@ from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.rewards.counts import RewardCounts
 from hapo_megatron.rollout.engine import GenerationAborted, SamplingParams, drain_weights
 from hapo_megatron.training.actor import LossFactory
-from hapo_megatron.training.batches.micro_batches import collate_micro_batches, pack_multiples, token_efficiency
+from hapo_megatron.training.batches.micro_batches import PadMultiples, collate_micro_batches, token_efficiency
 from hapo_megatron.training.memory.engine_memory import empty_cache
 from hapo_megatron.training.batches.rollout_batch import (RolloutBatch, build_batch, rollout_metrics,
                                                           sequence_advantages, shape_rewards)
@@ -192,23 +192,24 @@ def _rollout_rank0(rt: Runtime, step: int, stop_check: Optional[Callable[[], boo
 
 def _share_out(rt: Runtime, kept: Optional[RolloutBatch], meta: SequenceMeta) -> RankBatch:
     """Every rank's `RankBatch`: rank 0 (holding ``kept``) sends each data-parallel rank the
-    per-token data of its own sequences (`rollout_share.step_plan`, the plan `layout` follows), one
-    point-to-point message per rank over the control group; ``meta`` came with ``done``. A MoE
+    per-token data of its own sequences (`rollout_share.step_plan`, computed here once per step on
+    every rank; it travels in the `RankBatch` to `layout`), one point-to-point message per rank
+    over the control group; ``meta`` came with ``done``. A MoE
     model's routes go to each pipeline stage with its own layers only, in the smallest integer type
     of the expert ids (`route_share`)."""
     dp_size = rt.groups.dp_size if len(meta) else 1
     group = rt.control.group
     # (DP rank, PP stage) of every rank of `group`
     coords = all_gather_objects((rt.groups.dp_rank if dp_size > 1 else 0, rt.groups.pp_rank), group=group)
+    plans = _plan(rt, meta)
     parts = None
     if rt.is_main:
-        plans = _plan(rt, meta) if dp_size > 1 else None
-        per_dp = [kept] if plans is None else split_for_ranks(kept, plans, dp_size)
+        per_dp = [kept] if dp_size == 1 else split_for_ranks(kept, plans, dp_size)
         by_coords = {c: _stage_part(rt, per_dp[c[0]], c[1]) for c in set(coords)}
         parts = [by_coords[c] for c in coords]  # ranks of one DP group and stage share one pickled message
     tokens = scatter_objects(parts, src=rt.control.src, group=group)
-    held = np.arange(len(meta)) if dp_size == 1 else held_sequences(_plan(rt, meta), rt.groups.dp_rank)
-    return RankBatch(meta, held, tokens)
+    held = np.arange(len(meta)) if dp_size == 1 else held_sequences(plans, rt.groups.dp_rank)
+    return RankBatch(meta, held, tokens, plans)
 
 
 def _stage_part(rt: Runtime, part: RolloutBatch, pp_rank: int) -> RolloutBatch:
@@ -221,15 +222,6 @@ def _stage_part(rt: Runtime, part: RolloutBatch, pp_rank: int) -> RolloutBatch:
                         end=end, dtype=route_dtype(int(cfg.num_experts)))
 
 
-def _pad_multiple(rt: Runtime) -> int:
-    g, m = rt.groups, 1
-    if rt.cfg.parallel.sequence_parallel and g.tp_size > 1:
-        m = math.lcm(m, g.tp_size)
-    if g.cp_size > 1:
-        m = math.lcm(m, 2 * g.cp_size)
-    return m
-
-
 def _plan(rt: Runtime, meta: SequenceMeta) -> list[MiniPlan]:
     p = rt.cfg.parallel
     return step_plan(meta, ppo_mini_batch_size=rt.cfg.trainer.ppo_mini_batch_size, dp_size=rt.groups.dp_size,
@@ -239,7 +231,7 @@ def _plan(rt: Runtime, meta: SequenceMeta) -> list[MiniPlan]:
 
 def advantages(rt: Runtime, batch: RankBatch) -> tuple[torch.Tensor, dict[str, float]]:
     """Every sequence's advantage ``[B]`` from its (reward, response length, group), the same on
-    every rank (`rl_step.sequence_advantages`, O(B)), and the ``adv/*`` metrics."""
+    every rank (`rollout_batch.sequence_advantages`, O(B)), and the ``adv/*`` metrics."""
     a, meta = rt.cfg.algo, batch.meta
     return sequence_advantages(meta.rewards, meta.response_lengths, meta.group_ids, adv_estimator=a.adv_estimator,
                                norm_adv_by_std=a.norm_adv_by_std, fallback_threshold=a.tlga_fallback_threshold)
@@ -247,16 +239,14 @@ def advantages(rt: Runtime, batch: RankBatch) -> tuple[torch.Tensor, dict[str, f
 
 def layout(rt: Runtime, batch: RankBatch, adv: torch.Tensor) -> tuple[Minis, dict[str, float]]:
     """This rank's micro-batches of each PPO mini-batch (DP-balanced by token count; identical
-    assignment on every rank, `_plan`), padded or packed (``parallel.pack_sequences``), from the
+    assignment on every rank, ``batch.plans``), padded or packed (``parallel.pack_sequences``), from the
     sequences it holds with their advantages ``adv``; ``perf/token_efficiency`` is real / computed
     tokens of the step over every rank (from the assignment, which every rank knows: no collective),
     ``perf/filler_micro_batches`` the all-masked micro-batches that even the ranks' counts."""
     cfg, g = rt.cfg, rt.groups
     p = cfg.parallel
-    seq_multiple, row_multiple = pack_multiples(tp_size=g.tp_size, cp_size=g.cp_size,
-                                                sequence_parallel=p.sequence_parallel)
-    pads = dict(pad_multiple=_pad_multiple(rt), seq_multiple=seq_multiple, row_multiple=row_multiple)
-    plans = _plan(rt, batch.meta)
+    pads = PadMultiples.of(tp_size=g.tp_size, cp_size=g.cp_size, sequence_parallel=p.sequence_parallel).kwargs()
+    plans = batch.plans
     mbs = []
     for idx, plan in plans:
         mine = [[batch.sequence(idx[j], float(adv[idx[j]])) for j in b] for b in plan[g.dp_rank]]

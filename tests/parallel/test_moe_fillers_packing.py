@@ -55,7 +55,7 @@ def _sequences():
 def _micro_batches(seqs, g, *, pack: bool, fillers: str, sequence_parallel: bool):
     """This rank's micro-batches: the trainer's plan (``fillers="plan"``), without its fillers
     (``"none"``), or with one more filler on every rank (``"extra"``)."""
-    from hapo_megatron.training.batches.micro_batches import collate_micro_batches, pack_multiples, plan_micro_batches
+    from hapo_megatron.training.batches.micro_batches import PadMultiples, collate_micro_batches, plan_micro_batches
     plan = plan_micro_batches([s.num_tokens for s in seqs], dp_size=g.dp_size, max_tokens_per_micro_batch=BUDGET,
                               pack=pack)
     mine = plan[g.dp_rank]
@@ -63,10 +63,9 @@ def _micro_batches(seqs, g, *, pack: bool, fillers: str, sequence_parallel: bool
         mine = [b for b in mine if b]
     elif fillers == "extra":
         mine = mine + [[]]
-    seq_m, row_m = pack_multiples(tp_size=g.tp_size, cp_size=1, sequence_parallel=sequence_parallel)
-    pad_m = g.tp_size if sequence_parallel else 1
-    return collate_micro_batches([[seqs[i] for i in b] for b in mine], seqs[0], pack=pack, pad_multiple=pad_m,
-                                 seq_multiple=seq_m, row_multiple=row_m), [len(r) for r in plan], \
+    pads = PadMultiples.of(tp_size=g.tp_size, cp_size=1, sequence_parallel=sequence_parallel)
+    return collate_micro_batches([[seqs[i] for i in b] for b in mine], seqs[0], pack=pack,
+                                 **pads.kwargs()), [len(r) for r in plan], \
         [sum(1 for b in r if b) for r in plan]
 
 

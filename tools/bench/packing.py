@@ -41,15 +41,14 @@ def sample_lengths(*, prompts: int, responses: int, prompt_len: int, mean: float
 
 def layouts(lengths, *, dp, max_tokens, micro_batch_size, tp, cp, sp):
     """{"padded"|"packed": (plan, token_efficiency dict)} with the trainer's padding multiples."""
-    from hapo_megatron.training.batches.micro_batches import pack_multiples, plan_micro_batches, token_efficiency
-    seq_m, row_m = pack_multiples(tp_size=tp, cp_size=cp, sequence_parallel=sp)
-    pad_m = math.lcm(tp if sp and tp > 1 else 1, 2 * cp if cp > 1 else 1)
+    from hapo_megatron.training.batches.micro_batches import PadMultiples, plan_micro_batches, token_efficiency
+    pads = PadMultiples.of(tp_size=tp, cp_size=cp, sequence_parallel=sp)
     out = {}
     for pack in (False, True):
         plan = plan_micro_batches(lengths, dp_size=dp, micro_batch_size=micro_batch_size,
                                   max_tokens_per_micro_batch=max_tokens, pack=pack)
         out["packed" if pack else "padded"] = (plan, token_efficiency(
-            plan, lengths, pack=pack, pad_multiple=pad_m, seq_multiple=seq_m, row_multiple=row_m))
+            plan, lengths, pack=pack, **pads.kwargs()))
     return out
 
 

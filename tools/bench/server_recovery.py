@@ -9,6 +9,9 @@ after the next weight sync). SGLang 0.5.23 uses ``sampling_seed`` only with
 attention of CPU servers: on CPU a sampled row draws fresh randomness on every try.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python tools/bench/server_recovery.py
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python tools/bench/server_recovery.py --prompts 8 --max-new-tokens 4  # quick
+
+``tests/tools/test_bench_server_recovery.py`` runs the quick form.
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ from hapo_megatron.rollout.engine import SamplingParams  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--deterministic", action="store_true", help="servers honour sampling_seed")
-    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--prompts", type=int, default=12, help="x 2 rows, 4 a call: at least 8 (server 1 gets 2 calls)")
+    ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args()
+    if args.prompts < 8:
+        ap.error("--prompts must be at least 8: the kill comes before server 1's second call of the round")
     from tests.rollout.sglang.real_sglang import tiny_model_dir
     from tests.rollout.sglang.test_server_recovery_real import perturbed
 
@@ -54,7 +60,8 @@ def main() -> None:
                               api_key=key, model_path=model, launch_timeout_s=900)
         eng.update_weights(iter(perturbed(model, 1)))
         prompts = [[1, 10 + p, 11, 12 + p] for p in range(args.prompts)]
-        params = SamplingParams(n=2, temperature=args.temperature, max_new_tokens=24, ignore_eos=True, seed=11)
+        params = SamplingParams(n=2, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                                ignore_eos=True, seed=11)
         flat = lambda out: [(list(s.response_ids), list(s.rollout_logprobs)) for g in out for s in g]  # noqa: E731
         ref, again = flat(eng.generate(prompts, params)), flat(eng.generate(prompts, params))
         killed, request, calls = [], eng.http.request, []

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+import hapo_megatron
 from hapo_megatron.rollout.sglang.api_key import API_KEY_ENV, redact
 from hapo_megatron.dtypes import TORCH_DTYPES, long_name
 from hapo_megatron.rollout.sglang.client import ServerHandle
@@ -25,14 +26,11 @@ def sglang_dtype(dtype: torch.dtype | str) -> str:
     return long_name(dtype)
 
 
-#: environment variable naming the directory of the import-only ``sgl_kernel`` / ``torchvision``
-#: stand-ins a CPU server needs (default: ``tools/sglang_cpu_stubs`` of a source checkout)
-CPU_STUBS_ENV = "HAPO_SGLANG_CPU_STUBS"
 #: KV-cache tokens of a CPU server (without the flag SGLang sizes the pool from the machine's RAM)
 CPU_MAX_TOTAL_TOKENS = 8192
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                   "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(hapo_megatron.__file__)))  # checkout/site-packages
 
 
 #: the key flags of a keyed server: one key for SGLang's plain and admin endpoints
@@ -112,11 +110,12 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp_si
     return cmd + [str(a) for a in extra_args]
 
 
-def cpu_stubs_dir() -> Optional[str]:
-    """Directory of the ``sgl_kernel`` / ``torchvision`` stand-ins (``$HAPO_SGLANG_CPU_STUBS``, else
-    ``tools/sglang_cpu_stubs`` next to the ``hapo_megatron`` package), or ``None`` if absent."""
-    path = os.environ.get(CPU_STUBS_ENV) or os.path.join(_PACKAGE_PARENT, "tools", "sglang_cpu_stubs")
-    return path if os.path.isdir(os.path.join(path, "sgl_kernel")) else None
+def cpu_stubs_dir() -> str:
+    """Directory of the ``sgl_kernel`` / ``torchvision`` stand-ins and the host-cache fix a CPU
+    server needs (`hapo_megatron.compat.sglang_cpu`, shipped with the package)."""
+    from hapo_megatron.compat.sglang_cpu import DIRECTORY
+
+    return DIRECTORY
 
 
 def server_env(*, cpu: bool, base: Optional[dict] = None) -> dict:
@@ -132,11 +131,7 @@ def server_env(*, cpu: bool, base: Optional[dict] = None) -> dict:
     paths = [_PACKAGE_PARENT]
     if cpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
-        stubs = cpu_stubs_dir()
-        if stubs is None:
-            raise RuntimeError(f"a CPU SGLang server needs the import-only sgl_kernel/torchvision stand-ins: "
-                               f"set {CPU_STUBS_ENV} to a checkout's tools/sglang_cpu_stubs")
-        paths.insert(0, stubs)
+        paths.insert(0, cpu_stubs_dir())
     old = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in old if p not in paths])
     return env
@@ -310,7 +305,7 @@ def stop_process(handle: ServerHandle, timeout_s: float = 30.0) -> None:
         pass
 
 
-__all__ = ["sglang_dtype", "server_command", "resolve_device", "server_env", "cpu_stubs_dir", "CPU_STUBS_ENV",
+__all__ = ["sglang_dtype", "server_command", "resolve_device", "server_env", "cpu_stubs_dir",
            "node_ip", "free_port", "start_process", "launch_server", "stop_process", "LaunchSpec", "restart_process",
            "kill_process"]
 __all__ += ["module_argv", "SERVER_KEY_FLAGS"]  # the API key (rollout/sglang/api_key.py)

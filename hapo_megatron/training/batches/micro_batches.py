@@ -11,7 +11,7 @@ Sequences are right-padded (causal attention never looks at the padding).
 
 Two layouts (`MicroBatch`): padded, one sequence per row, or packed (``pack=True``): sequences
 concatenated in one row up to ``max_tokens_per_micro_batch`` *real* tokens, each padded only to
-the multiple the kernels need (`pack_multiples`), positions restarting per sequence. Which
+the multiple the kernels need (`PadMultiples`), positions restarting per sequence. Which
 sequences go to which rank and micro-batch is `plan_micro_batches`, a pure function of the
 lengths; `token_efficiency` measures what the layout costs (real / computed tokens).
 
@@ -185,14 +185,30 @@ class _Len:  # what split_micro_batches reads of a sequence: its token count
         self.num_tokens = num_tokens
 
 
-def pack_multiples(*, tp_size: int, cp_size: int, sequence_parallel: bool) -> tuple[int, int]:
-    """``(per_sequence, per_row)`` padding multiples of a packed row: with context parallelism each
-    sequence splits into ``2 * cp`` equal chunks (TE's THD split); with sequence parallelism each CP
-    rank's share of the row splits over TP (the row: a multiple of ``tp * cp``). The row padding is
-    added to its last sequence, so ``per_row`` is a multiple of ``per_sequence``."""
-    per_seq = 2 * cp_size if cp_size > 1 else 1
-    per_row = math.lcm(per_seq, tp_size * cp_size if sequence_parallel and tp_size > 1 else 1)
-    return per_seq, per_row
+@dataclass(frozen=True)
+class PadMultiples:
+    """What a micro-batch's lengths must be multiples of, for the kernels: ``pad_multiple``, a
+    padded row (sequence parallelism splits it over TP, context parallelism into ``2 * cp``
+    chunks); ``seq_multiple`` / ``row_multiple``, each sequence of a packed row / the row: with
+    context parallelism each sequence splits into ``2 * cp`` equal chunks (TE's THD split); with
+    sequence parallelism each CP rank's share of the row splits over TP (the row: a multiple of
+    ``tp * cp``). The row padding is added to its last sequence, so ``row_multiple`` is a
+    multiple of ``seq_multiple``. Passed on as keywords: ``**pads.kwargs()``."""
+
+    pad_multiple: int = 1
+    seq_multiple: int = 1
+    row_multiple: int = 1
+
+    @staticmethod
+    def of(*, tp_size: int, cp_size: int, sequence_parallel: bool) -> "PadMultiples":
+        tp = tp_size if sequence_parallel and tp_size > 1 else 1  # sequence parallelism splits over TP
+        cp = 2 * cp_size if cp_size > 1 else 1  # each sequence in 2 * cp chunks
+        return PadMultiples(pad_multiple=math.lcm(tp, cp), seq_multiple=cp,
+                            row_multiple=math.lcm(cp, tp * cp_size if tp > 1 else 1))
+
+    def kwargs(self) -> dict[str, int]:
+        return {"pad_multiple": self.pad_multiple, "seq_multiple": self.seq_multiple,
+                "row_multiple": self.row_multiple}
 
 
 def collate_packed(seqs: Sequence[SequenceData], *, seq_multiple: int = 1, row_multiple: int = 1) -> MicroBatch:
@@ -346,7 +362,7 @@ def build_rank_micro_batches(seqs: Sequence[SequenceData], *, dp_rank: int, dp_s
                              row_multiple: int = 1) -> list[MicroBatch]:
     """This data-parallel rank's micro-batches for one (mini-)batch of sequences: padded
     (`collate`, rows padded to ``pad_multiple``) or packed rows (`collate_packed` with
-    ``seq_multiple`` / ``row_multiple``, see `pack_multiples`).
+    ``seq_multiple`` / ``row_multiple``, see `PadMultiples`).
 
     The split is `plan_micro_batches` (identical on every rank, the same number of micro-batches
     on every rank): its empty entries become all-masked fillers copied from ``seqs[0]``.

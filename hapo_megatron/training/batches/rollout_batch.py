@@ -27,13 +27,26 @@ OPTIONAL_RAGGED = ("routed_experts",)
 
 
 @dataclass(eq=False)
-class RolloutBatch:
-    """Per-sequence data of one step, in group-major order (one entry per response).
+class SequenceFields:
+    """The per-sequence fields of a step's rollout, one entry per response in group-major order:
+    ``group_ids[i]`` identifies the prompt (all ``n`` responses of a prompt share it); ``scores``
+    are raw rewards, ``rewards`` the shaped ones used for advantages. `RolloutBatch` adds the
+    per-token rows, `rollout_share.SequenceMeta` the lengths a rank needs without them."""
+
+    finish_reasons: list[str] = field(default_factory=list)
+    group_ids: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    accs: list[bool] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    data_sources: list[str] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class RolloutBatch(SequenceFields):
+    """One step's rollout: the per-sequence fields (`SequenceFields`) and the per-token rows.
 
     The per-token fields (`RAGGED_FIELDS`) are `Ragged`: one flat array and row offsets (given as
-    lists of rows, they are converted); ``group_ids[i]`` identifies the prompt (all ``n``
-    responses of a prompt share it); ``scores`` are raw rewards, ``rewards`` the shaped ones used
-    for advantages.
+    lists of rows, they are converted).
     """
 
     prompt_ids: Ragged = field(default_factory=lambda: Ragged(dtype=np.int32))
@@ -41,12 +54,6 @@ class RolloutBatch:
     rollout_logprobs: Ragged = field(default_factory=lambda: Ragged(dtype=np.float32))
     temperatures: Ragged = field(default_factory=lambda: Ragged(dtype=np.float32))
     routed_experts: Ragged = field(default_factory=lambda: Ragged(dtype=np.int16))
-    finish_reasons: list[str] = field(default_factory=list)
-    group_ids: list[int] = field(default_factory=list)
-    scores: list[float] = field(default_factory=list)
-    accs: list[bool] = field(default_factory=list)
-    rewards: list[float] = field(default_factory=list)
-    data_sources: list[str] = field(default_factory=list)
 
     def __setattr__(self, name: str, value: Any) -> None:  # rows assigned as lists become Ragged too
         if name in RAGGED_FIELDS and not isinstance(value, Ragged):

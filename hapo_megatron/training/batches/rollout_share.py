@@ -11,25 +11,23 @@ pipeline stage gets its own layers (`route_share`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional, Sequence
 
 import numpy as np
 
 from hapo_megatron.training.batches.micro_batches import SequenceData, plan_micro_batches, split_mini_batches
-from hapo_megatron.training.batches.rollout_batch import RolloutBatch
+from hapo_megatron.training.batches.rollout_batch import RolloutBatch, SequenceFields
+
+
+# one PPO mini-batch: its sequences (global indices) and plan[rank][micro_batch] (positions in them)
+MiniPlan = tuple[list[int], list[list[list[int]]]]
 
 
 @dataclass
-class SequenceMeta:
-    """Per-sequence fields of a `RolloutBatch` (the same names), without its per-token data."""
+class SequenceMeta(SequenceFields):
+    """A `RolloutBatch`'s per-sequence fields (`SequenceFields`) and lengths, without its per-token data."""
 
-    group_ids: list[int] = field(default_factory=list)
-    scores: list[float] = field(default_factory=list)
-    accs: list[bool] = field(default_factory=list)
-    rewards: list[float] = field(default_factory=list)
-    finish_reasons: list[str] = field(default_factory=list)
-    data_sources: list[str] = field(default_factory=list)
     prompt_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     response_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     # [B, 2]: the first prompt and the first response token (-1: none), what a rank's all-masked
@@ -38,9 +36,8 @@ class SequenceMeta:
 
     @staticmethod
     def of(batch: RolloutBatch) -> "SequenceMeta":
-        return SequenceMeta(group_ids=list(batch.group_ids), scores=list(batch.scores), accs=list(batch.accs),
-                            rewards=list(batch.rewards), finish_reasons=list(batch.finish_reasons),
-                            data_sources=list(batch.data_sources), prompt_lengths=batch.prompt_lengths.copy(),
+        shared = {f.name: list(getattr(batch, f.name)) for f in fields(SequenceFields)}
+        return SequenceMeta(**shared, prompt_lengths=batch.prompt_lengths.copy(),
                             response_lengths=batch.response_lengths.copy(),
                             head_ids=np.stack([_first(batch.prompt_ids), _first(batch.response_ids)], axis=1))
 
@@ -69,15 +66,18 @@ def _first(rows) -> np.ndarray:
 @dataclass
 class RankBatch:
     """One rank's share: ``meta`` of every sequence, the per-token data (``tokens``, a
-    `RolloutBatch` of those rows) of the sequences ``held`` (global indices, ascending)."""
+    `RolloutBatch` of those rows) of the sequences ``held`` (global indices, ascending), and the
+    step's plan (`step_plan`, computed once per step: which rank trains on what, and the layout)."""
 
     meta: SequenceMeta
     held: np.ndarray
     tokens: RolloutBatch
+    plans: list[MiniPlan]
 
     @staticmethod
-    def whole(batch: RolloutBatch) -> "RankBatch":
-        return RankBatch(SequenceMeta.of(batch), np.arange(len(batch)), batch)
+    def whole(batch: RolloutBatch, plans: list[MiniPlan]) -> "RankBatch":
+        """Every sequence held (a single rank's share, or a test's)."""
+        return RankBatch(SequenceMeta.of(batch), np.arange(len(batch)), batch, plans)
 
     def __len__(self) -> int:
         return len(self.meta)
@@ -91,10 +91,6 @@ class RankBatch:
         return SequenceData(prompt_ids=t.prompt_ids[k], response_ids=t.response_ids[k], advantage=float(advantage),
                             rollout_logprobs=t.rollout_logprobs[k], temperatures=t.temperatures[k],
                             routed_experts=t.column("routed_experts")[k], index=int(i))
-
-
-# one PPO mini-batch: its sequences (global indices) and plan[rank][micro_batch] (positions in them)
-MiniPlan = tuple[list[int], list[list[list[int]]]]
 
 
 def step_plan(meta: SequenceMeta, *, ppo_mini_batch_size: int, dp_size: int, micro_batch_size: int,

@@ -31,7 +31,7 @@ class RLState:
             the first step). Checkpoint key ``entropy_stats``.
         consecutive_skips: steps skipped in a row (no usable group, non-finite update).
         sft_done: the supervised warm start has run (or was not asked for).
-        async_state: asynchronous rollouts (`training.async_rollout`): the sampler cursor and the
+        async_state: asynchronous rollouts (`training.asynchronous.producer`): the sampler cursor and the
             prompts admitted but not yet trained as of the last step's batch; checkpointed as the
             ``sampler`` and ``async_pending`` keys (the live sampler runs ahead on rank 0).
         async_pending: after a resume, the prompts to regenerate first (``async_pending``).

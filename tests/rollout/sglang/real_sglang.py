@@ -1,8 +1,8 @@
 """A REAL SGLang server for the tests (CPU or GPU, whatever this machine has): the tiny random
 Llama of the CPU example, launched through the engine's own launcher (``server_command`` +
 ``server_env``: on CPU, SGLang's CPU engine flags and the import-only stand-ins of
-``tools/sglang_cpu_stubs``), with an API key like every server the project starts. The tests skip
-only when SGLang itself cannot be imported."""
+``hapo_megatron/compat/sglang_cpu``), with an API key like every server the project starts. The
+tests skip only when SGLang itself cannot be imported."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The import-only stand-ins of tools/sglang_cpu_stubs: importable (packages, sub-modules, names,
-attributes of names), and every name raises NotImplementedError when called. Run in a
-subprocess: they must never enter the test process's (or the trainer's) import path."""
+"""The import-only stand-ins of hapo_megatron/compat/sglang_cpu: importable (packages,
+sub-modules, names, attributes of names), and every name raises NotImplementedError when called.
+Run in a subprocess: they must never enter the test process's (or the trainer's) import path.
+They ship with the package."""
 
 import os
 import subprocess
@@ -35,3 +36,15 @@ def test_stand_ins_import_and_raise_when_called():
     out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
     assert cpu_stubs_dir() not in sys.path  # never in our own process
+
+
+def test_stand_ins_ship_with_the_package():
+    # setup.cfg finds packages with setuptools' find: an installed hapo_megatron carries the stand-ins
+    import setuptools
+
+    import hapo_megatron
+    root = os.path.dirname(os.path.dirname(hapo_megatron.__file__))
+    found = set(setuptools.find_packages(root, include=["hapo_megatron*"]))
+    assert {"hapo_megatron.compat.sglang_cpu", "hapo_megatron.compat.sglang_cpu.sgl_kernel",
+            "hapo_megatron.compat.sglang_cpu.torchvision"} <= found
+    assert cpu_stubs_dir() == os.path.join(os.path.dirname(hapo_megatron.__file__), "compat", "sglang_cpu")

@@ -1,6 +1,6 @@
 """A REAL SGLang server serving the tiny Qwen3-MoE (CPU here, GPU where present), started with
 ``--enable-return-routed-experts`` (on CPU that needs the host-cache fix of
-``tools/sglang_cpu_stubs/hapo_cpu_host_cache.py``: without it the server fails at start):
+``hapo_megatron/compat/sglang_cpu/hapo_cpu_host_cache.py``: without it the server fails at start):
 
 - a tensor sync of new weights in the export's per-expert names reaches the server: its greedy
   continuations equal transformers' on those weights (and differ from the ones before the sync);

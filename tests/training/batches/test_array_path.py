@@ -1,5 +1,5 @@
-"""The rollout's array path against the per-token-list path it replaced (the baseline of
-tools/bench/host_step.py, the pre-issue-24 functions): the same advantages, metrics, kept groups
+"""The rollout's array path against the per-token-list path it replaced (a slow reference,
+tests/training/batches/list_path_reference.py): the same advantages, metrics, kept groups
 and micro-batches, tensor for tensor, on a hand-computed case and random batches (empty responses,
 a rank without valid tokens, more DP ranks than sequences); each rank's share holds only what it
 trains on; over gloo, every rank's micro-batches come out of `stages.rollout` + `layout`."""
@@ -21,9 +21,7 @@ from hapo_megatron.training.batches.rollout_batch import DynamicSampler, Rollout
 from hapo_megatron.training.batches.rollout_share import (RankBatch, SequenceMeta, held_sequences,
                                                           split_for_ranks, step_plan)
 from tests.distributed import run_distributed
-from tests.tools._load import load_tool
-
-bench = load_tool("bench/host_step")
+from tests.training.batches import list_path_reference as ref
 
 
 def _samples(rng, groups, n, *, max_len=9, as_lists):
@@ -62,20 +60,18 @@ def _rt(cfg, dp_size, dp_rank, tp_size=1, cp_size=1):
                                                            dp_rank=dp_rank))
 
 
-def _legacy_rank(batch_lists, cfg, rt):
-    """What a rank built before: the whole packed batch, unpacked to lists, mask advantages, layout."""
-    b = bench.legacy_unpack(pickle.loads(pickle.dumps(bench.legacy_pack(batch_lists))))
+def _reference_rank(b, cfg, rt):
+    """What the list path builds on a rank: the whole batch as lists, mask advantages, layout."""
     a, p, g = cfg.algo, cfg.parallel, rt.groups
-    adv, metrics = bench.legacy_sequence_advantages(b["rewards"], [len(r) for r in b["response_ids"]], b["group_ids"],
-                                                    adv_estimator=a.adv_estimator, norm_adv_by_std=a.norm_adv_by_std,
-                                                    fallback_threshold=a.tlga_fallback_threshold)
-    from hapo_megatron.training.batches.micro_batches import pack_multiples
-    seq_m, row_m = pack_multiples(tp_size=g.tp_size, cp_size=g.cp_size, sequence_parallel=p.sequence_parallel)
-    minis = bench.legacy_layout(b, adv, dp_rank=g.dp_rank, dp_size=g.dp_size,
-                                ppo_mini_batch_size=cfg.trainer.ppo_mini_batch_size,
-                                micro_batch_size=p.micro_batch_size,
-                                max_tokens_per_micro_batch=p.max_tokens_per_micro_batch, pack=p.pack_sequences,
-                                pad_multiple=stages._pad_multiple(rt), seq_multiple=seq_m, row_multiple=row_m)
+    adv, metrics = ref.sequence_advantages(b["rewards"], [len(r) for r in b["response_ids"]], b["group_ids"],
+                                           adv_estimator=a.adv_estimator, norm_adv_by_std=a.norm_adv_by_std,
+                                           fallback_threshold=a.tlga_fallback_threshold)
+    from hapo_megatron.training.batches.micro_batches import PadMultiples
+    pads = PadMultiples.of(tp_size=g.tp_size, cp_size=g.cp_size, sequence_parallel=p.sequence_parallel)
+    minis = ref.layout(b, adv, dp_rank=g.dp_rank, dp_size=g.dp_size,
+                       ppo_mini_batch_size=cfg.trainer.ppo_mini_batch_size, micro_batch_size=p.micro_batch_size,
+                       max_tokens_per_micro_batch=p.max_tokens_per_micro_batch, pack=p.pack_sequences,
+                       **pads.kwargs())
     return adv, metrics, minis
 
 
@@ -85,7 +81,7 @@ def _new_rank(batch, cfg, rt):
     g = rt.groups
     plans = stages._plan(rt, meta)
     tokens = pickle.loads(pickle.dumps(split_for_ranks(batch, plans, g.dp_size)[g.dp_rank]))
-    share = RankBatch(pickle.loads(pickle.dumps(meta)), held_sequences(plans, g.dp_rank), tokens)
+    share = RankBatch(pickle.loads(pickle.dumps(meta)), held_sequences(plans, g.dp_rank), tokens, plans)
     adv, metrics = stages.advantages(rt, share)
     minis, _ = stages.layout(rt, share, adv)
     return adv, metrics, minis, share
@@ -136,20 +132,20 @@ def test_random_batches_old_list_path_equals_array_path(seed):
                     for s in g] for g in samples_new]
     results = _results(rng, samples_new)
     recs = [SimpleNamespace(data_source=rng.choice(["a", "b"])) for _ in range(groups)]
-    old = bench.legacy_build_batch(samples_old, recs, results, group_offset=3)
+    old = ref.build_batch(samples_old, recs, results, group_offset=3)
     new = build_batch(samples_new, recs, results, group_offset=3)
     assert new.response_ids.tolist() == old["response_ids"] and new.group_ids == old["group_ids"]
     # metrics over every response; the temperature mean is a float64 sum (the order may differ)
-    m_old, m_new = bench.legacy_rollout_metrics(old, max_response_length=5), rollout_metrics(new, max_response_length=5)
+    m_old, m_new = ref.rollout_metrics(old, max_response_length=5), rollout_metrics(new, max_response_length=5)
     assert m_new.pop("rollout/temperature_mean") == pytest.approx(m_old.pop("rollout/temperature_mean"), rel=1e-12)
     assert m_new == m_old
     # dynamic sampling: the same groups, in order, with the same rows
     dyn = DynamicSampler(enabled=True, metric="acc")
     dyn.add(new)
-    kept_new, kept_old = dyn.take(100), bench.legacy_filter(old)
-    for f in bench.LEGACY_FIELDS:  # per-token fields: as float32 / int32 arrays
+    kept_new, kept_old = dyn.take(100), ref.filter_groups(old)
+    for f in ref.FIELDS:  # per-token fields: as float32 / int32 arrays
         want = kept_old[f]
-        assert getattr(kept_new, f) == (Ragged.from_rows(want, getattr(kept_new, f).dtype) if f in bench.LEGACY_RAGGED
+        assert getattr(kept_new, f) == (Ragged.from_rows(want, getattr(kept_new, f).dtype) if f in ref.RAGGED
                                         else want), f
     if not len(kept_new):
         kept_new, kept_old = new, old  # nothing kept: lay the whole batch out
@@ -160,7 +156,7 @@ def test_random_batches_old_list_path_equals_array_path(seed):
             for dp in (1, 2, 5):
                 for rank in range(dp):
                     rt = _rt(cfg, dp, rank, tp_size=2)
-                    adv_o, met_o, mb_o = _legacy_rank(kept_old, cfg, rt)
+                    adv_o, met_o, mb_o = _reference_rank(kept_old, cfg, rt)
                     adv_n, met_n, mb_n, share = _new_rank(kept_new, cfg, rt)
                     assert torch.equal(adv_o, adv_n) and met_o == met_n
                     _assert_same_micro_batches(mb_o, mb_n)
@@ -176,12 +172,12 @@ def test_a_rank_without_valid_tokens_and_more_ranks_than_sequences():
                    finish_reason="stop", prompt_index=0, sample_index=k) for k, r in enumerate([[9, 9, 9], []])]]
     res = [[SimpleNamespace(score=1.0, acc=True), SimpleNamespace(score=-1.0, acc=False)]]
     recs = [SimpleNamespace(data_source="d")]
-    new, old = build_batch(smp, recs, res), bench.legacy_build_batch(smp, recs, res)
+    new, old = build_batch(smp, recs, res), ref.build_batch(smp, recs, res)
     cfg = _cfg()
     masks = []
     for rank in range(3):
         rt = _rt(cfg, 3, rank)
-        adv_o, _, mb_o = _legacy_rank(old, cfg, rt)
+        adv_o, _, mb_o = _reference_rank(old, cfg, rt)
         adv_n, _, mb_n, share = _new_rank(new, cfg, rt)
         assert torch.equal(adv_o, adv_n)
         _assert_same_micro_batches(mb_o, mb_n)
@@ -203,7 +199,8 @@ def test_ragged_select_concat_append_and_errors():
     with pytest.raises(ValueError, match="offsets"):
         Ragged(np.zeros(3, np.int32), [0, 2])
     share = RankBatch(SequenceMeta.of(RolloutBatch(response_ids=[[1], [2]], prompt_ids=[[0], [0]])), np.array([1]),
-                      RolloutBatch(response_ids=[[2]], prompt_ids=[[0]], rollout_logprobs=[[-1.0]], temperatures=[[]]))
+                      RolloutBatch(response_ids=[[2]], prompt_ids=[[0]], rollout_logprobs=[[-1.0]], temperatures=[[]]),
+                      plans=[])
     with pytest.raises(KeyError, match="not held"):
         share.sequence(0)
     assert share.sequence(1).response_ids.tolist() == [2]
@@ -241,25 +238,31 @@ def _distributed_share(rank, world, seed):
                          control=channel, cfg=cfg, groups=SimpleNamespace(tp_size=2, cp_size=1, dp_size=2,
                                                                           dp_rank=rank // 2, pp_rank=0, pp_size=1),
                          actor=SimpleNamespace(routing="off"))
+    plans_made = []
+    real_step_plan = stages.step_plan
+    stages.step_plan = lambda *a, **k: plans_made.append(1) or real_step_plan(*a, **k)  # counts the step's plans
     share, metrics = stages.rollout(rt, 1)
     adv, _ = stages.advantages(rt, share)
     minis, _ = stages.layout(rt, share, adv)
-    _, _, want = _legacy_rank(bench.legacy_build_batch([[Sample(prompt_ids=s.prompt_ids.tolist(),
-                                                                response_ids=s.response_ids.tolist(),
-                                                                rollout_logprobs=s.rollout_logprobs.tolist(),
-                                                                temperatures=s.temperatures.tolist(),
-                                                                finish_reason=s.finish_reason,
-                                                                prompt_index=s.prompt_index,
-                                                                sample_index=s.sample_index) for s in g]
-                                                        for g in smp], recs, res), cfg, rt)
+    stages.step_plan = real_step_plan
+    _, _, want = _reference_rank(ref.build_batch([[Sample(prompt_ids=s.prompt_ids.tolist(),
+                                                          response_ids=s.response_ids.tolist(),
+                                                          rollout_logprobs=s.rollout_logprobs.tolist(),
+                                                          temperatures=s.temperatures.tolist(),
+                                                          finish_reason=s.finish_reason,
+                                                          prompt_index=s.prompt_index,
+                                                          sample_index=s.sample_index) for s in g]
+                                                  for g in smp], recs, res), cfg, rt)
     _assert_same_micro_batches(want, minis)
-    return {"held": share.held.tolist(), "tokens": len(share.tokens.response_ids.flat), "n": len(share),
+    return {"plans_made": len(plans_made),
+            "held": share.held.tolist(), "tokens": len(share.tokens.response_ids.flat), "n": len(share),
             "all_tokens": len(batch.response_ids.flat), "metrics": metrics}
 
 
 def test_each_rank_receives_its_dp_share_over_the_control_group():
     out = run_distributed(_distributed_share, 4, 11, timeout=400)
     assert all(o["n"] == 15 and o["metrics"] == {"m": 1.0} for o in out)
+    assert [o["plans_made"] for o in out] == [1] * 4  # the plan is made once per step on every rank
     assert out[0]["held"] == out[1]["held"] and out[2]["held"] == out[3]["held"]  # TP peers: the same share
     assert not set(out[0]["held"]) & set(out[2]["held"])  # the DP ranks split the sequences
     assert sorted(out[0]["held"] + out[2]["held"]) == list(range(15))

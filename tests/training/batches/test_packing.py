@@ -10,9 +10,9 @@ import torch
 from hapo_megatron.parallel.context_parallel import (cp_chunk_indices, gather_from_cp_thd, split_for_cp,
                                                      thd_cp_indices)
 from hapo_megatron.parallel.micro_batch import MicroBatch, SequenceLayout
-from hapo_megatron.training.batches.micro_batches import (SequenceData, build_rank_micro_batches, collate,
-                                                          collate_packed, pack_bins, pack_multiples,
-                                                          plan_micro_batches, token_efficiency)
+from hapo_megatron.training.batches.micro_batches import (PadMultiples, SequenceData, build_rank_micro_batches,
+                                                          collate, collate_packed, pack_bins, plan_micro_batches,
+                                                          token_efficiency)
 
 
 def _seqs(n, seed=0, max_len=30):
@@ -134,12 +134,33 @@ def test_thd_cp_split_is_per_sequence_and_inverts(cp):
         thd_cp_indices(torch.tensor([0, 3]), 2, 0) if cp == 1 else thd_cp_indices(torch.tensor([0, 2 * cp + 1]), cp, 0)
 
 
+def _smallest(*divisors):
+    """The smallest positive length that every divisor divides (a search, not a formula)."""
+    return next(m for m in range(1, 10_000) if all(m % d == 0 for d in divisors))
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_pad_multiples_are_the_smallest_lengths_the_kernels_can_split(sp):
+    # padded row: split over TP (sequence parallelism) and into 2 * cp chunks; packed: each
+    # sequence into 2 * cp chunks, the row over tp * cp ranks
+    for tp in (1, 2, 3, 4, 8):
+        for cp in (1, 2, 3, 4):
+            tp_split = [tp] if sp and tp > 1 else []
+            cp_split = [2 * cp] if cp > 1 else []
+            got = PadMultiples.of(tp_size=tp, cp_size=cp, sequence_parallel=sp)
+            assert got.pad_multiple == _smallest(*tp_split, *cp_split), (tp, cp)
+            assert got.seq_multiple == _smallest(*cp_split), (tp, cp)
+            assert got.row_multiple == _smallest(*cp_split, *([tp * cp] if tp_split else [])), (tp, cp)
+            assert got.kwargs() == {"pad_multiple": got.pad_multiple, "seq_multiple": got.seq_multiple,
+                                    "row_multiple": got.row_multiple}
+
+
 def test_packed_micro_batch_cp_shard_is_each_sequence_cut_like_a_padded_one():
     seqs = _seqs(5, seed=3)
     cp = 2
-    seq_m, row_m = pack_multiples(tp_size=2, cp_size=cp, sequence_parallel=True)
-    assert (seq_m, row_m) == (4, 4)
-    mb = collate_packed(seqs, seq_multiple=seq_m, row_multiple=row_m)
+    pads = PadMultiples.of(tp_size=2, cp_size=cp, sequence_parallel=True)
+    assert (pads.seq_multiple, pads.row_multiple) == (4, 4)
+    mb = collate_packed(seqs, seq_multiple=pads.seq_multiple, row_multiple=pads.row_multiple)
     cu = mb.cu_seqlens.tolist()
     for r in range(cp):
         shard = mb.split_for_cp(cp, r)
@@ -201,7 +222,7 @@ def _layout(pack: bool, dp_rank: int = 1, **parallel):
     from hapo_megatron.config import load_config
     from hapo_megatron.training import stages
     from hapo_megatron.training.batches.rollout_batch import RolloutBatch
-    from hapo_megatron.training.batches.rollout_share import RankBatch
+    from hapo_megatron.training.batches.rollout_share import RankBatch, SequenceMeta
     over = [f"parallel.{k}={v}" for k, v in {"max_tokens_per_micro_batch": 40, "pack_sequences": pack,
                                                **parallel}.items()]
     cfg = load_config(None, over + ["trainer.ppo_mini_batch_size=2", "data.train_batch_size=4",
@@ -215,7 +236,7 @@ def _layout(pack: bool, dp_rank: int = 1, **parallel):
                          accs=[bool(i % 2) for i in range(12)], rewards=[float(i % 2) for i in range(12)],
                          data_sources=[""] * 12)
     rt = SimpleNamespace(cfg=cfg, groups=groups)
-    share = RankBatch.whole(batch)
+    share = RankBatch.whole(batch, stages._plan(rt, SequenceMeta.of(batch)))
     return stages.layout(rt, share, stages.advantages(rt, share)[0]), seqs
 
 

@@ -70,13 +70,13 @@ def _run_layout(actor, g, seqs, pack: bool, ref_model):
     from hapo_megatron.parallel.loss import make_loss_func
     from hapo_megatron.parallel.stats import global_entropy_stats
     from hapo_megatron.parallel.collectives import sum_metrics
-    from hapo_megatron.training.batches.micro_batches import build_rank_micro_batches, pack_multiples
+    from hapo_megatron.training.batches.micro_batches import PadMultiples, build_rank_micro_batches
     from hapo_megatron.training.metrics.diagnostics import accumulate_token_diagnostics
     from hapo_megatron.training.stages import with_old_policy
 
-    seq_m, row_m = pack_multiples(tp_size=g.tp_size, cp_size=g.cp_size, sequence_parallel=False)
+    pads = PadMultiples.of(tp_size=g.tp_size, cp_size=g.cp_size, sequence_parallel=False)
     mbs = build_rank_micro_batches(seqs, dp_rank=g.dp_rank, dp_size=g.dp_size, max_tokens_per_micro_batch=BUDGET,
-                                   pack=pack, seq_multiple=seq_m, row_multiple=row_m)
+                                   pack=pack, seq_multiple=pads.seq_multiple, row_multiple=pads.row_multiple)
     assert all(mb.is_packed == pack for mb in mbs)
     last, contribute = g.is_pipeline_last, g.is_pipeline_last and g.tp_rank == 0
     out = {"num_micro_batches": len(mbs)}

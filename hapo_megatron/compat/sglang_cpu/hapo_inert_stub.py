@@ -30,7 +30,7 @@ class Unavailable:
     def __call__(self, *args, **kwargs):
         raise NotImplementedError(
             f"{self._qualname} was called, but this is an import-only stand-in "
-            "(tools/sglang_cpu_stubs): the real package is needed for this code path")
+            "(hapo_megatron/compat/sglang_cpu): the real package is needed for this code path")
 
     def __repr__(self) -> str:
         return f"<unavailable {self._qualname}>"
