@@ -48,6 +48,7 @@ class HapoConfig(_Section):
         self._check_rollout()
         if self.algo.rollout_is == "auto":
             self.algo.rollout_is = self._default_rollout_is()
+        self._check_partial_mode()
         if self.data.tokenizer_path is None:
             self.data.tokenizer_path = self.model.hf_model_path
         if self.logging.wandb_project is None:
@@ -64,7 +65,22 @@ class HapoConfig(_Section):
         already; old_logprob_source=rollout makes proximal and behaviour the same policy."""
         algo = self.algo
         fp8 = self.rollout.quantization == "fp8"
-        return "token_tis" if fp8 and algo.tis_cap is None and algo.old_logprob_source == "recompute" else "none"
+        partial = self.rollout.over_sampling > 1.0 and self.rollout.partial_mode == "correct"
+        return ("token_tis" if (fp8 or partial) and algo.tis_cap is None and algo.old_logprob_source == "recompute"
+                else "none")
+
+    def _check_partial_mode(self) -> None:
+        """Over-sampling trains resumed responses whose prefix older weights generated: ``correct``
+        weights them with the off-policy correction, so it must be on (docs/algorithm.md,
+        "Over-sampling and partial rollouts")."""
+        ro = self.rollout
+        if ro.over_sampling > 1.0 and self.model.routing_replay:
+            _fail("rollout.over_sampling > 1 resumes responses across weight versions, whose routes "
+                  "model.routing_replay cannot replay: set rollout.over_sampling=1.0 or model.routing_replay=false")
+        if ro.over_sampling > 1.0 and ro.partial_mode == "correct" and self.algo.rollout_is == "none":
+            _fail("rollout.partial_mode=correct trains resumed responses with the off-policy correction, but "
+                  "algo.rollout_is is none: set algo.rollout_is (auto picks token_tis) or "
+                  "rollout.partial_mode=mask_prefix")
 
     def _check_batching(self) -> None:
         bsz, mini = self.data.train_batch_size, self.trainer.ppo_mini_batch_size
