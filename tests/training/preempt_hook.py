@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
     stage, step = os.environ["HAPO_TEST_HOLD_STAGE"], int(os.environ["HAPO_TEST_HOLD_STEP"])
     marker_dir, rank = os.environ["HAPO_TEST_MARKER_DIR"], os.environ.get("RANK", "0")
     from hapo_megatron.training import stages
-    from hapo_megatron.training.preemption import StopRequest
+    from hapo_megatron.training.checkpointing.preemption import StopRequest
 
     got_signal = threading.Event()
     on_signal = StopRequest._on_signal
