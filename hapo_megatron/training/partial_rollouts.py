@@ -5,7 +5,7 @@ Each generation round starts ``ceil(generate_batch_size * over_sampling)`` promp
 unfinished groups of the pool first (their unfinished rows resume: prompt + partial response as
 input, the remaining token budget, the entropy statistics the group started with), then new
 prompts. Once the step has ``train_batch_size`` complete groups that dynamic sampling keeps,
-every request still running is aborted (`rollout.sglang_partial.generate_groups`) and its tokens
+every request still running is aborted (`rollout.sglang.partial.generate_groups`) and its tokens
 stay in the pool. A group trains only when all its ``n`` rows are complete; none is dropped
 (kept groups beyond the batch stay in the pool for the next step). The pool is checkpointed
 (`RLState.partial_rollouts`).
@@ -28,9 +28,10 @@ import numpy as np
 from hapo_megatron.algo import EntropyStats
 from hapo_megatron.rewards.counts import RewardCounts
 from hapo_megatron.rollout.engine import Sample, SamplingParams
-from hapo_megatron.rollout.sglang_engine import row_seeds
-from hapo_megatron.rollout.sglang_partial import ABORT, RowRequest, RowResult, generate_groups
-from hapo_megatron.training.rl_step import DynamicSampler, RolloutBatch, build_batch, rollout_metrics, shape_rewards
+from hapo_megatron.rollout.sglang.engine import row_seeds
+from hapo_megatron.rollout.sglang.partial import ABORT, RowRequest, RowResult, generate_groups
+from hapo_megatron.training.batches.rollout_batch import (DynamicSampler, RolloutBatch, build_batch, rollout_metrics,
+                                                         shape_rewards)
 from hapo_megatron.training.rollout_protocol import PROGRESS, RolloutAbandoned
 
 

@@ -23,8 +23,8 @@ import threading
 import time
 
 # the handler's shared part lives with the paced stand-in (tools/bench/standin_base.py)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "tools", "bench"))
+_ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
+sys.path.insert(0, os.path.join(_ROOT, "tools", "bench"))
 from standin_base import StandinHandler, serve  # noqa: E402
 
 p = argparse.ArgumentParser()

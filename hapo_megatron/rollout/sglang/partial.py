@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from hapo_megatron.rollout.engine import GenerationAborted, SamplingParams
-from hapo_megatron.rollout.sglang_client import SGLangError
-from hapo_megatron.rollout.sglang_engine import STOP_POLL_S, generate_payload
+from hapo_megatron.rollout.sglang.client import SGLangError
+from hapo_megatron.rollout.sglang.engine import STOP_POLL_S, generate_payload
 
 ABORT = "abort"
 MAX_CALLS_IN_FLIGHT = 512  # one call per group: the server batches them; this only bounds threads
