@@ -170,10 +170,10 @@ def rollout_rank0(rt, step: int, stop_check: Optional[Callable[[], bool]], stop_
             if g.complete and g.serial not in added:
                 rnd.kept += _score(rt, g, rnd, counts)
         todo = [g for g in pool.groups if not g.complete] if rnd.kept < need else []
-        seed = rt.sampling_seed(step, dyn.num_gen_batches)
         requests, params, rows_of = [], [], []
         for g in todo:
-            p = SamplingParams.from_config(cfg.rollout, cfg.algo, seed=seed, stop_token_ids=stop_ids,
+            # a row keeps its seed when it resumes: (run seed, group serial, row), not the step
+            p = SamplingParams.from_config(cfg.rollout, cfg.algo, seed=rt.sampling_seed(0, 0), stop_token_ids=stop_ids,
                                            entropy_stats=EntropyStats.from_dict(g.stats) if g.stats else None)
             idx, req = row_requests(g, _prompt(rt, g), max_tokens,
                                     row_seeds(p, [g.serial * n + k for k in range(n)]) if _seeded(rt) else [None] * n)

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from types import SimpleNamespace
+from typing import Optional
 
 import numpy as np
 
@@ -42,9 +43,10 @@ class _NoMemory:
         pass
 
 
-def build_rt(url: str, *, over_sampling: float, batch: int, n: int, max_len: int, prompts: int = 256,
-             partial_mode: str = "correct", filter_groups: bool = False, seed: int = 1, extra=()):
-    """The parts of a `Runtime` the rollout stage reads (rank 0), on the server at ``url``."""
+def build_rt(url: Optional[str], *, over_sampling: float, batch: int, n: int, max_len: int, prompts: int = 256,
+             partial_mode: str = "correct", filter_groups: bool = False, seed: int = 1, extra=(), engine=None):
+    """The parts of a `Runtime` the rollout stage reads (rank 0), on the server at ``url`` (or
+    ``engine``)."""
     from hapo_megatron.config import load_config
     from hapo_megatron.data.sampler import PromptSampler
     from hapo_megatron.rewards.scoring import RewardScorer
@@ -62,8 +64,9 @@ def build_rt(url: str, *, over_sampling: float, batch: int, n: int, max_len: int
     sampler = PromptSampler(ds, cfg.rollout.generate_batch_size or batch, seed=seed)
     rl = RLState(sampler=sampler, dyn=DynamicSampler(enabled=cfg.algo.filter_groups,
                                                      metric=cfg.algo.filter_groups_metric))
-    engine = SGLangEngine(server_urls=[url], send_sampling_seed=True, launch=False, max_retries=0,
-                          request_timeout_s=600)
+    if engine is None:
+        engine = SGLangEngine(server_urls=[url], send_sampling_seed=True, launch=False, max_retries=0,
+                              request_timeout_s=600)
     rt = SimpleNamespace(cfg=cfg, train_ds=ds, engine=engine, rl=rl, memory=_NoMemory(),
                          scorer=RewardScorer(REWARD, num_workers=0, timeout_s=30),
                          tokenizer=SimpleNamespace(decode=lambda ids, **kw: "".join(chr(65 + t % 26) for t in ids),
