@@ -274,3 +274,28 @@ def test_over_sampling_off_is_the_synchronous_rollout(monkeypatch):
     got = _steps(rt, 1, 2)
     assert calls and "partial_rollouts" not in rt.rl.state_dict()
     assert not any(k in got[0]["metrics"] for k in ("rollout/aborted", "rollout/resumed"))
+
+
+SGLANG = ["rollout.engine=sglang", "rollout.sglang.colocate=false"]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (SGLANG + ["rollout.over_sampling=0.9"], r"rollout\.over_sampling"),
+    (["rollout.over_sampling=1.5"], r"rollout\.over_sampling=1\.5 .*rollout\.engine=sglang"),
+    (SGLANG + ["rollout.over_sampling=1.5", "rollout.max_staleness=1"], r"rollout\.max_staleness=0"),
+    (SGLANG + ["rollout.partial_mode=drop"], r"rollout\.partial_mode"),
+    (SGLANG + ["rollout.over_sampling=1.5", "algo.rollout_is=none"], r"partial_mode=correct .*algo\.rollout_is"),
+    (SGLANG + ["rollout.over_sampling=1.5", "model.routing_replay=true"], r"model\.routing_replay"),
+])
+def test_config_refusals_name_the_field(overrides, message):
+    from hapo_megatron.config import load_config
+    with pytest.raises(ValueError, match=message):
+        load_config(overrides=overrides)
+
+
+def test_config_correct_turns_the_correction_on():
+    from hapo_megatron.config import load_config
+    assert load_config(overrides=SGLANG + ["rollout.over_sampling=1.5"]).algo.rollout_is == "token_tis"
+    masked = load_config(overrides=SGLANG + ["rollout.over_sampling=1.5", "rollout.partial_mode=mask_prefix"])
+    assert masked.algo.rollout_is == "none"
+    assert load_config(overrides=SGLANG).algo.rollout_is == "none"  # over-sampling off: as before
