@@ -42,7 +42,11 @@ class StandinHandler(BaseHTTPRequestHandler):
         pass
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256  # a step's calls connect at once: the default backlog (5) resets some
+
+
 def serve(handler, host, port):
     """A threading server on ``(host, port)`` (not yet serving: ``serve_forever``)."""
-    ThreadingHTTPServer.daemon_threads = True
-    return ThreadingHTTPServer((host, port), handler)
+    return _Server((host, port), handler)
