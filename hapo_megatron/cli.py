@@ -72,13 +72,13 @@ def _config_docs(args) -> int:
         return 2
 
     def walk(obj, prefix):
-        docs = C.field_docs(type(obj))
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if isinstance(value, C._Section):
-                walk(value, f"{prefix}{f.name}.")
+        docs = C.key_docs(type(obj))
+        for key, value in obj.to_dict().items():
+            sub = getattr(obj, key, None)
+            if isinstance(sub, C._Section):
+                walk(sub, f"{prefix}{key}.")
                 continue
-            print(f"{prefix}{f.name} = {value!r}\n    {docs.get(f.name, '').replace(chr(10), chr(10) + '    ')}")
+            print(f"{prefix}{key} = {value!r}\n    {docs.get(key, '').replace(chr(10), chr(10) + '    ')}")
 
     for name in sections:
         if args.section in (None, name):

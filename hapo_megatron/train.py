@@ -32,19 +32,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_intermixed_args(list(argv) if argv is not None else None)
 
 
-def check_parallel_fits_model(hf_config, parallel) -> None:
-    """TP must divide the attention and KV heads, PP the layers (ValueError naming the fields)."""
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    heads = int(hf_config.num_attention_heads)
-    kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
-    if heads % tp or kv % tp:
-        raise ValueError(f"parallel.tensor_model_parallel_size={tp} must divide the model's attention heads "
-                         f"(num_attention_heads={heads}, num_key_value_heads={kv})")
-    if hf_config.num_hidden_layers % pp:
-        raise ValueError(f"parallel.pipeline_model_parallel_size={pp} must divide the model's "
-                         f"num_hidden_layers={hf_config.num_hidden_layers}")
-
-
 def collective_wait_bounds_s(cfg) -> dict[str, float]:
     """The longest single waits a trainer collective (the NCCL groups) can span, in seconds, by
     what causes them: while a node leader waits for one weight-sync request
@@ -160,15 +147,15 @@ def preflight(cfg, world_size: int, *, allow_config_change: bool = False):
     from hapo_megatron.training.sources import build_datasets, initial_hf_weights, load_tokenizer
     from hapo_megatron.training.context_length import check_sequence_fits, sglang_context_args
     from hapo_megatron.config.run_identity import check_same_algorithm
+    from hapo_megatron.config.validate import ModelSpec, validate_run
     check_installs(cfg)
     resolve_model_sources(cfg)
     hf_config = _load_model_config(cfg.model.hf_model_path)
-    check_parallel_fits_model(hf_config, cfg.parallel)
+    validate_run(cfg, ModelSpec.of(hf_config), world_size)
     check_sequence_fits(hf_config, cfg)
     sglang_context_args(cfg, cfg.rollout.sglang.extra_server_args)  # no clashing server flags
     check_dist_timeout(cfg, world_size)
     check_server_placement(cfg, world_size)
-    cfg.parallel.validate_world(world_size)
     if cfg.model.megatron_load_path and not os.path.isdir(cfg.model.megatron_load_path):
         raise FileNotFoundError(f"model.megatron_load_path: {cfg.model.megatron_load_path!r} does not exist")
     initial_hf_weights(cfg.model)  # weights, a Megatron checkpoint, or model.random_init=true

@@ -59,7 +59,7 @@ def near_loss_discontinuity(ratio, h_hat, valid, cfg, rel: float):
     zone edges 1 - eps_L_t / 2 and 1 + eps_R_t / 2 (adaptive advantage switches A' there), the clip
     range 1 - eps_L_t, 1 + eps_R_t and the dual clip c. There a rounding-sized change of the ratio
     can change the token's branch; everywhere else the loss is continuous in it. `cfg` is a
-    `parallel.loss.LossConfig`."""
+    `algo.PolicyLossConfig`."""
     import torch
 
     from hapo_megatron.algo import adaptive_clip_ranges

@@ -18,7 +18,7 @@ SECTION_CLASSES = [C.AlgoConfig, C.RewardConfig, C.DataConfig, C.SGLangConfig, C
 
 def test_defaults_build_and_every_field_has_a_docstring():
     cfg = HapoConfig()
-    assert cfg.algo.adv_estimator == "hapo" and cfg.algo.entropy_pivot == 0.8
+    assert cfg.algo.adv_estimator == "hapo" and cfg.algo.loss.entropy_pivot == 0.8
     for cls in SECTION_CLASSES:
         docs = field_docs(cls)
         missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
@@ -94,11 +94,11 @@ def test_validation_messages_name_the_field(override, message):
 
 def test_direct_construction_is_checked_and_coerced():
     with pytest.raises(ValueError, match=r"algo\.entropy_pivot must be in \(0, 1\), got 1\.5"):
-        AlgoConfig(entropy_pivot=1.5)
-    algo = AlgoConfig(clip_ratio_high="0.28", max_num_gen_batches=4.0)
-    assert algo.clip_ratio_high == 0.28 and isinstance(algo.max_num_gen_batches, int)
+        AlgoConfig.from_dict(dict(entropy_pivot=1.5))
+    algo = AlgoConfig.from_dict(dict(clip_ratio_high="0.28", max_num_gen_batches=4.0))
+    assert algo.loss.clip_ratio_high == 0.28 and isinstance(algo.max_num_gen_batches, int)
     cfg = HapoConfig(algo={"clip_ratio_high": 0.3}, rollout={"sglang": {"num_servers": 2}})
-    assert isinstance(cfg.algo, AlgoConfig) and cfg.algo.clip_ratio_high == 0.3
+    assert isinstance(cfg.algo, AlgoConfig) and cfg.algo.loss.clip_ratio_high == 0.3
     assert cfg.rollout.sglang.num_servers == 2
 
 
@@ -113,10 +113,10 @@ def test_override_value_parsing():
         "algo.tis_cap=2", "rollout.sglang.server_urls=[http://a:1]", "rollout.engine=sglang",
         "reward.reward_kwargs={x: 1}",
     ])
-    assert cfg.optim.lr == 1e-5 and isinstance(cfg.algo.clip_ratio_c, float)
+    assert cfg.optim.lr == 1e-5 and isinstance(cfg.algo.loss.clip_ratio_c, float)
     assert cfg.data.train_files == ["a.parquet"] and cfg.data.val_files == ["b.parquet", "c.jsonl"]
     assert cfg.model.use_te is None and cfg.trainer.experiment_name == "2024"
-    assert cfg.algo.tis_cap == 2.0 and cfg.rollout.sglang.server_urls == ["http://a:1"]
+    assert cfg.algo.loss.tis_cap == 2.0 and cfg.rollout.sglang.server_urls == ["http://a:1"]
     assert cfg.reward.reward_kwargs == {"x": 1}
     assert cfg.data.tokenizer_path == "Qwen/Qwen2.5-Math-7B"  # defaults to model.hf_model_path
     assert cfg.trainer.run_dir == os.path.join("runs", "2024")
@@ -153,7 +153,7 @@ def test_yaml_unknown_key_names_file(tmp_path):
     with pytest.raises(ValueError, match="unknown config key 'trainer.nope'"):
         HapoConfig.from_dict({"trainer": {"nope": 1}})
     path.write_text("algo:\nrollout:\n  sglang:\n")  # empty blocks are fine
-    assert load_config(str(path), "algo.clip_ratio_high=0.3").algo.clip_ratio_high == 0.3
+    assert load_config(str(path), "algo.clip_ratio_high=0.3").algo.loss.clip_ratio_high == 0.3
     path.write_text("- a\n- b\n")
     with pytest.raises(ValueError, match="must contain a mapping"):
         load_config(str(path))
@@ -170,7 +170,7 @@ def test_yaml_overrides_round_trip(tmp_path):
         "trainer": {"ppo_mini_batch_size": 16, "experiment_name": "exp"},
     }))
     cfg = load_config(str(path), ["algo.clip_ratio_high=0.3", "rollout.n=8"])
-    assert cfg.algo.clip_ratio_high == 0.3 and cfg.algo.adaptive_clip is False  # override beats YAML
+    assert cfg.algo.loss.clip_ratio_high == 0.3 and cfg.algo.loss.adaptive_clip is False  # override beats YAML
     assert cfg.rollout.n == 8 and cfg.rollout.sglang.num_servers == 2
     assert cfg.trainer.run_dir == os.path.join("runs", "exp")
     out = save_config(cfg, str(tmp_path / "sub" / "resolved.yaml"))
@@ -184,11 +184,11 @@ def test_order_preset_then_yaml_then_overrides(tmp_path):
     path.write_text("preset: dapo\nalgo:\n  clip_ratio_high: 0.25\n")
     cfg = load_config(str(path))
     assert cfg.algo.adv_estimator == "grpo" and cfg.algo.filter_groups  # from the YAML's preset
-    assert cfg.algo.clip_ratio_high == 0.25  # YAML beats preset
+    assert cfg.algo.loss.clip_ratio_high == 0.25  # YAML beats preset
     cfg = load_config(str(path), ["algo.clip_ratio_high=0.3"])
-    assert cfg.algo.clip_ratio_high == 0.3
+    assert cfg.algo.loss.clip_ratio_high == 0.3
     cfg = load_config(str(path), preset="hapo")  # the argument replaces the YAML's preset
-    assert cfg.algo.adv_estimator == "hapo" and cfg.algo.clip_ratio_high == 0.25
+    assert cfg.algo.adv_estimator == "hapo" and cfg.algo.loss.clip_ratio_high == 0.25
     with pytest.raises(ValueError, match="unknown preset 'dapo2'; available presets: hapo, dapo, grpo"):
         load_config(preset="dapo2")
 
@@ -198,20 +198,21 @@ SWITCHES = ("adv_estimator", "adaptive_temperature", "adaptive_advantage", "adap
 
 def test_presets_produce_intended_switches():
     hapo = load_config(preset="hapo")
-    assert [getattr(hapo.algo, s) for s in SWITCHES] == ["hapo", True, True, True]
-    assert (hapo.algo.clip_ratio_low, hapo.algo.clip_ratio_high, hapo.algo.clip_ratio_c) == (0.2, 0.2, 10.0)
+    assert [hapo.to_dict()["algo"][s] for s in SWITCHES] == ["hapo", True, True, True]
+    h = hapo.algo.loss
+    assert (h.clip_ratio_low, h.clip_ratio_high, h.clip_ratio_c) == (0.2, 0.2, 10.0)
     assert hapo.algo.filter_groups and hapo.algo.filter_groups_metric == "acc"
-    assert hapo.reward.overlong_buffer_enable and hapo.algo.kl_loss_coef == 0.0
+    assert hapo.reward.overlong_buffer_enable and hapo.algo.loss.kl_loss_coef == 0.0
 
     dapo = load_config(preset="dapo")
-    assert [getattr(dapo.algo, s) for s in SWITCHES] == ["grpo", False, False, False]
-    assert (dapo.algo.clip_ratio_low, dapo.algo.clip_ratio_high) == (0.2, 0.28)
+    assert [dapo.to_dict()["algo"][s] for s in SWITCHES] == ["grpo", False, False, False]
+    assert (dapo.algo.loss.clip_ratio_low, dapo.algo.loss.clip_ratio_high) == (0.2, 0.28)
     assert dapo.algo.filter_groups and dapo.reward.overlong_buffer_enable
-    assert dapo.algo.loss_agg_mode == "token-mean" and dapo.algo.kl_loss_coef == 0.0
+    assert dapo.algo.loss.loss_agg_mode == "token-mean" and dapo.algo.loss.kl_loss_coef == 0.0
 
     grpo = load_config(preset="grpo")
-    assert [getattr(grpo.algo, s) for s in SWITCHES] == ["grpo", False, False, False]
-    assert (grpo.algo.clip_ratio_low, grpo.algo.clip_ratio_high) == (0.2, 0.2)
+    assert [grpo.to_dict()["algo"][s] for s in SWITCHES] == ["grpo", False, False, False]
+    assert (grpo.algo.loss.clip_ratio_low, grpo.algo.loss.clip_ratio_high) == (0.2, 0.2)
     assert not grpo.algo.filter_groups and not grpo.reward.overlong_buffer_enable
 
     ablations = {"dapo+temp": "adaptive_temperature", "dapo+tlga": "adv_estimator",
@@ -271,13 +272,13 @@ def test_validate_world():
 def test_choices_come_from_algo():
     """One definition: the config's choice tuples are algo's objects, not copies."""
     from hapo_megatron.algo import choices
-    from hapo_megatron.parallel import loss as parallel_loss
+    from hapo_megatron.algo import loss_config
 
     for name in ("ADV_ESTIMATORS", "H_HAT_MODES", "ENTROPY_STATS_SCOPES", "H_HAT_ENTROPIES", "LOSS_AGG_MODES",
                  "KL_LOSS_TYPES", "OLD_LOGPROB_SOURCES", "FILTER_GROUPS_METRICS"):
         assert getattr(C, name) is getattr(choices, name), name
-    assert parallel_loss.ENTROPY_STATS_SCOPES is choices.ENTROPY_STATS_SCOPES
-    assert parallel_loss.H_HAT_ENTROPIES is choices.H_HAT_ENTROPIES
+    assert loss_config.ENTROPY_STATS_SCOPES is choices.ENTROPY_STATS_SCOPES
+    assert loss_config.H_HAT_ENTROPIES is choices.H_HAT_ENTROPIES
 
 
 def test_fp8_rollouts_turn_the_off_policy_correction_on_by_default():
@@ -289,12 +290,12 @@ def test_fp8_rollouts_turn_the_off_policy_correction_on_by_default():
 
     def resolved(**algo):
         return HapoConfig.from_dict({"rollout": {"engine": "sglang", "quantization": "fp8", "dtype": "bf16"},
-                                     "algo": algo}).algo.rollout_is
+                                     "algo": algo}).algo.loss.rollout_is
 
-    assert HapoConfig().algo.rollout_is == "none"
+    assert HapoConfig().algo.loss.rollout_is == "none"
     assert resolved() == "token_tis"
     assert resolved(rollout_is="none") == "none" and resolved(rollout_is="seq_tis") == "seq_tis"
     assert resolved(tis_cap=2.0) == "none"
     assert resolved(old_logprob_source="rollout") == "none"
     saved = HapoConfig.from_dict({"rollout": {"engine": "sglang", "quantization": "fp8", "dtype": "bf16"}})
-    assert HapoConfig.from_dict(saved.to_dict()).algo.rollout_is == "token_tis"  # a saved config keeps it
+    assert HapoConfig.from_dict(saved.to_dict()).algo.loss.rollout_is == "token_tis"  # a saved config keeps it

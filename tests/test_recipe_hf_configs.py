@@ -8,7 +8,7 @@ import os
 import pytest
 
 from hapo_megatron.config import load_config
-from hapo_megatron.train import check_parallel_fits_model
+from hapo_megatron.config.validate import ModelSpec, check_layout
 from hapo_megatron.training.context_length import check_sequence_fits
 from hapo_megatron.training.memory.plan import param_count, shape_from_hf_config
 from hapo_megatron.training.sources import load_hf_config
@@ -24,5 +24,7 @@ def test_recipe_hf_config_is_its_model(recipe):
     hf = load_hf_config(path)
     assert abs(param_count(shape_from_hf_config(hf)) / SIZES[recipe] - 1) < 0.02
     cfg = load_config(os.path.join(ROOT, "examples", recipe, "config.yaml"), [f"model.hf_model_path={path}"])
-    check_parallel_fits_model(hf, cfg.parallel)
+    p = cfg.parallel
+    check_layout(ModelSpec.of(hf), tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                 ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size or p.tensor_model_parallel_size)
     check_sequence_fits(hf, cfg)

@@ -76,26 +76,23 @@ def cell(text: str) -> str:
 
 def section_tables(cls: type, prefix: str, title: str, C) -> list[str]:
     """Markdown for a section class and, after it, its nested sections."""
-    hints = C._hints(cls)
-    docs = C.field_docs(cls)
-    instance = cls()
+    docs = C.key_docs(cls)
+    instance = cls().to_dict()
     doc = (cls.__doc__ or "").strip().splitlines()
     lines = [f"## `{prefix}`", ""]
     if doc:
         lines += [doc[0], ""]
     lines += ["| key | type | default | description |", "|---|---|---|---|"]
     nested = []
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
+    for key, (tp, _) in C.config_keys(cls).items():
         if isinstance(tp, type) and issubclass(tp, C._Section):
-            nested.append((tp, f"{prefix}.{f.name}"))
-            lines.append(f"| `{prefix}.{f.name}` | section | see [`{prefix}.{f.name}`]"
-                         f"(#{(prefix + f.name).replace('.', '').lower()}) | "
-                         f"{cell(docs.get(f.name, ''))} |")
+            nested.append((tp, f"{prefix}.{key}"))
+            lines.append(f"| `{prefix}.{key}` | section | see [`{prefix}.{key}`]"
+                         f"(#{(prefix + key).replace('.', '').lower()}) | "
+                         f"{cell(docs.get(key, ''))} |")
             continue
-        value = getattr(instance, f.name)
-        lines.append(f"| `{prefix}.{f.name}` | {cell(type_name(tp))} | {fmt_default(value)} | "
-                     f"{cell(docs.get(f.name, ''))} |")
+        lines.append(f"| `{prefix}.{key}` | {cell(type_name(tp))} | {fmt_default(instance[key])} | "
+                     f"{cell(docs.get(key, ''))} |")
     lines.append("")
     for sub, sub_prefix in nested:
         lines += section_tables(sub, sub_prefix, sub_prefix, C)

@@ -43,6 +43,7 @@ from hapo_megatron.algo.loss import (
     hapo_policy_loss,
     kl_penalty,
 )
+from hapo_megatron.algo.loss_config import PolicyLossConfig
 from hapo_megatron.algo.redistribution import redistribute_advantages
 from hapo_megatron.algo.rollout_is import (
     behaviour_log_ratio,
@@ -65,6 +66,7 @@ __all__ = [
     "ROLLOUT_IS_MODES",
     "LOSS_METRIC_COUNTS",
     "LOSS_METRIC_MEANS",
+    "PolicyLossConfig",
     "PolicyTokenFields",
     "EntropyStats",
     "adaptive_clip_ranges",

@@ -16,7 +16,7 @@ def check_nonneg(name: str, value: float) -> float:
 
 
 def adaptive_clip_ranges(
-    h_hat: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float, clip_alpha: float = 1.0
+    h_hat: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float, clip_alpha: float
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token clip ranges ``(eps_L_t, eps_R_t)``.
 

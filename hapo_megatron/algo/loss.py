@@ -56,7 +56,8 @@ import torch
 from hapo_megatron.algo.choices import KL_LOSS_TYPES, LOSS_AGG_MODES
 from hapo_megatron.algo.clipping import adaptive_clip_ranges, check_nonneg
 from hapo_megatron.algo.redistribution import redistribute_advantages
-from hapo_megatron.algo.rollout_is import behaviour_log_ratio, check_rollout_is, rollout_is_weights
+from hapo_megatron.algo.loss_config import PolicyLossConfig
+from hapo_megatron.algo.rollout_is import behaviour_log_ratio, rollout_is_weights
 #: log-ratios are clamped to this range before exp (numerical safety; exp(20) ~ 4.9e8)
 LOG_RATIO_CLAMP = 20.0
 
@@ -124,7 +125,7 @@ def _num_seqs(lengths: torch.Tensor, seq_token_counts: Optional[torch.Tensor],
 def agg_loss(
     loss_mat: torch.Tensor,
     loss_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
+    loss_agg_mode: str,
     *,
     loss_scale_factor: Optional[float] = None,
     seq_token_counts: Optional[torch.Tensor] = None,
@@ -225,27 +226,27 @@ def _check_tensor(name: str, t, shape) -> None:
         raise ValueError(f"{name} must be a floating tensor, got dtype {t.dtype}")
 
 
-def _policy_token_losses(logprobs, old_logprobs, advantages, valid, h_hat, *, eps_l, eps_r, clip_c,
-                         adaptive_clip, clip_alpha, adaptive_advantage, adv_beta):
+def _policy_token_losses(logprobs, old_logprobs, advantages, valid, h_hat, cfg: PolicyLossConfig):
     """Per-token clipped PPO/HAPO loss ``[B, T]`` (0 on padding) and detached intermediates."""
     zero = torch.zeros((), device=logprobs.device)
     log_ratio = logprobs.to(torch.float32) - old_logprobs.detach().to(torch.float32)
     log_ratio = torch.where(valid, log_ratio, zero)
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     adv = torch.where(valid, advantages.detach().to(torch.float32), zero)
-    if adaptive_clip:
-        low, high = adaptive_clip_ranges(h_hat, eps_l, eps_r, clip_alpha)
+    eps_l, eps_r = float(cfg.clip_ratio_low), float(cfg.clip_ratio_high)
+    if cfg.adaptive_clip:
+        low, high = adaptive_clip_ranges(h_hat, eps_l, eps_r, cfg.clip_alpha)
     else:
         low, high = torch.full_like(adv, eps_l), torch.full_like(adv, eps_r)
     adv_p = adv
-    if adaptive_advantage:
-        adv_p = redistribute_advantages(adv, h_hat.detach(), ratio.detach(), low, high, adv_beta)
+    if cfg.adaptive_advantage:
+        adv_p = redistribute_advantages(adv, h_hat.detach(), ratio.detach(), low, high, cfg.adv_beta)
         adv_p = torch.where(valid, adv_p, zero)
     l1 = -adv_p * ratio
     l2 = -adv_p * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     clipped = torch.maximum(l1, l2)
     neg = adv_p < 0
-    l3 = torch.where(neg, -adv_p * clip_c, zero)  # dual-clip bound, only used where A' < 0
+    l3 = torch.where(neg, -adv_p * float(cfg.clip_ratio_c), zero)  # dual-clip bound, only used where A' < 0
     loss = torch.where(neg, torch.minimum(clipped, l3), clipped)
     with torch.no_grad():
         r = ratio.detach()
@@ -307,21 +308,6 @@ def _policy_metrics(valid, aux, h_hat, pg_mat, entropy, kl_mat, tis_w, n_seq,
     return m
 
 
-def _check_loss_args(clip_ratio_low, clip_ratio_high, clip_ratio_c, clip_alpha, adv_beta,
-                     adaptive_clip, adaptive_advantage, h_hat, loss_agg_mode):
-    eps_l = check_nonneg("clip_ratio_low", clip_ratio_low)
-    eps_r = check_nonneg("clip_ratio_high", clip_ratio_high)
-    c = float(clip_ratio_c)
-    if not c > 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c!r}")
-    check_nonneg("clip_alpha", clip_alpha)
-    check_nonneg("adv_beta", adv_beta)
-    _check_agg_mode(loss_agg_mode)
-    if (adaptive_clip or adaptive_advantage) and h_hat is None:
-        raise ValueError("h_hat is required when adaptive_clip or adaptive_advantage is on")
-    return eps_l, eps_r, c
-
-
 def _check_loss_tensors(logprobs, old_logprobs, advantages, loss_mask, **optional) -> None:
     if not torch.is_tensor(logprobs) or logprobs.ndim < 1:
         raise ValueError("logprobs must be a tensor of shape [B, T]")
@@ -336,31 +322,16 @@ def _check_loss_tensors(logprobs, old_logprobs, advantages, loss_mask, **optiona
         raise ValueError(f"loss_mask must be a tensor of shape {tuple(shape)}")
 
 
-def _check_extras(entropy, entropy_coeff, ref_logprobs, kl_loss_coef, kl_loss_type, rollout_logprobs, tis_cap):
-    if not math.isfinite(float(entropy_coeff)):
-        raise ValueError(f"entropy_coeff must be finite, got {entropy_coeff!r}")
-    if float(entropy_coeff) != 0.0 and entropy is None:
+def _check_inputs(cfg: PolicyLossConfig, rollout_is: str, entropy, ref_logprobs, rollout_logprobs) -> None:
+    """The tensors the knobs ask for are there (the knobs' own values are checked by the config)."""
+    if cfg.entropy_coeff != 0.0 and entropy is None:
         raise ValueError("entropy is required when entropy_coeff != 0")
-    if check_nonneg("kl_loss_coef", kl_loss_coef) > 0 and ref_logprobs is None:
+    if cfg.kl_loss_coef > 0 and ref_logprobs is None:
         raise ValueError("ref_logprobs is required when kl_loss_coef > 0")
-    if kl_loss_type not in KL_LOSS_TYPES:
-        raise ValueError(f"kl_loss_type must be one of {KL_LOSS_TYPES}, got {kl_loss_type!r}")
-    if tis_cap is not None:
-        if not float(tis_cap) > 0:
-            raise ValueError(f"tis_cap must be > 0 or None, got {tis_cap!r}")
-        if rollout_logprobs is None:
-            raise ValueError("rollout_logprobs is required when tis_cap is set")
-
-
-def _check_rollout_is(rollout_is, rollout_is_cap, rollout_logprobs, tis_cap) -> None:
-    check_rollout_is(rollout_is, rollout_is_cap)
-    if rollout_is == "none":
-        return
-    if rollout_logprobs is None:
+    if cfg.tis_cap is not None and rollout_logprobs is None:
+        raise ValueError("rollout_logprobs is required when tis_cap is set")
+    if rollout_is != "none" and rollout_logprobs is None:
         raise ValueError(f"rollout_logprobs (the behaviour policy's) are required with rollout_is={rollout_is!r}")
-    if tis_cap is not None:
-        raise ValueError(f"tis_cap and rollout_is={rollout_is!r} both weight the loss by the rollout "
-                         "log-probs; use one of them")
 
 
 def hapo_policy_loss(
@@ -370,32 +341,22 @@ def hapo_policy_loss(
     loss_mask: torch.Tensor,
     h_hat: Optional[torch.Tensor] = None,
     *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    adaptive_clip: bool = False,
-    clip_alpha: float = 1.0,
-    adaptive_advantage: bool = False,
-    adv_beta: float = 1.0,
-    loss_agg_mode: str = "token-mean",
+    cfg: PolicyLossConfig,
     loss_scale_factor: Optional[float] = None,
     seq_token_counts: Optional[torch.Tensor] = None,
     num_seqs: Optional[float] = None,
     entropy: Optional[torch.Tensor] = None,
-    entropy_coeff: float = 0.0,
     ref_logprobs: Optional[torch.Tensor] = None,
-    kl_loss_coef: float = 0.0,
-    kl_loss_type: str = "low_var_kl",
     rollout_logprobs: Optional[torch.Tensor] = None,
-    tis_cap: Optional[float] = None,
-    rollout_is: str = "none",
-    rollout_is_cap: float = 2.0,
     proximal_logprobs: Optional[torch.Tensor] = None,
     seq_is_log_ratio: Optional[torch.Tensor] = None,
     return_token_fields: bool = False,
 ):
     """HAPO policy loss (docs/algorithm.md, "Policy loss") as ``(loss_sum, normalizer, metrics)``.
 
+    The knobs are ``cfg``'s (:class:`~hapo_megatron.algo.loss_config.PolicyLossConfig`; its entropy
+    normalisation fields are the caller's, who passes ``h_hat``; ``rollout_is`` is read as
+    ``cfg.rollout_is_mode``).
     Per valid token: ``rho = exp(logprobs - old_logprobs)`` (log-ratio clamped to +-20), clip ranges
     from :func:`adaptive_clip_ranges` if ``adaptive_clip`` else the constants, ``A'`` from
     :func:`redistribute_advantages` if ``adaptive_advantage`` else ``A``;
@@ -426,37 +387,38 @@ def hapo_policy_loss(
         :func:`finalize_loss_metrics` after summing them over micro-batches/ranks), and with
         ``return_token_fields`` a fourth value, the :class:`PolicyTokenFields` of this evaluation.
     """
-    eps_l, eps_r, c = _check_loss_args(clip_ratio_low, clip_ratio_high, clip_ratio_c, clip_alpha, adv_beta,
-                                       adaptive_clip, adaptive_advantage, h_hat, loss_agg_mode)
+    if not isinstance(cfg, PolicyLossConfig):
+        raise TypeError(f"cfg must be a PolicyLossConfig, got {type(cfg).__name__}")
+    if cfg.needs_h_hat and h_hat is None:
+        raise ValueError("h_hat is required when adaptive_clip or adaptive_advantage is on")
+    rollout_is = cfg.rollout_is_mode
     _check_loss_tensors(logprobs, old_logprobs, advantages, loss_mask, h_hat=h_hat, entropy=entropy,
                         ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
                         proximal_logprobs=proximal_logprobs)
-    _check_extras(entropy, entropy_coeff, ref_logprobs, kl_loss_coef, kl_loss_type, rollout_logprobs, tis_cap)
-    _check_rollout_is(rollout_is, rollout_is_cap, rollout_logprobs, tis_cap)
+    _check_inputs(cfg, rollout_is, entropy, ref_logprobs, rollout_logprobs)
     valid = loss_mask.detach() != 0
     pg_mat, aux = _policy_token_losses(
-        logprobs, old_logprobs, advantages, valid, h_hat, eps_l=eps_l, eps_r=eps_r, clip_c=c,
-        adaptive_clip=adaptive_clip, clip_alpha=clip_alpha, adaptive_advantage=adaptive_advantage, adv_beta=adv_beta)
+        logprobs, old_logprobs, advantages, valid, h_hat, cfg)
     zero = torch.zeros((), device=logprobs.device)
     tis_w = None
-    if tis_cap is not None:
+    if cfg.tis_cap is not None:
         d = old_logprobs.detach().float() - rollout_logprobs.detach().float()
         d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        tis_w = torch.where(valid, torch.exp(d).clamp_max(float(tis_cap)), zero)
+        tis_w = torch.where(valid, torch.exp(d).clamp_max(float(cfg.tis_cap)), zero)
         pg_mat = pg_mat * tis_w
     is_w = None
     if rollout_is != "none":
         proximal = old_logprobs if proximal_logprobs is None else proximal_logprobs
         log_w = behaviour_log_ratio(proximal, rollout_logprobs, valid)
-        is_w, _ = rollout_is_weights(log_w, valid, rollout_is, rollout_is_cap, seq_is_log_ratio)
+        is_w, _ = rollout_is_weights(log_w, valid, rollout_is, cfg.rollout_is_cap, seq_is_log_ratio)
         pg_mat = pg_mat * is_w
     loss_mat = pg_mat
-    kl_mat = None if ref_logprobs is None else kl_penalty(logprobs, ref_logprobs, kl_loss_type)
-    if kl_mat is not None and float(kl_loss_coef) > 0:
-        loss_mat = loss_mat + float(kl_loss_coef) * torch.where(valid, kl_mat, zero)
-    if entropy is not None and float(entropy_coeff) != 0.0:
-        loss_mat = loss_mat - float(entropy_coeff) * torch.where(valid, entropy.float(), zero)
-    loss_sum, normalizer = agg_loss(loss_mat, valid, loss_agg_mode, loss_scale_factor=loss_scale_factor,
+    kl_mat = None if ref_logprobs is None else kl_penalty(logprobs, ref_logprobs, cfg.kl_loss_type)
+    if kl_mat is not None and cfg.kl_loss_coef > 0:
+        loss_mat = loss_mat + float(cfg.kl_loss_coef) * torch.where(valid, kl_mat, zero)
+    if entropy is not None and cfg.entropy_coeff != 0.0:
+        loss_mat = loss_mat - float(cfg.entropy_coeff) * torch.where(valid, entropy.float(), zero)
+    loss_sum, normalizer = agg_loss(loss_mat, valid, cfg.loss_agg_mode, loss_scale_factor=loss_scale_factor,
                                     seq_token_counts=seq_token_counts, num_seqs=num_seqs)
     n_seq = _num_seqs(valid.sum(dim=-1), seq_token_counts, num_seqs)
     metrics = _policy_metrics(valid, aux, h_hat, pg_mat, entropy, kl_mat, tis_w, n_seq, is_w)

@@ -22,7 +22,7 @@ def redistribute_advantages(
     ratio: torch.Tensor,
     clip_low: Range,
     clip_high: Range,
-    adv_beta: float = 1.0,
+    adv_beta: float,
 ) -> torch.Tensor:
     """``A'`` per token (computed without gradient).
 

@@ -11,8 +11,8 @@ Every field has a docstring right below it (``hapo config docs`` prints them) an
 lives in ``__post_init__`` with a message that names the field. Values are coerced to the field
 type (``"1e-6"`` -> ``1e-06`` for a float, ``"a.parquet"`` -> ``["a.parquet"]`` for a list), so a
 config built from a dict, a YAML file or keyword arguments is always well typed.
-Checks that need the model or the world size are left to the trainer, except
-``ParallelConfig.validate_world``.
+Checks that need the model or the world size are ``validate.validate_run``'s (``hapo train`` runs
+it before any process group, ``hapo doctor --config`` too).
 
 Layout (everything is re-exported here; import from ``hapo_megatron.config``):
 
@@ -20,7 +20,9 @@ Layout (everything is re-exported here; import from ``hapo_megatron.config``):
 - ``sections``: algo, reward, data, rollout (+ ``rollout.sglang``) and model sections;
 - ``training_sections``: parallel, optim, trainer and logging sections;
 - ``root``: ``HapoConfig`` and its cross-section checks;
-- ``loading``: YAML files, dotted overrides, presets, ``save_config`` / ``format_config``.
+- ``loading``: YAML files, dotted overrides, presets, ``save_config`` / ``format_config``;
+- ``validate``: ``ModelSpec`` (the model's shape), ``check_layout``, ``validate_run`` (import it from
+  ``hapo_megatron.config.validate``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from hapo_megatron.config.base import (
     ADV_ESTIMATORS, DTYPES, ENTROPY_STATS_SCOPES, FILTER_GROUPS_METRICS, H_HAT_ENTROPIES, H_HAT_MODES,
     KL_LOSS_TYPES, LOSS_AGG_MODES, LR_DECAY_STYLES, OLD_LOGPROB_SOURCES, ROLLOUT_ENGINES, SCORE_FORMATS,
     WANDB_MODES, WEIGHT_SYNC_MODES, _check_choice, _check_min, _check_open_unit, _coerce, _coerce_scalar,
-    _fail, _hints, _Section, _type_name, _unknown_key_error, field_docs,
+    _fail, _hints, _Section, _type_name, _unknown_key_error, config_keys, field_docs, key_docs,
 )
 from hapo_megatron.config.loading import (
     _flatten, _read_yaml, _resolve_key, _set_dotted, apply_overrides, format_config, load_config,
@@ -46,5 +48,5 @@ __all__ = [
     "AlgoConfig", "RewardConfig", "DataConfig", "SGLangConfig", "RolloutConfig", "ModelConfig",
     "ParallelConfig", "OptimConfig", "TrainerConfig", "LoggingConfig", "HapoConfig",
     "PRESETS", "load_config", "save_config", "format_config", "apply_overrides",
-    "parse_override", "field_docs",
+    "parse_override", "field_docs", "key_docs", "config_keys",
 ]

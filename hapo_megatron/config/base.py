@@ -4,16 +4,22 @@
 annotated type (``"1e-6"`` -> ``1e-06`` for a float, ``"a.parquet"`` -> ``["a.parquet"]`` for a
 list) and runs the section's ``_validate``; ``to_dict`` / ``from_dict`` give the dict round trip.
 ``field_docs`` reads the attribute docstring written right below each field.
+
+A section may embed a component's frozen config with ``inline_field``: its fields are the
+section's keys (``algo.clip_ratio_high``, not ``algo.loss.clip_ratio_high``), its defaults and
+checks stay in the component (``config_keys``, ``key_docs`` list them with the section's own).
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import difflib
 import functools
 import inspect
 import math
+import re
 import textwrap
 import types
 import typing
@@ -110,6 +116,20 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     return _coerce_scalar(value, tp, name)
 
 
+def _build_inline(tp: type, value: Any, path: str) -> Any:
+    """An inline component config from a dict of its (coerced) fields; the field names in its
+    check messages get the section's path in front (``clip_alpha`` -> ``algo.clip_alpha``)."""
+    if isinstance(value, tp):
+        return value
+    hints = _hints(tp)
+    kwargs = {k: _coerce(v, hints[k], f"{path}.{k}") for k, v in dict(value).items()}
+    try:
+        return tp(**kwargs)
+    except ValueError as err:
+        names = sorted((f.name for f in dataclasses.fields(tp)), key=len, reverse=True)
+        raise ValueError(re.sub(rf"(?<![\w.])({'|'.join(names)})\b", rf"{path}.\1", str(err))) from None
+
+
 def _coerce_scalar(value: Any, tp: type, name: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
@@ -156,6 +176,42 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+INLINE = "hapo_inline"
+
+
+def inline_field(tp: type) -> Any:
+    """A section field holding the frozen config ``tp`` whose fields are written at the section's
+    level (see the module docstring)."""
+    return dataclasses.field(default_factory=tp, metadata={INLINE: True})
+
+
+def _is_inline(f: dataclasses.Field) -> bool:
+    return bool(f.metadata.get(INLINE))
+
+
+@functools.lru_cache(maxsize=None)
+def config_keys(cls: type) -> dict[str, tuple[Any, Optional[str]]]:
+    """The keys a section reads and writes, in order: ``{key: (type, inline field or None)}``;
+    an inline field's own fields stand in its place."""
+    hints, out = _hints(cls), {}
+    for f in dataclasses.fields(cls):
+        if _is_inline(f):
+            sub = hints[f.name]
+            out.update({g.name: (_hints(sub)[g.name], f.name) for g in dataclasses.fields(sub)})
+        else:
+            out[f.name] = (hints[f.name], None)
+    return out
+
+
+def key_docs(cls: type) -> dict[str, str]:
+    """``field_docs`` of a section with its inline fields' docstrings in place of theirs."""
+    docs = dict(field_docs(cls))
+    for f in dataclasses.fields(cls):
+        if _is_inline(f):
+            docs.update(field_docs(_hints(cls)[f.name]))
+    return docs
+
+
 @functools.lru_cache(maxsize=None)
 def field_docs(cls: type) -> dict[str, str]:
     """Attribute docstrings of a config dataclass: ``{field_name: docstring}``."""
@@ -171,7 +227,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def _unknown_key_error(cls: type, key: str, where: str = "") -> ValueError:
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = list(config_keys(cls))
     path = f"{cls._path}.{key}" if cls._path else key
     close = difflib.get_close_matches(key, names, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -189,22 +245,39 @@ class _Section:
         hints = _hints(type(self))
         for f in dataclasses.fields(self):
             name = f"{self._path}.{f.name}" if self._path else f.name
-            setattr(self, f.name, _coerce(getattr(self, f.name), hints[f.name], name))
+            if _is_inline(f):
+                setattr(self, f.name, _build_inline(hints[f.name], getattr(self, f.name), self._path))
+            else:
+                setattr(self, f.name, _coerce(getattr(self, f.name), hints[f.name], name))
         self._validate()
 
     def _validate(self) -> None:
         """Section checks; overridden by sections that have any."""
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain nested dict (YAML/JSON safe) of every field."""
-        return dataclasses.asdict(self)
+        """Plain nested dict (YAML/JSON safe) of every key (inline fields flattened)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if _is_inline(f):
+                out.update(dataclasses.asdict(value))
+            elif isinstance(value, _Section):
+                out[f.name] = value.to_dict()
+            else:
+                out[f.name] = copy.deepcopy(value)
+        return out
 
     @classmethod
     def from_dict(cls, d: Optional[dict[str, Any]]):
         """Build from a (possibly partial) dict; unknown keys raise ValueError listing valid ones."""
-        d = dict(d or {})
-        names = {f.name for f in dataclasses.fields(cls)}
-        for key in d:
-            if key not in names:
+        keys = config_keys(cls)
+        kwargs: dict[str, Any] = {}
+        for key, value in dict(d or {}).items():
+            if key not in keys:
                 raise _unknown_key_error(cls, str(key))
-        return cls(**d)
+            holder = keys[key][1]
+            if holder is None:
+                kwargs[key] = value
+            else:
+                kwargs.setdefault(holder, {})[key] = value
+        return cls(**kwargs)

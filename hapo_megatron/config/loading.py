@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any, Optional
 
 import yaml
 
-from hapo_megatron.config.base import _fail, _hints, _Section, _unknown_key_error
+from hapo_megatron.config.base import _fail, _Section, _unknown_key_error, config_keys
 from hapo_megatron.config.root import HapoConfig
 from hapo_megatron.presets import preset_overrides
 
@@ -20,10 +19,10 @@ def _resolve_key(key: str, where: str = "") -> tuple[type, str]:
     parts = key.split(".")
     cls: type = HapoConfig
     for i, part in enumerate(parts):
-        names = {f.name for f in dataclasses.fields(cls)}
-        if part not in names:
+        keys = config_keys(cls)
+        if part not in keys:
             raise _unknown_key_error(cls, part, where)
-        tp = _hints(cls)[part]
+        tp = keys[part][0]
         is_section = isinstance(tp, type) and issubclass(tp, _Section)
         if i == len(parts) - 1:
             return cls, part
@@ -46,11 +45,11 @@ def _set_dotted(tree: dict, key: str, value: Any, where: str = "") -> None:
 def _flatten(tree: dict, cls: type = None, prefix: str = "") -> list[tuple[str, Any]]:
     """Dotted (key, value) pairs of a nested dict, descending only into config sections."""
     cls = cls or HapoConfig
-    hints = _hints(cls)
+    keys = config_keys(cls)
     out = []
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
-        tp = hints.get(key)
+        tp = keys.get(key, (None,))[0]
         is_section = isinstance(tp, type) and issubclass(tp, _Section)
         if is_section and value is None:
             continue  # an empty `algo:` block in YAML

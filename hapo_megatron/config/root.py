@@ -46,8 +46,9 @@ class HapoConfig(_Section):
         """Checks that span sections, then fill the defaults that point at other fields."""
         self._check_batching()
         self._check_rollout()
-        if self.algo.rollout_is == "auto":
-            self.algo.rollout_is = self._default_rollout_is()
+        fp8_rollouts = self.rollout.quantization == "fp8"
+        partial = self.rollout.over_sampling > 1.0 and self.rollout.partial_mode == "correct"
+        self.algo.loss = self.algo.loss.with_default_rollout_is(fp8_rollouts=fp8_rollouts, partial_rollouts=partial)
         self._check_partial_mode()
         if self.data.tokenizer_path is None:
             self.data.tokenizer_path = self.model.hf_model_path
@@ -58,17 +59,6 @@ class HapoConfig(_Section):
         if self.logging.tensorboard_dir is None:
             self.logging.tensorboard_dir = os.path.join(self.trainer.run_dir, "tensorboard")
 
-    def _default_rollout_is(self) -> str:
-        """The off-policy correction a run gets unless it sets one: FP8 rollouts sample from another
-        policy than the trainer's, and the published FP8-RL recipes pair them with a token-level
-        truncated importance weight (docs/fp8.md, "The correction"). algo.tis_cap is such a weight
-        already; old_logprob_source=rollout makes proximal and behaviour the same policy."""
-        algo = self.algo
-        fp8 = self.rollout.quantization == "fp8"
-        partial = self.rollout.over_sampling > 1.0 and self.rollout.partial_mode == "correct"
-        return ("token_tis" if (fp8 or partial) and algo.tis_cap is None and algo.old_logprob_source == "recompute"
-                else "none")
-
     def _check_partial_mode(self) -> None:
         """Over-sampling trains resumed responses whose prefix older weights generated: ``correct``
         weights them with the off-policy correction, so it must be on (docs/algorithm.md,
@@ -77,7 +67,7 @@ class HapoConfig(_Section):
         if ro.over_sampling > 1.0 and self.model.routing_replay:
             _fail("rollout.over_sampling > 1 resumes responses across weight versions, whose routes "
                   "model.routing_replay cannot replay: set rollout.over_sampling=1.0 or model.routing_replay=false")
-        if ro.over_sampling > 1.0 and ro.partial_mode == "correct" and self.algo.rollout_is == "none":
+        if ro.over_sampling > 1.0 and ro.partial_mode == "correct" and self.algo.loss.rollout_is == "none":
             _fail("rollout.partial_mode=correct trains resumed responses with the off-policy correction, but "
                   "algo.rollout_is is none: set algo.rollout_is (auto picks token_tis) or "
                   "rollout.partial_mode=mask_prefix")
@@ -112,7 +102,7 @@ class HapoConfig(_Section):
         if ro.engine != "sglang" and ro.sglang.server_urls:
             _fail(f"rollout.sglang.server_urls is set but rollout.engine is {ro.engine!r}; "
                   "set rollout.engine=sglang")
-        if algo.old_logprob_source == "rollout" and algo.adaptive_temperature:
+        if algo.loss.old_logprob_source == "rollout" and algo.adaptive_temperature:
             warnings.warn("algo.old_logprob_source='rollout' with algo.adaptive_temperature: the "
                           "rollout log-probs are under the adaptive temperatures, not T_base",
                           stacklevel=3)

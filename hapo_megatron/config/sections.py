@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from hapo_megatron.config.base import (
-    ADV_ESTIMATORS, DTYPES, ENTROPY_STATS_SCOPES, FILTER_GROUPS_METRICS, H_HAT_ENTROPIES, H_HAT_MODES,
-    KL_LOSS_TYPES, KV_CACHE_DTYPES, LOSS_AGG_MODES, OLD_LOGPROB_SOURCES, PARTIAL_MODES, PAUSE_MODES, ROLLOUT_ENGINES,
-    ROLLOUT_IS_MODES, ROLLOUT_QUANTIZATIONS, SCORE_FORMATS, WEIGHT_SYNC_MODES,
-    _check_choice, _check_min, _check_open_unit, _fail, _Section,
+    ADV_ESTIMATORS, DTYPES, FILTER_GROUPS_METRICS, KV_CACHE_DTYPES, PARTIAL_MODES, PAUSE_MODES, ROLLOUT_ENGINES,
+    ROLLOUT_QUANTIZATIONS, SCORE_FORMATS, WEIGHT_SYNC_MODES,
+    _check_choice, _check_min, _check_open_unit, _fail, _Section, inline_field,
 )
+from hapo_megatron.algo.loss_config import PolicyLossConfig
 
 __all__ = ["AlgoConfig", "RewardConfig", "DataConfig", "SGLangConfig", "RolloutConfig", "ModelConfig"]
 
@@ -31,48 +31,9 @@ class AlgoConfig(_Section):
     """HAPO component: per-token sampling temperature T = T_base * (1 + tau * h_hat)."""
     temperature_tau: float = 0.05
     """tau of the adaptive temperature; in [0, 1) so the temperature stays positive."""
-    entropy_pivot: float = 0.8
-    """Quantile q of the log-entropies used as the pivot of h_hat (tokens above are "high")."""
-    h_hat_mode: str = "signed"
-    """"signed" (the paper: h_hat < 0 for low entropy) or "reference" (the public code's sign defect)."""
-    entropy_stats_scope: str = "global"
-    """Entropy statistics over the whole step batch on all ranks ("global") or per micro-batch."""
-    h_hat_entropy: str = "old"
-    """Which entropy feeds h_hat in the loss: of the rollout policy ("old") or the current one."""
-    adaptive_clip: bool = True
-    """HAPO component: asymmetric adaptive clipping (entropy-dependent clip ranges)."""
-    clip_alpha: float = 1.0
-    """Strength of the adaptive clip widening (>= 0)."""
-    adaptive_advantage: bool = True
-    """HAPO component: differential advantage redistribution by entropy and importance ratio."""
-    adv_beta: float = 1.0
-    """Strength of the advantage redistribution (>= 0): A_ent = A * (1 + adv_beta * h_hat)."""
-    clip_ratio_low: float = 0.2
-    """eps_L: the ratio is clipped below at 1 - eps_L."""
-    clip_ratio_high: float = 0.2
-    """eps_R: the ratio is clipped above at 1 + eps_R (DAPO clip-higher uses 0.28)."""
-    clip_ratio_c: float = 3.0
-    """Dual-clip bound c (> 1) for negative advantages (the paper's recipe uses 10.0)."""
-    loss_agg_mode: str = "token-mean"
-    """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
-    kl_loss_coef: float = 0.0
-    """Coefficient of the KL penalty against the reference model (0 = off, no reference model)."""
-    kl_loss_type: str = "low_var_kl"
-    """KL estimator: k1 (kl), k2 (mse), k3 (low_var_kl, clamped), abs."""
-    entropy_coeff: float = 0.0
-    """Coefficient of the entropy bonus (0 = off)."""
-    old_logprob_source: str = "recompute"
-    """Old log-probs from a Megatron forward pass ("recompute") or as reported by the rollout engine."""
-    tis_cap: Optional[float] = None
-    """Truncated importance sampling cap on pi_old / pi_rollout (null = no correction)."""
-    rollout_is: str = "auto"
-    """Off-policy correction (docs/algorithm.md): a detached weight from proximal / behaviour log-probs
-    multiplies each token's loss: none, token_tis (truncated at rollout_is_cap), token_mis (tokens
-    over the cap masked), seq_tis (the sequence's product of ratios, truncated); auto = token_tis
-    with FP8 rollouts (the rollout section's quantization: fp8, docs/fp8.md) unless tis_cap or
-    old_logprob_source: rollout already decide the weighting, else none."""
-    rollout_is_cap: float = 2.0
-    """Cap of the rollout_is weight (> 0)."""
+    loss: PolicyLossConfig = inline_field(PolicyLossConfig)
+    """The policy loss's knobs (``algo.loss``; written ``algo.<knob>``): their defaults, docs and
+    checks are in ``algo/loss_config.py``."""
     filter_groups: bool = False
     """DAPO dynamic sampling: drop groups whose responses all got the same metric value."""
     filter_groups_metric: str = "acc"
@@ -86,24 +47,6 @@ class AlgoConfig(_Section):
         _check_min(f"{p}.tlga_fallback_threshold", self.tlga_fallback_threshold, 0.0, strict=True)
         if not 0 <= self.temperature_tau < 1:
             _fail(f"{p}.temperature_tau must be in [0, 1), got {self.temperature_tau}")
-        _check_open_unit(f"{p}.entropy_pivot", self.entropy_pivot)
-        _check_choice(f"{p}.h_hat_mode", self.h_hat_mode, H_HAT_MODES)
-        _check_choice(f"{p}.entropy_stats_scope", self.entropy_stats_scope, ENTROPY_STATS_SCOPES)
-        _check_choice(f"{p}.h_hat_entropy", self.h_hat_entropy, H_HAT_ENTROPIES)
-        for name in ("clip_alpha", "adv_beta", "clip_ratio_low", "clip_ratio_high", "kl_loss_coef"):
-            _check_min(f"{p}.{name}", getattr(self, name), 0.0)
-        _check_min(f"{p}.clip_ratio_c", self.clip_ratio_c, 1.0, strict=True)
-        _check_choice(f"{p}.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
-        _check_choice(f"{p}.kl_loss_type", self.kl_loss_type, KL_LOSS_TYPES)
-        _check_choice(f"{p}.old_logprob_source", self.old_logprob_source, OLD_LOGPROB_SOURCES)
-        _check_min(f"{p}.tis_cap", self.tis_cap, 0.0, strict=True)
-        _check_choice(f"{p}.rollout_is", self.rollout_is, ("auto",) + ROLLOUT_IS_MODES)
-        _check_min(f"{p}.rollout_is_cap", self.rollout_is_cap, 0.0, strict=True)
-        if self.rollout_is not in ("none", "auto") and self.tis_cap is not None:
-            _fail(f"{p}.tis_cap and {p}.rollout_is both weight the loss by the rollout log-probs; set one")
-        if self.rollout_is not in ("none", "auto") and self.old_logprob_source != "recompute":
-            _fail(f"{p}.rollout_is={self.rollout_is} compares the recomputed (proximal) log-probs with the "
-                  f"rollout's: it needs {p}.old_logprob_source=recompute")
         _check_choice(f"{p}.filter_groups_metric", self.filter_groups_metric, FILTER_GROUPS_METRICS)
         _check_min(f"{p}.max_num_gen_batches", self.max_num_gen_batches, 1)
 

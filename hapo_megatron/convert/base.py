@@ -28,7 +28,10 @@ from typing import Mapping, Sequence
 
 import torch
 
+from hapo_megatron.config.validate import ModelSpec, check_layout
 from hapo_megatron.models.hf_config import has_qkv_bias, head_dim_of, num_kv_heads_of
+
+_SIZE_NAMES = {"tp": "tp_size", "pp": "pp_size", "ep": "ep_size", "etp": "etp_size"}  # the converter's arguments
 
 KINDS = ("replicated", "row", "vocab", "qkv", "fc1")
 # Transformer Engine spec fuses the pre-attention / pre-MLP norms into the following linear.
@@ -101,6 +104,7 @@ class ModelAdapter:
         self.vocab = c.vocab_size
         self.num_layers = c.num_hidden_layers
         self.tied = bool(getattr(c, "tie_word_embeddings", False))
+        self.spec = ModelSpec.of(c)
         self.qkv_bias = self._has_qkv_bias()
 
     def _has_qkv_bias(self) -> bool:
@@ -108,17 +112,13 @@ class ModelAdapter:
 
     def check_tp(self, tp_size: int) -> None:
         """TP must split attention heads, query groups and the MLP evenly (Megatron's layout)."""
-        for what, n in (("num_attention_heads", self.heads), ("num_key_value_heads", self.groups),
-                        ("intermediate_size", self.ffn)):
-            if tp_size <= 0 or n % tp_size:
-                raise ValueError(f"tp_size={tp_size} must divide {what}={n}")
+        check_layout(self.spec, tp=tp_size, names=_SIZE_NAMES)
 
     # ----------------------------------------------------------------------------- the maps
     def check_ep(self, ep_size: int, etp_size: int) -> None:
-        """Expert parallelism needs experts (a dense model ignores `etp_size`); subclasses with
-        experts check the split."""
-        if ep_size != 1:
-            raise ValueError(f"ep_size={ep_size}: {self.arch} has no experts to split")
+        """Expert parallelism needs experts; EP must split them evenly, ETP each expert's FFN (a
+        dense model ignores `etp_size`)."""
+        check_layout(self.spec, ep=ep_size, etp=etp_size if self.spec.is_moe else None, names=_SIZE_NAMES)
 
     def layer_maps(self, local: int, layer: int, experts: Sequence[int] | None = None) -> list[ParamMap]:
         """Maps of one decoder layer: `local` index inside the stage, `layer` global HF index;
@@ -174,8 +174,7 @@ class ModelAdapter:
         experts of MoE layers evenly over `ep_size` ranks)."""
         if pp_size <= 0 or not 0 <= pp_rank < pp_size:
             raise ValueError(f"pp_rank={pp_rank} must be in [0, pp_size={pp_size})")
-        if self.num_layers % pp_size:
-            raise ValueError(f"pp_size={pp_size} must divide num_hidden_layers={self.num_layers}")
+        check_layout(self.spec, pp=pp_size, names=_SIZE_NAMES)
         per = self.num_layers // pp_size
         layers = [(j, pp_rank * per + j) for j in range(per)]
         return self.stage_maps(layers, pp_rank == 0, pp_rank == pp_size - 1, self.experts_of(ep_rank, ep_size))

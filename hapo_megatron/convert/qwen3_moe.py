@@ -34,13 +34,6 @@ class Qwen3MoeAdapter(Qwen3Adapter):
         self.moe_ffn = int(hf_config.moe_intermediate_size)
         self.sparse = moe_layer_pattern(hf_config)
 
-    def check_ep(self, ep_size: int, etp_size: int) -> None:
-        """EP must split the experts evenly, ETP each expert's FFN."""
-        if ep_size <= 0 or self.num_experts % ep_size:
-            raise ValueError(f"ep_size={ep_size} must divide num_experts={self.num_experts}")
-        if etp_size <= 0 or self.moe_ffn % etp_size:
-            raise ValueError(f"etp_size={etp_size} must divide moe_intermediate_size={self.moe_ffn}")
-
     def experts_of(self, ep_rank: int, ep_size: int) -> list[int]:
         self.check_ep(ep_size, 1)
         if not 0 <= ep_rank < ep_size:

@@ -16,8 +16,9 @@ def check_memory_plan(config: str, overrides=(), *, world_size: int | None = Non
     (GiB, 2^30 bytes, as torch reports a GPU's memory) is given; on CPU the default is an 80 GB
     H100's 79.6 GiB. The world is the visible GPUs x 1 node
     unless ``world_size`` is given (at least TP x PP x CP). ValueError (from
-    ``ParallelConfig.validate_world``) when the layout cannot run on that world."""
+    ``validate_run``) when the layout cannot run that model on that world."""
     from hapo_megatron.config import load_config
+    from hapo_megatron.config.validate import ModelSpec, validate_run
     from hapo_megatron.training.memory.plan import format_plan, plan_from_config
     from hapo_megatron.training.sources import load_hf_config
     cfg = load_config(config, list(overrides))
@@ -36,10 +37,11 @@ def check_memory_plan(config: str, overrides=(), *, world_size: int | None = Non
         device = torch.cuda.get_device_properties(0).total_memory if cuda else int(H100_80GB_GIB * GiB)
     mp = cfg.parallel.model_parallel_size
     world = world_size or max(torch.cuda.device_count() if cuda else 8, mp)
-    # an impossible layout for this world (TP x PP x CP or the expert grid ETP x EP x PP does not
-    # divide it) fails here with the fields to change, as `hapo train` would refuse it at start
+    # an impossible layout for this model and world (`validate_run`: TP x PP x CP or the expert grid
+    # ETP x EP x PP does not divide it, EP the experts, TP the heads...) fails here with the fields
+    # to change, as `hapo train` refuses it at start
     try:
-        cfg.parallel.validate_world(world)
+        validate_run(cfg, ModelSpec.of(hf_config), world)
     except ValueError as e:
         e.fix = (f"plan for the run's world size (--world-size NODES x GPUS_PER_NODE; {world} was "
                  f"{'given' if world_size else 'assumed'}) or change the parallel.* fields the message names")

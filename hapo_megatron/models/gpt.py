@@ -17,10 +17,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from hapo_megatron.config.validate import ModelSpec, check_layout
 from hapo_megatron.models.hf_config import (
     has_qk_norm,
     has_qkv_bias,
-    is_moe,
     head_dim_of,
     num_kv_heads_of,
     rope_inv_freq,
@@ -65,6 +65,9 @@ def _dtype_flags(dtype: torch.dtype) -> dict:
                 bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
 
 
+_ARG_NAMES = {"tp": "tp", "pp": "pp", "ep": "ep", "etp": "etp", "cp": "cp"}  # check_layout's messages
+
+
 def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                                etp: int | None = None, sequence_parallel: bool = False,
                                dtype: torch.dtype = torch.float32, use_te: bool | None = None, **kw):
@@ -79,16 +82,9 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, cp: int =
     from megatron.core.transformer import TransformerConfig
 
     validate_hf_config(hf_config)
+    spec = ModelSpec.of(hf_config)
     etp = tp if etp is None else etp
-    if (ep, etp) != (1, tp) and not is_moe(hf_config):
-        raise ValueError(f"ep={ep}, etp={etp}: expert parallelism needs a MoE model "
-                         f"({hf_config.model_type} has no experts)")
-    if is_moe(hf_config) and int(hf_config.num_experts) % ep:
-        raise ValueError(f"ep={ep} must divide num_experts={hf_config.num_experts}")
-    if is_moe(hf_config) and int(hf_config.moe_intermediate_size) % etp:
-        raise ValueError(f"etp={etp} must divide moe_intermediate_size={hf_config.moe_intermediate_size}")
-    if hf_config.num_hidden_layers % pp:
-        raise ValueError(f"pp={pp} must divide num_hidden_layers={hf_config.num_hidden_layers}")
+    check_layout(spec, tp=tp, pp=pp, ep=ep, etp=etp, names=_ARG_NAMES)
     if sequence_parallel and tp == 1:
         sequence_parallel = False  # Megatron rejects SP without TP; it is a no-op there anyway
     use_te = te_available() if use_te is None else use_te
@@ -127,7 +123,7 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, cp: int =
         gradient_accumulation_fusion=False,
         **_dtype_flags(dtype),
     )
-    if is_moe(hf_config):
+    if spec.is_moe:
         fields.update(moe_config_fields(hf_config, etp, fused=use_te))
     fields.update(kw)
     return TransformerConfig(**fields)
@@ -154,7 +150,7 @@ def decoder_spec_for(hf_config, config, use_te: bool, vp_stage: int | None = Non
     this pipeline stage (SequentialMLP experts with the local spec), with norms that support
     sequence parallelism in the local spec (`local_norm.py`: MoE with TP > 1 trains only with it)
     and `PackedDotProductAttention` in every layer, so packed rows run on CPU as for dense models."""
-    if not is_moe(hf_config):
+    if not ModelSpec.of(hf_config).is_moe:
         return layer_spec_for(hf_config, use_te)
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -247,7 +243,7 @@ def build_gpt_model(hf_config, *, pre_process: bool | None = None, post_process:
         rotary.inv_freq = inv_freq.to(rotary.inv_freq.device)
     if post_process and vocab > hf_config.vocab_size:
         model.output_layer.register_forward_hook(_mask_padded_vocab_hook(hf_config.vocab_size))
-    if is_moe(hf_config):  # before any other router hook (the expert-load monitor counts what it leaves)
+    if ModelSpec.of(hf_config).is_moe:  # before any other router hook (the expert-load monitor counts what it leaves)
         from hapo_megatron.models.moe_padding import route_no_padding
         route_no_padding(model)
     model.hf_vocab_size = hf_config.vocab_size

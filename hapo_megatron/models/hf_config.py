@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from hapo_megatron.config.validate import ModelSpec
+
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # Architectures with RMSNorm on every query / key head (q_norm, k_norm).
 QK_NORM_ARCHS = ("qwen3", "qwen3_moe")
@@ -107,16 +109,10 @@ def has_qk_norm(hf_config) -> bool:
     return arch_of(hf_config) in QK_NORM_ARCHS
 
 
-def is_moe(hf_config) -> bool:
-    """Whether `hf_config` has Mixture-of-Experts layers (Qwen3-MoE with num_experts > 0); False for
-    anything else, None or a config of no supported architecture included (a predicate, not a check)."""
-    return getattr(hf_config, "model_type", None) == "qwen3_moe" and int(getattr(hf_config, "num_experts", 0) or 0) > 0
-
-
 def moe_layer_pattern(hf_config) -> list[int]:
     """Per layer 1 (sparse MoE block) or 0 (dense MLP of `intermediate_size`), transformers' rule:
     a layer is sparse unless listed in `mlp_only_layers`, when (index + 1) % decoder_sparse_step == 0."""
-    if not is_moe(hf_config):
+    if not ModelSpec.of(hf_config).is_moe:
         return [0] * hf_config.num_hidden_layers
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
     step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
@@ -182,7 +178,7 @@ def validate_hf_config(hf_config) -> str:
     if hf_config.num_attention_heads % num_kv_heads_of(hf_config):
         raise ValueError("hf_config.num_key_value_heads must divide num_attention_heads")
     rope_inv_freq(hf_config)  # raises on an unsupported RoPE type
-    if is_moe(hf_config):
+    if ModelSpec.of(hf_config).is_moe:
         _validate_moe(hf_config)
     return arch
 

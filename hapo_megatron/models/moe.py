@@ -1,6 +1,6 @@
-"""Mixture-of-Experts (Qwen3-MoE) on Megatron: the TransformerConfig fields of the sparse layers,
-the checks of an expert layout for training, and the per-step MoE metrics (router load-balancing
-loss and per-expert load).
+"""Mixture-of-Experts (Qwen3-MoE) on Megatron: the TransformerConfig fields of the sparse layers
+and the per-step MoE metrics (router load-balancing loss and per-expert load). The checks of an
+expert layout are `config/validate.py`'s.
 """
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from hapo_megatron.models.hf_config import is_moe, moe_layer_pattern
+from hapo_megatron.config.validate import ModelSpec
+from hapo_megatron.models.hf_config import moe_layer_pattern
 from hapo_megatron.parallel.collectives import all_reduce_tensor, rank_and_world
 
 # Megatron's name of the router load-balancing loss in its aux-loss tracker (moe_utils).
@@ -47,34 +48,6 @@ def moe_config_fields(hf_config, etp: int = 1, fused: bool = False) -> dict:
         moe_permute_fusion=bool(fused),
         moe_shared_expert_intermediate_size=None,
     )
-
-
-def check_moe_training_layout(hf_config, *, tp: int, ep: int, etp: Optional[int], pp: int, cp: int,
-                              sequence_parallel: bool) -> None:
-    """ValueError naming the config field when an expert layout cannot train `hf_config`.
-
-    Dense models take no expert parallelism; EP must divide the experts and ETP the expert FFN;
-    MoE with TP > 1 trains only with sequence parallelism (Megatron's MoELayer refuses otherwise);
-    context parallelism with MoE is not supported here (its metrics and tests do not cover it).
-    """
-    etp = tp if etp is None else etp
-    if not is_moe(hf_config):
-        if ep != 1 or etp != tp:
-            raise ValueError(f"parallel.expert_model_parallel_size={ep} / expert_tensor_parallel_size={etp}: "
-                             f"the model ({hf_config.model_type}) has no experts; leave them at 1 / null")
-        return
-    experts, ffn = int(hf_config.num_experts), int(hf_config.moe_intermediate_size)
-    if experts % ep:
-        raise ValueError(f"parallel.expert_model_parallel_size={ep} must divide the model's num_experts={experts}")
-    if ffn % etp:
-        raise ValueError(f"parallel.expert_tensor_parallel_size={etp} must divide the model's "
-                         f"moe_intermediate_size={ffn}")
-    if tp > 1 and not sequence_parallel:
-        raise ValueError(f"parallel.sequence_parallel must be true for a MoE model with "
-                         f"tensor_model_parallel_size={tp} (Megatron trains MoE layers under TP only "
-                         "with sequence parallelism)")
-    if cp > 1:
-        raise ValueError("parallel.context_parallel_size > 1 is not supported with MoE models")
 
 
 class ExpertLoadMonitor:
@@ -170,6 +143,6 @@ class ExpertLoadMonitor:
 def moe_overrides(hf_config, moe_aux_loss_coef: Optional[float]) -> dict:
     """TransformerConfig overrides of the run's MoE settings (`model.moe_aux_loss_coef`; None keeps
     the HF config's router_aux_loss_coef); empty for dense models."""
-    if not is_moe(hf_config) or moe_aux_loss_coef is None:
+    if not ModelSpec.of(hf_config).is_moe or moe_aux_loss_coef is None:
         return {}
     return {"moe_aux_loss_coeff": float(moe_aux_loss_coef)}

@@ -24,7 +24,6 @@ from hapo_megatron.parallel.groups import (
 )
 from hapo_megatron.parallel.linear import HiddenStates, linear_logprobs_entropy, logprobs_entropy_from_hidden
 from hapo_megatron.parallel.loss import (
-    LossConfig,
     hapo_loss_from_logits,
     logprobs_entropy_from_logits,
     make_logprob_func,
@@ -41,7 +40,6 @@ from hapo_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entrop
 
 __all__ = [
     "HiddenStates",
-    "LossConfig",
     "MicroBatch",
     "ParallelGroups",
     "all_gather_from_cp",

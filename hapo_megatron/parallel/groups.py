@@ -120,12 +120,8 @@ def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234,
             raise ValueError(f"model parallel already initialised with tp={g.tp_size}, pp={g.pp_size}, "
                              f"cp={g.cp_size}, ep={g.ep_size}, etp={g.etp_size}; call destroy_parallel() first")
         return g
-    world = dist.get_world_size()
-    if world % (tp * pp * cp) != 0:
-        raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
-    if world % (etp * ep * pp) != 0:
-        raise ValueError(f"world size {world} is not divisible by etp*ep*pp = {etp}*{ep}*{pp} "
-                         "(expert tensor x expert model x pipeline parallel sizes)")
+    # the world size's divisibility is `ParallelConfig.validate_world`'s (run before any group by
+    # `validate_run`); Megatron refuses a world it cannot split too
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  context_parallel_size=cp, expert_model_parallel_size=ep,
                                  expert_tensor_parallel_size=etp,

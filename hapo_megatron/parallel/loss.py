@@ -16,7 +16,7 @@ What `num_tokens` counts depends on `loss_agg_mode`:
   0 only (a sequence is split over the CP ranks); `seq-mean-token-mean` divides each
   token by the sequence's full length, SUM-all-reduced over `cp_group`;
 - `seq-mean-token-sum-norm`: sequences as above; `loss_sum` is divided by the horizon
-  (`LossConfig.loss_scale_factor`, default the full, un-split sequence length of the batch) so
+  (`loss_scale_factor`, default the full, un-split sequence length of the batch) so
   the count stays an integer as Megatron requires.
 
 Under tensor parallelism every TP rank computes the same loss from its vocab shard
@@ -31,21 +31,14 @@ packed row.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from hapo_megatron.algo import (
-    ENTROPY_STATS_SCOPES,
-    H_HAT_ENTROPIES,
-    H_HAT_MODES,
-    KL_LOSS_TYPES,
-    LOSS_AGG_MODES,
-    ROLLOUT_IS_MODES,
     EntropyStats,
+    PolicyLossConfig,
     PolicyTokenFields,
     compute_entropy_stats,
     hapo_policy_loss,
@@ -60,94 +53,6 @@ from hapo_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entrop
 #: V/tp = 76k) instead of 2 x T x V/tp for the whole micro-batch.
 DEFAULT_LOGPROB_CHUNK = 1024
 _REQUIRED = ("old_logprobs", "advantages")  # besides labels / loss_mask, which every MicroBatch has
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Knobs of the HAPO loss (names as in `AlgoConfig`; see the algorithm spec).
-
-    Attributes:
-        clip_ratio_low / clip_ratio_high / clip_ratio_c: PPO clip ranges and dual-clip bound.
-        adaptive_clip, clip_alpha: asymmetric adaptive clipping (docs/algorithm.md, section 3).
-        adaptive_advantage, adv_beta: differential advantage redistribution (section 5).
-        loss_agg_mode: one of `LOSS_AGG_MODES`, normalised over the whole mini-batch.
-        h_hat_mode: "signed" (paper) or "reference" (the public code's sign defect).
-        entropy_stats_scope: "global" (stats given by the caller, over the whole rollout batch)
-            or "microbatch" (stats of this micro-batch on this rank, the public code's way).
-        h_hat_entropy: "old" (batch["old_entropy"]) or "current" (the policy's, detached).
-        entropy_pivot: quantile for the microbatch-scope statistics.
-        kl_loss_coef, kl_loss_type: KL penalty to batch["ref_logprobs"] (off at 0).
-        entropy_coeff: entropy bonus (backpropagates through the entropy when != 0).
-        tis_cap: truncated importance sampling cap against batch["rollout_logprobs"], or None.
-        rollout_is, rollout_is_cap: the off-policy correction (docs/algorithm.md, "Off-policy
-            correction"): weights from batch["proximal_logprobs"] - batch["rollout_logprobs"].
-        loss_scale_factor: horizon of "seq-mean-token-sum-norm" (None = full sequence length).
-        logprob_chunk_size: tokens per chunk in the fused log-prob/entropy (None = no chunking).
-            Peak extra memory of that step is about `2 * chunk * V/tp * 4` bytes.
-    """
-
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    adaptive_clip: bool = True
-    clip_alpha: float = 1.0
-    adaptive_advantage: bool = True
-    adv_beta: float = 1.0
-    loss_agg_mode: str = "token-mean"
-    h_hat_mode: str = "signed"
-    entropy_stats_scope: str = "global"
-    h_hat_entropy: str = "old"
-    entropy_pivot: float = 0.8
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "low_var_kl"
-    entropy_coeff: float = 0.0
-    tis_cap: Optional[float] = None
-    rollout_is: str = "none"
-    rollout_is_cap: float = 2.0
-    loss_scale_factor: Optional[float] = None
-    logprob_chunk_size: Optional[int] = DEFAULT_LOGPROB_CHUNK
-
-    def __post_init__(self) -> None:
-        choices = {"loss_agg_mode": LOSS_AGG_MODES, "h_hat_mode": H_HAT_MODES,
-                   "entropy_stats_scope": ENTROPY_STATS_SCOPES, "h_hat_entropy": H_HAT_ENTROPIES,
-                   "kl_loss_type": KL_LOSS_TYPES, "rollout_is": ROLLOUT_IS_MODES}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"LossConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if not 0.0 < self.entropy_pivot < 1.0:
-            raise ValueError(f"LossConfig.entropy_pivot must lie in (0, 1), got {self.entropy_pivot}")
-        if self.loss_scale_factor is not None and not (self.loss_scale_factor > 0
-                                                       and math.isfinite(self.loss_scale_factor)):
-            raise ValueError(f"LossConfig.loss_scale_factor must be > 0, got {self.loss_scale_factor}")
-        if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
-            raise ValueError(f"LossConfig.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
-        if not (self.rollout_is_cap > 0 and math.isfinite(self.rollout_is_cap)):
-            raise ValueError(f"LossConfig.rollout_is_cap must be > 0, got {self.rollout_is_cap}")
-        if self.rollout_is != "none" and self.tis_cap is not None:
-            raise ValueError("LossConfig.tis_cap and rollout_is both weight the loss by the rollout log-probs")
-
-    @classmethod
-    def from_algo(cls, algo: Any, *, loss_scale_factor: Optional[float] = None,
-                  logprob_chunk_size: Optional[int] = DEFAULT_LOGPROB_CHUNK) -> "LossConfig":
-        """Build from an `AlgoConfig`, naming every field: a field missing or renamed on either
-        side raises (AttributeError / TypeError) instead of silently keeping a default."""
-        return cls(
-            clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
-            clip_ratio_c=algo.clip_ratio_c, adaptive_clip=algo.adaptive_clip, clip_alpha=algo.clip_alpha,
-            adaptive_advantage=algo.adaptive_advantage, adv_beta=algo.adv_beta,
-            loss_agg_mode=algo.loss_agg_mode, h_hat_mode=algo.h_hat_mode,
-            entropy_stats_scope=algo.entropy_stats_scope, h_hat_entropy=algo.h_hat_entropy,
-            entropy_pivot=algo.entropy_pivot, kl_loss_coef=algo.kl_loss_coef,
-            kl_loss_type=algo.kl_loss_type, entropy_coeff=algo.entropy_coeff, tis_cap=algo.tis_cap,
-            # "auto" is resolved by HapoConfig from the rollout section; an AlgoConfig on its own has
-            # no FP8 rollouts, for which auto means none (docs/fp8.md, "The correction")
-            rollout_is="none" if algo.rollout_is == "auto" else algo.rollout_is, rollout_is_cap=algo.rollout_is_cap,
-            loss_scale_factor=loss_scale_factor, logprob_chunk_size=logprob_chunk_size,
-        )
-
-    @property
-    def needs_h_hat(self) -> bool:
-        return self.adaptive_clip or self.adaptive_advantage
 
 
 def _cp_size(cp_group) -> int:
@@ -192,7 +97,7 @@ def _check_batch(batch: MicroBatch) -> None:
             raise ValueError(f"batch.{name} is required by the loss (needs {_REQUIRED})")
 
 
-def _h_hat(cfg: LossConfig, stats: Optional[EntropyStats], batch, entropy, valid):
+def _h_hat(cfg: PolicyLossConfig, stats: Optional[EntropyStats], batch, entropy, valid):
     """Normalised entropy `[b, s]` (detached) or None when it is neither needed nor computable."""
     if cfg.h_hat_entropy == "old":
         if batch.old_entropy is None:
@@ -223,10 +128,10 @@ def _sequence_counts(valid: torch.Tensor, cp_group):
     return lengths, n_seq
 
 
-def _seq_is_log_ratio(cfg: LossConfig, t: dict, cp_group) -> Optional[torch.Tensor]:
+def _seq_is_log_ratio(cfg: PolicyLossConfig, t: dict, cp_group) -> Optional[torch.Tensor]:
     """``seq_tis``: each sequence's sum of ``proximal - behaviour`` log-probs ``[b]``, summed
     over the CP ranks that hold its chunks (None for the other modes: nothing to reduce)."""
-    if cfg.rollout_is != "seq_tis":
+    if cfg.rollout_is_mode != "seq_tis":
         return None
     d = (t["proximal"] - t["rollout"]).detach().float()
     sums = sequence_log_ratio(d, t["valid"])
@@ -238,10 +143,12 @@ def _seq_is_log_ratio(cfg: LossConfig, t: dict, cp_group) -> Optional[torch.Tens
 TokenSink = Callable[[PolicyTokenFields], None]
 
 
-def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: LossConfig,
+def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: PolicyLossConfig,
                           stats: Optional[EntropyStats], tp_group=None, cp_group=None,
                           temperature: Union[float, torch.Tensor] = 1.0,
-                          on_token_fields: Optional[TokenSink] = None):
+                          on_token_fields: Optional[TokenSink] = None,
+                          loss_scale_factor: Optional[float] = None,
+                          logprob_chunk_size: Optional[int] = DEFAULT_LOGPROB_CHUNK):
     """HAPO loss of one micro-batch as `(loss_sum, num_tokens, metrics)` for Megatron.
 
     Args:
@@ -250,12 +157,16 @@ def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: LossConfig,
         batch: a `MicroBatch` (this rank's CP shard) with `old_logprobs` and `advantages`;
             `old_entropy` (h_hat_entropy "old"); optional `ref_logprobs` (KL),
             `rollout_logprobs` (tis_cap, rollout_is), `proximal_logprobs` (rollout_is).
-        cfg: `LossConfig`. stats: the step's global `EntropyStats` (scope "global").
+        cfg: the loss's knobs. stats: the step's global `EntropyStats` (scope "global").
         tp_group / cp_group: tensor / context parallel groups (None = not split).
         temperature: float or `[b, s]` tensor dividing the logits (the sampling base temperature;
             a tensor is this rank's CP shard, like the batch).
         on_token_fields: called with the `PolicyTokenFields` of this micro-batch (this rank's
             CP shard): the per-token ratio, advantage and clip flags the metrics are sums of.
+        loss_scale_factor: horizon of "seq-mean-token-sum-norm" (None = the full, un-split
+            sequence length of the batch).
+        logprob_chunk_size: tokens per chunk of the fused log-prob/entropy (None = no chunking);
+            its peak extra memory is about `2 * chunk * V/tp * 4` bytes.
 
     Returns:
         `loss_sum` (0-dim float32, differentiable), `num_tokens` (0-dim int32, see the module
@@ -268,18 +179,19 @@ def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: LossConfig,
     if not isinstance(logits, HiddenStates) and logits.dim() != 3:
         raise ValueError(f"logits must be [b, s, V/tp], got shape {tuple(logits.shape)}")
     _check_batch(batch)
-    if cfg.rollout_is != "none" and (batch.rollout_logprobs is None or batch.proximal_logprobs is None):
-        raise ValueError(f"rollout_is={cfg.rollout_is!r} needs batch.rollout_logprobs (behaviour) and "
+    rollout_is = cfg.rollout_is_mode
+    if rollout_is != "none" and (batch.rollout_logprobs is None or batch.proximal_logprobs is None):
+        raise ValueError(f"rollout_is={rollout_is!r} needs batch.rollout_logprobs (behaviour) and "
                          "batch.proximal_logprobs (the old-log-prob pass at the sampling temperatures)")
     shape = batch.labels.shape
     valid = batch.loss_mask.detach() != 0
     logprobs, entropy = logprobs_entropy_from_logits(
         logits, batch.labels, tp_group=tp_group, temperature=temperature,
-        chunk_size=cfg.logprob_chunk_size, entropy_grad=cfg.entropy_coeff != 0.0)
+        chunk_size=logprob_chunk_size, entropy_grad=cfg.entropy_coeff != 0.0)
     h_hat, _ = _h_hat(cfg, stats, batch, entropy, valid)
     per_token = dict(logprobs=logprobs, old=batch.old_logprobs, adv=batch.advantages, valid=valid,
                      h_hat=h_hat, entropy=entropy, ref=batch.ref_logprobs, rollout=batch.rollout_logprobs,
-                     proximal=batch.proximal_logprobs if cfg.rollout_is != "none" else None)
+                     proximal=batch.proximal_logprobs if rollout_is != "none" else None)
     layout = batch.sequence_layout()
     if layout is not None:  # one row per sequence: the seq-mean modes count sequences, not rows
         per_token = {k: None if v is None else layout.to_rows(v) for k, v in per_token.items()}
@@ -290,19 +202,12 @@ def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: LossConfig,
     horizon = None
     if mode == "seq-mean-token-sum-norm":
         row = batch.max_seqlen if batch.is_packed else shape[1] * _cp_size(cp_group)
-        horizon = cfg.loss_scale_factor or float(row)
+        horizon = loss_scale_factor or float(row)
     t = per_token
     loss_sum, normalizer, metrics, token_fields = hapo_policy_loss(
-        t["logprobs"], t["old"], t["adv"], valid, t["h_hat"],
-        clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-        clip_ratio_c=cfg.clip_ratio_c, adaptive_clip=cfg.adaptive_clip, clip_alpha=cfg.clip_alpha,
-        adaptive_advantage=cfg.adaptive_advantage, adv_beta=cfg.adv_beta, loss_agg_mode=mode,
-        loss_scale_factor=horizon, seq_token_counts=lengths,
-        num_seqs=float(n_seq),
-        entropy=t["entropy"], entropy_coeff=cfg.entropy_coeff,
-        ref_logprobs=t["ref"], kl_loss_coef=cfg.kl_loss_coef,
-        kl_loss_type=cfg.kl_loss_type, rollout_logprobs=t["rollout"],
-        tis_cap=cfg.tis_cap, rollout_is=cfg.rollout_is, rollout_is_cap=cfg.rollout_is_cap,
+        t["logprobs"], t["old"], t["adv"], valid, t["h_hat"], cfg=cfg,
+        loss_scale_factor=horizon, seq_token_counts=lengths, num_seqs=float(n_seq),
+        entropy=t["entropy"], ref_logprobs=t["ref"], rollout_logprobs=t["rollout"],
         proximal_logprobs=t["proximal"], seq_is_log_ratio=_seq_is_log_ratio(cfg, t, cp_group),
         return_token_fields=True)
     if layout is not None:

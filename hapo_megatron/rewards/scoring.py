@@ -60,18 +60,16 @@ def _score_one(fn: Callable, solution_str: str, ground_truth: Any, kwargs: dict)
 class RewardScorer:
     """The reward of a run: its function, arguments and (``num_workers > 0``) worker pool."""
 
-    def __init__(self, reward: str, *, num_workers: int, timeout_s: float, score_format: str = "pm1",
-                 reward_kwargs: Optional[dict] = None):
+    def __init__(self, cfg: Any):
+        """``cfg``: the ``reward`` section (``RewardConfig``, which checks its fields): the reward,
+        its keyword arguments, the score format, workers and time limit."""
+        reward, num_workers = cfg.reward_fn, cfg.num_workers
         if num_workers == -1:
             num_workers = auto_num_workers()
-        if not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be -1 (auto), 0 (in process) or more, got {num_workers!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.fn = resolve_reward(reward)
-        self.name, self.timeout_s, self.score_format = reward, float(timeout_s), score_format
-        self.wrong = min_score(score_format)
-        self.reward_kwargs = dict(reward_kwargs or {})
+        self.name, self.timeout_s, self.score_format = reward, float(cfg.timeout_s), cfg.score_format
+        self.wrong = min_score(cfg.score_format)
+        self.reward_kwargs = dict(cfg.reward_kwargs or {})
         self.pool: Optional[BoundedPool] = None
         if num_workers > 0:
             module = getattr(self.fn, "__module__", None)
@@ -85,12 +83,6 @@ class RewardScorer:
                                  "reward.num_workers=0") from err
             # the worker imports the reward's module before its first call (not inside its time limit)
             self.pool = BoundedPool(num_workers, preload=MATH_PRELOAD if self.fn is compute_score else module)
-
-    @classmethod
-    def from_config(cls, reward_cfg) -> "RewardScorer":
-        """From ``RewardConfig``, every field by name."""
-        return cls(reward_cfg.reward_fn, num_workers=reward_cfg.num_workers, timeout_s=reward_cfg.timeout_s,
-                   score_format=reward_cfg.score_format, reward_kwargs=reward_cfg.reward_kwargs)
 
     def start(self, records: Sequence[Any], decode: Callable[[list[int]], str]) -> "ScoringRound":
         """A round scoring samples of ``records`` (`PromptRecord`s; a sample's ``prompt_index``)."""

@@ -130,7 +130,7 @@ class SamplingParams:
             n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
             top_k=rollout_cfg.top_k, max_new_tokens=max_new, stop_token_ids=tuple(stop_token_ids),
             seed=seed, adaptive=adaptive, entropy_stats=entropy_stats if adaptive else None,
-            temperature_tau=float(algo_cfg.temperature_tau), h_hat_mode=str(algo_cfg.h_hat_mode),
+            temperature_tau=float(algo_cfg.temperature_tau), h_hat_mode=str(algo_cfg.loss.h_hat_mode),
         )
 
 

@@ -41,8 +41,8 @@ def make_engine(rollout_cfg: Any, *, hf_config_or_path: Any, tokenizer: Any = No
             raise ValueError("hf_config_or_path must be a model directory (str) for the sglang engine")
         kwargs.setdefault("quantization", rollout_cfg.quantization)
         kwargs.setdefault("kv_cache_dtype", rollout_cfg.kv_cache_dtype)
-        return SGLangEngine.from_config(rollout_cfg.sglang, model_path=hf_config_or_path,
-                                        tokenizer=tokenizer, dtype=dtype, **kwargs)
+        return SGLangEngine(rollout_cfg.sglang, model_path=hf_config_or_path, tokenizer=tokenizer, dtype=dtype,
+                            **kwargs)
     raise ValueError(f"rollout_cfg.engine must be 'hf' or 'sglang', got {engine!r}")
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hapo_megatron.compat.processes import children_allowed
 from hapo_megatron.dtypes import torch_dtype
-from hapo_megatron.models.hf_config import is_moe
+from hapo_megatron.config.validate import ModelSpec
 from hapo_megatron.models.moe import ExpertLoadMonitor, moe_overrides
 from hapo_megatron.models.moe_padding import stage_padding_mask
 from hapo_megatron.models.routing_replay import (check_consumed, install_route_replay, queue_routes,
@@ -98,15 +98,16 @@ class MegatronActor:
                  fused_output_layer: bool = False, moe_aux_loss_coef: Optional[float] = None,
                  routing: str = "off"):
         self.hf_config, self.groups, self.dtype = hf_config, groups, torch_dtype(dtype)
+        self.spec = ModelSpec.of(hf_config)
         self.fused_output_layer = bool(fused_output_layer)
         self._moe_kw = moe_overrides(hf_config, moe_aux_loss_coef)
         self.model = self._build_model(use_te, sequence_parallel, recompute_activations,
                                        init_hf_path, init_megatron_path, use_distributed_optimizer)
-        self.moe_monitor = (ExpertLoadMonitor(self.model, hf_config.num_hidden_layers, hf_config.num_experts)
-                            if is_moe(hf_config) else None)
+        self.moe_monitor = (ExpertLoadMonitor(self.model, self.spec.num_layers, self.spec.num_experts)
+                            if self.spec.is_moe else None)
         if routing not in ROUTING_MODES:
             raise ValueError(f"routing must be one of {ROUTING_MODES}, got {routing!r}")
-        self.routing = routing if is_moe(hf_config) else "off"  # what the rollouts must return
+        self.routing = routing if self.spec.is_moe else "off"  # what the rollouts must return
         # the policy's MoE routers on this stage, each with a `RouteReplay` (none: dense or "off")
         self.routers = (install_route_replay(self.model, replay=routing == "replay", recompute=recompute_activations)
                         if self.routing != "off" else [])

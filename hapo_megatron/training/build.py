@@ -13,8 +13,7 @@ import torch.distributed as dist
 from hapo_megatron.config import HapoConfig
 from hapo_megatron.data import PromptSampler
 from hapo_megatron.dtypes import torch_dtype
-from hapo_megatron.models.hf_config import is_moe
-from hapo_megatron.models.moe import check_moe_training_layout
+from hapo_megatron.config.validate import ModelSpec
 from hapo_megatron.parallel.collectives import all_gather_objects
 from hapo_megatron.parallel.groups import ParallelGroups
 from hapo_megatron.rewards import get_reward_fn
@@ -48,7 +47,7 @@ def setup_reference(rt: Runtime) -> None:
     After a warm start it is saved to ``<run_dir>/reference`` so a resumed run gets the same
     one; without a warm start it is the initial weights (rebuilt from the model paths on resume).
     """
-    if rt.cfg.algo.kl_loss_coef <= 0:
+    if rt.cfg.algo.loss.kl_loss_coef <= 0:
         return
     ref_dir = os.path.join(rt.run_dir, "reference")
     if os.path.isfile(os.path.join(ref_dir, COMPLETE)):
@@ -88,7 +87,7 @@ ROUTES_SERVER_FLAG = "--enable-return-routed-experts"  # SGLang answers return_r
 def routing_mode(cfg, hf_config) -> str:
     """The actor's MoE routing (`MegatronActor` ``routing``): replay, measure or off. Replay on a
     dense model is a config error."""
-    if not is_moe(hf_config):
+    if not ModelSpec.of(hf_config).is_moe:
         if cfg.model.routing_replay:
             raise ValueError(f"model.routing_replay=true needs a MoE model; {cfg.model.hf_model_path} "
                              f"({getattr(hf_config, 'model_type', None)}) has no experts")
@@ -160,14 +159,9 @@ def start_engine(rt: Runtime) -> None:
 
 
 def build_logger(cfg: HapoConfig, *, enabled: bool) -> MetricsLogger:
-    """The metric sinks of ``cfg.logging`` (rank 0 only: ``enabled``), every field named."""
-    lg = cfg.logging
-    return MetricsLogger(
-        cfg.trainer.run_dir, total_steps=cfg.trainer.total_steps, enabled=enabled, console=lg.console,
-        jsonl=lg.jsonl, wandb=lg.wandb, wandb_mode=lg.wandb_mode, wandb_project=lg.wandb_project,
-        wandb_entity=lg.wandb_entity, experiment_name=lg.wandb_run_name, tensorboard=lg.tensorboard,
-        log_interval=lg.log_interval, config=cfg.to_dict(), desc=cfg.trainer.experiment_name,
-        tensorboard_dir=lg.tensorboard_dir, initial_step=0)
+    """The metric sinks of ``cfg.logging`` (rank 0 only: ``enabled``)."""
+    return MetricsLogger(cfg.logging, cfg.trainer.run_dir, total_steps=cfg.trainer.total_steps, enabled=enabled,
+                         config=cfg.to_dict(), desc=cfg.trainer.experiment_name, initial_step=0)
 
 
 def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, datasets=None) -> Runtime:
@@ -179,10 +173,6 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
     hf_config = load_hf_config(cfg.model.hf_model_path, cfg.model.max_position_embeddings)
     init_hf = initial_hf_weights(cfg.model)
     total_opt = cfg.trainer.total_steps * optimizer_steps_per_rl_step(cfg) + cfg.trainer.sft_warmup_steps
-    p = cfg.parallel
-    check_moe_training_layout(hf_config, tp=p.tensor_model_parallel_size, ep=p.expert_model_parallel_size,
-                              etp=p.expert_tensor_parallel_size, pp=p.pipeline_model_parallel_size,
-                              cp=p.context_parallel_size, sequence_parallel=p.sequence_parallel)
     actor = MegatronActor(
         hf_config, groups=groups, optim=cfg.optim, total_optimizer_steps=total_opt,
         dtype=cfg.model.dtype if torch.cuda.is_available() else "fp32", use_te=cfg.model.use_te,
@@ -211,7 +201,7 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
                                   shuffle=cfg.data.shuffle),
             dyn=DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
                                max_num_gen_batches=cfg.algo.max_num_gen_batches)),
-        scorer=RewardScorer.from_config(cfg.reward) if rank == 0 else None)
+        scorer=RewardScorer(cfg.reward) if rank == 0 else None)
     rt.control = Rank0Channel.create(timeout_minutes=cfg.trainer.control_timeout_minutes)  # collective
     for name, n in rt.data_metrics().items():
         logger.write(f"{name}: dropped {n:.0f} prompt(s) longer than data.max_prompt_length="

@@ -41,7 +41,7 @@ def with_proximal_logprobs(rt: Runtime, flat: list[MicroBatch]) -> tuple[list[Mi
     w_max = 0.0
     if g.is_pipeline_last:
         for mb in flat:
-            s = micro_batch_mismatch_sums(mb, rt.cfg.algo.rollout_is, rt.cfg.algo.rollout_is_cap)
+            s = micro_batch_mismatch_sums(mb, rt.cfg.algo.loss.rollout_is_mode, rt.cfg.algo.loss.rollout_is_cap)
             w_max = max(w_max, s.pop("weight_max"))
             for k, v in s.items():
                 sums[k] = sums.get(k, 0.0) + v

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from hapo_megatron.algo import EntropyStats, PolicyTokenFields, temperature_from_entropy
 from hapo_megatron.parallel.collectives import all_gather_objects, broadcast_object, scatter_objects, sum_metrics
-from hapo_megatron.parallel.loss import DEFAULT_LOGPROB_CHUNK, LossConfig, TokenSink
+from hapo_megatron.parallel.loss import DEFAULT_LOGPROB_CHUNK, TokenSink
 from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.rewards.counts import RewardCounts
 from hapo_megatron.rollout.engine import GenerationAborted, SamplingParams, drain_weights
@@ -371,7 +371,7 @@ def old_logprob_pass(rt: Runtime, minis: Minis) -> tuple[Minis, EntropyStats, di
     from hapo_megatron.parallel.stats import global_entropy_stats
     cfg, g = rt.cfg, rt.groups
     flat = _flat(minis)
-    chunk = DEFAULT_LOGPROB_CHUNK  # the loss's chunking (LossConfig.logprob_chunk_size's default): same numbers
+    chunk = DEFAULT_LOGPROB_CHUNK  # the loss's chunking (hapo_loss_from_logits's default): same numbers
     t_base = cfg.rollout.temperature
     with rt.actor.counting_routing_mismatch():
         policy = rt.actor.compute_logprobs_entropy(flat, temperature=t_base, chunk_size=chunk)
@@ -380,7 +380,7 @@ def old_logprob_pass(rt: Runtime, minis: Minis) -> tuple[Minis, EntropyStats, di
     sums: dict[str, float] = {}
     stats = None
     if g.is_pipeline_last:
-        flat = [with_old_policy(mb, lp, ent, old_logprob_source=cfg.algo.old_logprob_source,
+        flat = [with_old_policy(mb, lp, ent, old_logprob_source=cfg.algo.loss.old_logprob_source,
                                 ref_logprobs=ref[i][0] if ref is not None else None)
                 for i, (mb, (lp, ent)) in enumerate(zip(flat, policy))]
         ent = torch.cat([mb.old_entropy.reshape(-1) for mb in flat])
@@ -388,13 +388,13 @@ def old_logprob_pass(rt: Runtime, minis: Minis) -> tuple[Minis, EntropyStats, di
         # the actor gathered the CP chunks: every CP rank holds whole sequences, so the token set
         # is spread over DP only (reducing over DP x CP would count each token cp_size times)
         dev = rt.actor.device
-        stats = global_entropy_stats(ent.to(dev), mask.to(dev), group=g.dp, entropy_pivot=cfg.algo.entropy_pivot)
+        stats = global_entropy_stats(ent.to(dev), mask.to(dev), group=g.dp, entropy_pivot=cfg.algo.loss.entropy_pivot)
         diff = sum(float(((mb.recomputed_logprobs - mb.rollout_logprobs).abs() * mb.loss_mask).sum())
                    for mb in flat)
         flat, t_sums = recompute_temperatures(rt, flat)
         sums = {"n": float(mask.sum()), "ent": float((ent * mask).sum()), "diff": diff, **t_sums}
     is_metrics = {}
-    if cfg.algo.rollout_is != "none":  # the off-policy correction's proximal log-probs (collective)
+    if cfg.algo.loss.rollout_is_mode != "none":  # the off-policy correction's proximal log-probs (collective)
         from hapo_megatron.training.off_policy import with_proximal_logprobs
         flat, is_metrics = with_proximal_logprobs(rt, flat)
     if g.pp_size > 1:  # the rollout (rank 0, first stage) needs the statistics
@@ -422,22 +422,18 @@ def _routing_mismatch(rt: Runtime) -> Optional[float]:
     return tot["differing"] / tot["compared"] if tot["compared"] else None
 
 
-def loss_config(rt: Runtime) -> LossConfig:
-    """`LossConfig` of the run; the seq-mean-token-sum-norm horizon is the maximum response length
-    (a constant, so the normalisation does not depend on how sequences are padded)."""
-    return LossConfig.from_algo(rt.cfg.algo, loss_scale_factor=float(rt.cfg.rollout.max_response_length))
-
-
 def policy_loss_factory(rt: Runtime, stats: EntropyStats,
                         on_token_fields: Optional[TokenSink] = None) -> LossFactory:
     """``make_loss(mb)`` for `MegatronActor.train_step` with the HAPO loss of `parallel.loss`;
     ``on_token_fields`` receives each micro-batch's `PolicyTokenFields` (this rank's CP shard)."""
     from hapo_megatron.parallel.loss import make_loss_func
-    loss_cfg = loss_config(rt)
     g = rt.groups
-    return lambda mb: make_loss_func(mb, cfg=loss_cfg, stats=stats, tp_group=g.tp,
+    # the seq-mean-token-sum-norm horizon is the maximum response length (a constant, so the
+    # normalisation does not depend on how sequences are padded)
+    return lambda mb: make_loss_func(mb, cfg=rt.cfg.algo.loss, stats=stats, tp_group=g.tp,
                                      cp_group=g.cp if g.cp_size > 1 else None,
-                                     temperature=rt.cfg.rollout.temperature, on_token_fields=on_token_fields)
+                                     temperature=rt.cfg.rollout.temperature, on_token_fields=on_token_fields,
+                                     loss_scale_factor=float(rt.cfg.rollout.max_response_length))
 
 
 def ppo_update(rt: Runtime, minis: Minis, stats: EntropyStats) -> tuple[Minis, dict[str, float]]:

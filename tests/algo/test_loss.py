@@ -8,11 +8,11 @@ from hapo_megatron.algo import (
     adaptive_clip_ranges,
     agg_loss,
     finalize_loss_metrics,
-    hapo_policy_loss,
     kl_penalty,
     redistribute_advantages,
 )
 from tests.algo import loops
+from tests.algo.loss_call import policy_loss
 
 
 def _data(seed, b=3, t=5, spread=0.6):
@@ -83,7 +83,7 @@ def test_loss_and_grad_match_loop(seed, mode, case):
     cfg = CASES[case]
     lp, old, adv, mask, h = _data(seed * 10 + case, b=2 + seed % 3, t=3 + seed % 4)
     lp_a = lp.clone().requires_grad_(True)
-    loss_sum, norm, metrics = hapo_policy_loss(
+    loss_sum, norm, metrics = policy_loss(
         lp_a, old, adv, mask, h, clip_ratio_low=cfg["eps_l"], clip_ratio_high=cfg["eps_r"], clip_ratio_c=cfg["c"],
         adaptive_clip=cfg["ac"], clip_alpha=cfg["alpha"], adaptive_advantage=cfg["aa"], adv_beta=cfg["beta"],
         loss_agg_mode=mode)
@@ -108,7 +108,7 @@ def test_loss_hand_case():
     lp = torch.tensor([[0.5, 2.0]], requires_grad=True)
     old = torch.zeros(1, 2)
     adv = torch.tensor([[1.0, -1.0]])
-    loss_sum, norm, m = hapo_policy_loss(lp, old, adv, torch.ones(1, 2))
+    loss_sum, norm, m = policy_loss(lp, old, adv, torch.ones(1, 2))
     assert norm.item() == 2.0
     assert loss_sum.item() == pytest.approx(-1.2 + 3.0, rel=1e-6)
     loss_sum.backward()
@@ -118,7 +118,7 @@ def test_loss_hand_case():
     assert f["loss/ppo_kl"] == pytest.approx(-1.25)
     # unclipped ratio 1: loss = -A, grad = -A
     lp = torch.tensor([[0.0, 0.0]], requires_grad=True)
-    loss_sum, norm, _ = hapo_policy_loss(lp, old, adv, torch.ones(1, 2))
+    loss_sum, norm, _ = policy_loss(lp, old, adv, torch.ones(1, 2))
     (loss_sum / norm).backward()
     assert loss_sum.item() == 0.0 and lp.grad.tolist() == [[-0.5, 0.5]]
 
@@ -132,14 +132,14 @@ def test_adaptive_hand_case():
     assert low.item() == pytest.approx(0.2) and high.item() == pytest.approx(0.4)
     ap = redistribute_advantages(torch.tensor([[1.0]]), h, torch.tensor([[1.3]]), low, high, 1.0)
     assert ap.item() == pytest.approx(2.0)
-    loss_sum, _, m = hapo_policy_loss(lp, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), h,
+    loss_sum, _, m = policy_loss(lp, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), h,
                                       adaptive_clip=True, adaptive_advantage=True)
     assert loss_sum.item() == pytest.approx(-2.0 * 1.3, rel=1e-6)
     assert finalize_loss_metrics(m)["loss/adv_scale_high_entropy"] == pytest.approx(2.0)
     # h_hat = -1 (low entropy), ratio 1.0 inside N -> A' = A * 0 = 0; eps_L_t = 0.4
     low, high = adaptive_clip_ranges(-h, 0.2, 0.2, 1.0)
     assert low.item() == pytest.approx(0.4) and high.item() == pytest.approx(0.2)
-    loss_sum, _, m = hapo_policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), -h,
+    loss_sum, _, m = policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), -h,
                                       adaptive_clip=True, adaptive_advantage=True)
     assert loss_sum.item() == 0.0
     f = finalize_loss_metrics(m)
@@ -197,7 +197,7 @@ def test_empty_mask_zero_loss_zero_grad(mode):
     old = torch.full((2, 4), -math.inf)  # garbage on padding must not leak
     adv = torch.full((2, 4), math.nan)
     ent = torch.randn(2, 4, requires_grad=True)
-    loss_sum, norm, m = hapo_policy_loss(lp, old, adv, torch.zeros(2, 4), torch.zeros(2, 4),
+    loss_sum, norm, m = policy_loss(lp, old, adv, torch.zeros(2, 4), torch.zeros(2, 4),
                                          adaptive_clip=True, adaptive_advantage=True, loss_agg_mode=mode,
                                          entropy=ent, entropy_coeff=0.01, ref_logprobs=old, kl_loss_coef=0.1)
     assert loss_sum.item() == 0.0 and norm.item() == 0.0
@@ -214,7 +214,7 @@ def test_one_valid_token_and_garbage_padding():
     mask = torch.tensor([[True, False, False]])
     for mode in LOSS_AGG_MODES:
         lp.grad = None
-        loss_sum, norm, _ = hapo_policy_loss(lp, old, adv, mask, loss_agg_mode=mode)
+        loss_sum, norm, _ = policy_loss(lp, old, adv, mask, loss_agg_mode=mode)
         (loss_sum / norm).backward()
         r = math.exp(0.1)
         horizon = 3 if mode == "seq-mean-token-sum-norm" else 1
@@ -232,25 +232,25 @@ def test_kl_entropy_tis_terms():
     adv = torch.randn(2, 5, generator=g)
     ent = torch.rand(2, 5, generator=g).requires_grad_(True)
     mask = torch.rand(2, 5, generator=g) > 0.2
-    base, n, _ = hapo_policy_loss(lp, old, adv, mask)
-    full, n2, m = hapo_policy_loss(lp, old, adv, mask, entropy=ent, entropy_coeff=0.01, ref_logprobs=ref,
+    base, n, _ = policy_loss(lp, old, adv, mask)
+    full, n2, m = policy_loss(lp, old, adv, mask, entropy=ent, entropy_coeff=0.01, ref_logprobs=ref,
                                    kl_loss_coef=0.1, kl_loss_type="k3")
     kl = kl_penalty(lp, ref, "k3")
     want = base + (0.1 * kl - 0.01 * ent)[mask].sum()
     torch.testing.assert_close(full, want)
     assert m["loss/kl_sum"].item() == pytest.approx(kl[mask].sum().item(), rel=1e-5)
     assert m["loss/entropy_sum"].item() == pytest.approx(ent[mask].sum().item(), rel=1e-5)
-    tis, _, m = hapo_policy_loss(lp, old, adv, mask, rollout_logprobs=roll, tis_cap=1.5)
+    tis, _, m = policy_loss(lp, old, adv, mask, rollout_logprobs=roll, tis_cap=1.5)
     w = torch.exp(old - roll).clamp(max=1.5)
-    per_tok, _, _ = hapo_policy_loss(lp, old, adv, mask, loss_agg_mode="token-mean")
+    per_tok, _, _ = policy_loss(lp, old, adv, mask, loss_agg_mode="token-mean")
     assert m["loss/tis_weight_sum"].item() == pytest.approx(w[mask].sum().item(), rel=1e-5)
     # with TIS each token's loss is scaled: compare token by token
     for i in range(2):
         for j in range(5):
             mij = torch.zeros_like(mask)
             mij[i, j] = mask[i, j]
-            a, _, _ = hapo_policy_loss(lp, old, adv, mij, rollout_logprobs=roll, tis_cap=1.5)
-            b, _, _ = hapo_policy_loss(lp, old, adv, mij)
+            a, _, _ = policy_loss(lp, old, adv, mij, rollout_logprobs=roll, tis_cap=1.5)
+            b, _, _ = policy_loss(lp, old, adv, mij)
             assert a.item() == pytest.approx(b.item() * w[i, j].item(), rel=1e-5, abs=1e-7)
 
 
@@ -269,7 +269,7 @@ def test_kl_penalty_types():
 def test_loss_bad_input_and_no_mutation():
     lp, old, adv, mask, h = _data(1)
     copies = [x.clone() for x in (lp, old, adv, mask, h)]
-    hapo_policy_loss(lp, old, adv, mask, h, adaptive_clip=True, adaptive_advantage=True)
+    policy_loss(lp, old, adv, mask, h, adaptive_clip=True, adaptive_advantage=True)
     for a, b in zip((lp, old, adv, mask, h), copies):
         assert torch.equal(a, b)
     bad = [
@@ -287,17 +287,17 @@ def test_loss_bad_input_and_no_mutation():
     ]
     for kw, name in bad:
         with pytest.raises(ValueError, match=name):
-            hapo_policy_loss(lp, old, adv, mask, h, **kw)
+            policy_loss(lp, old, adv, mask, h, **kw)
     with pytest.raises(ValueError, match="h_hat"):
-        hapo_policy_loss(lp, old, adv, mask, None, adaptive_clip=True)
+        policy_loss(lp, old, adv, mask, None, adaptive_clip=True)
     with pytest.raises(ValueError, match="old_logprobs"):
-        hapo_policy_loss(lp, old[:, :2], adv, mask)
+        policy_loss(lp, old[:, :2], adv, mask)
     with pytest.raises(ValueError, match="advantages"):
-        hapo_policy_loss(lp, old, adv[:1], mask)
+        policy_loss(lp, old, adv[:1], mask)
     with pytest.raises(ValueError, match="loss_mask"):
-        hapo_policy_loss(lp, old, adv, mask[:, :1])
+        policy_loss(lp, old, adv, mask[:, :1])
     with pytest.raises(ValueError, match="h_hat"):
-        hapo_policy_loss(lp, old, adv, mask, h[:, :1])
+        policy_loss(lp, old, adv, mask, h[:, :1])
 
 
 def test_metrics_are_summable_across_splits():
@@ -305,8 +305,8 @@ def test_metrics_are_summable_across_splits():
     lp, old, adv, mask, h = _data(5, b=6, t=7, spread=0.8)
     kw = dict(adaptive_clip=True, adaptive_advantage=True, clip_ratio_high=0.28)
     for mode in LOSS_AGG_MODES:
-        ls, n, m = hapo_policy_loss(lp, old, adv, mask, h, loss_agg_mode=mode, **kw)
-        parts = [hapo_policy_loss(lp[s], old[s], adv[s], mask[s], h[s], loss_agg_mode=mode, **kw)
+        ls, n, m = policy_loss(lp, old, adv, mask, h, loss_agg_mode=mode, **kw)
+        parts = [policy_loss(lp[s], old[s], adv[s], mask[s], h[s], loss_agg_mode=mode, **kw)
                  for s in (slice(0, 2), slice(2, 3), slice(3, 6))]
         torch.testing.assert_close(sum(p[0] for p in parts), ls)
         torch.testing.assert_close(sum(p[1] for p in parts), n)
@@ -322,7 +322,7 @@ def test_clip_side_by_entropy_class_hand_case():
     # entropy, A<0, rho 0.5) the left one; tokens 1-2 stay inside
     ratio = torch.tensor([[1.5, 0.9, 1.0, 0.5]])
     h = torch.tensor([[1.0, 0.5, -0.5, -1.0]])
-    _, _, m = hapo_policy_loss(ratio.log(), torch.zeros(1, 4), torch.tensor([[1.0, -1.0, 1.0, -1.0]]),
+    _, _, m = policy_loss(ratio.log(), torch.zeros(1, 4), torch.tensor([[1.0, -1.0, 1.0, -1.0]]),
                                torch.ones(1, 4), h, adaptive_clip=False, adaptive_advantage=False)
     f = finalize_loss_metrics(m)
     assert (f["loss/cliphigh_high_entropy"], f["loss/cliplow_high_entropy"]) == (0.5, 0.0)
@@ -343,7 +343,7 @@ def test_token_fields_match_spec_loop():
     stats = compute_entropy_stats(ent, mask, entropy_pivot=0.8)
     h_hat = normalize_entropy(ent, stats)
     old = torch.zeros(3, 11)
-    *_, out = hapo_policy_loss(torch.log(ratio).float(), old, adv.float(), mask, h_hat.float(),
+    *_, out = policy_loss(torch.log(ratio).float(), old, adv.float(), mask, h_hat.float(),
                                clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=1.4, adaptive_clip=True,
                                adaptive_advantage=True, return_token_fields=True)
     for b in range(3):

@@ -13,12 +13,12 @@ import torch
 
 from hapo_megatron.algo import (
     finalize_loss_metrics,
-    hapo_policy_loss,
     mismatch_metrics,
     mismatch_sums,
     rollout_is_weights,
 )
 from hapo_megatron.algo.rollout_is import behaviour_log_ratio
+from tests.algo.loss_call import policy_loss
 
 CAP = 2.0
 # log w = proximal - behaviour: row 0 three valid tokens, row 1 two (the last is padding, with a
@@ -65,7 +65,7 @@ def test_hand_computed_loss_and_gradient_per_mode(mode, want_loss):
     over the 5 valid tokens; d loss / d logprob = -w / 5 (the weight is detached)."""
     lp = PROXIMAL.clone().requires_grad_(True)
     adv = torch.ones(2, 3)
-    loss_sum, n, m = hapo_policy_loss(lp, PROXIMAL, adv, VALID, rollout_logprobs=BEHAVIOUR,
+    loss_sum, n, m = policy_loss(lp, PROXIMAL, adv, VALID, rollout_logprobs=BEHAVIOUR,
                                       rollout_is=mode, rollout_is_cap=CAP)
     (loss_sum / n).backward()
     assert float(n) == 5
@@ -85,13 +85,13 @@ def test_weight_multiplies_the_clipped_loss_and_the_clip_stays_on_current_over_p
     beh = prox - math.log(1.5)
     lp = (prox + math.log(1.5)).requires_grad_(True)
     valid = torch.tensor([[True]])
-    loss, _, m = hapo_policy_loss(lp, prox, torch.ones(1, 1), valid, rollout_logprobs=beh,
+    loss, _, m = policy_loss(lp, prox, torch.ones(1, 1), valid, rollout_logprobs=beh,
                                   rollout_is="token_tis", rollout_is_cap=CAP)
     loss.backward()
     assert loss.item() == pytest.approx(-1.2 * 1.5, rel=1e-6) and lp.grad.abs().item() == 0
     assert m["loss/clipfrac_high_sum"].item() == 1
     lp2 = (prox + math.log(1.5)).requires_grad_(True)
-    loss2, _, _ = hapo_policy_loss(lp2, prox, -torch.ones(1, 1), valid, rollout_logprobs=beh,
+    loss2, _, _ = policy_loss(lp2, prox, -torch.ones(1, 1), valid, rollout_logprobs=beh,
                                    rollout_is="token_tis", rollout_is_cap=CAP)
     loss2.backward()
     assert loss2.item() == pytest.approx(1.5 * 1.5, rel=1e-6)
@@ -108,8 +108,8 @@ def test_none_is_todays_loss_bit_for_bit():
     mask = torch.rand(4, 6, generator=g) > 0.2
     kw = dict(adaptive_clip=True, adaptive_advantage=True, clip_ratio_high=0.28)
     lp_a, lp_b = lp0.clone().requires_grad_(True), lp0.clone().requires_grad_(True)
-    a = hapo_policy_loss(lp_a, old, adv, mask, h, **kw)
-    b = hapo_policy_loss(lp_b, old, adv, mask, h, rollout_logprobs=roll, rollout_is="none",
+    a = policy_loss(lp_a, old, adv, mask, h, **kw)
+    b = policy_loss(lp_b, old, adv, mask, h, rollout_logprobs=roll, rollout_is="none",
                          rollout_is_cap=1.1, proximal_logprobs=roll + 1, **kw)
     a[0].backward()
     b[0].backward()
@@ -119,8 +119,8 @@ def test_none_is_todays_loss_bit_for_bit():
 
 def test_proximal_defaults_to_old_logprobs():
     lp = PROXIMAL.clone()
-    a = hapo_policy_loss(lp, PROXIMAL, torch.ones(2, 3), VALID, rollout_logprobs=BEHAVIOUR, rollout_is="token_tis")
-    b = hapo_policy_loss(lp, PROXIMAL - 5, torch.ones(2, 3), VALID, rollout_logprobs=BEHAVIOUR,
+    a = policy_loss(lp, PROXIMAL, torch.ones(2, 3), VALID, rollout_logprobs=BEHAVIOUR, rollout_is="token_tis")
+    b = policy_loss(lp, PROXIMAL - 5, torch.ones(2, 3), VALID, rollout_logprobs=BEHAVIOUR,
                          rollout_is="token_tis", proximal_logprobs=PROXIMAL)
     # the same weights; the ratio differs (old is shifted), so compare the weight metric only
     assert a[2]["loss/rollout_is_weight_sum"].item() == pytest.approx(b[2]["loss/rollout_is_weight_sum"].item())
@@ -148,10 +148,10 @@ def test_mismatch_metrics_hand_computed():
     (dict(rollout_is="token_tis", rollout_is_cap=0.0), "rollout_is_cap"),
     (dict(rollout_is="token_tis", rollout_is_cap=float("inf")), "rollout_is_cap"),
     (dict(rollout_is="seq_tis", rollout_logprobs=None), "rollout_logprobs"),
-    (dict(rollout_is="token_mis", tis_cap=2.0), "use one of them"),
+    (dict(rollout_is="token_mis", tis_cap=2.0), "set one"),
     (dict(rollout_is="token_tis", proximal_logprobs=torch.zeros(3, 3)), "proximal_logprobs"),
 ])
 def test_bad_arguments_are_refused(kw, match):
     args = {"rollout_logprobs": BEHAVIOUR, **kw}
     with pytest.raises(ValueError, match=match):
-        hapo_policy_loss(PROXIMAL, PROXIMAL, torch.ones(2, 3), VALID, **args)
+        policy_loss(PROXIMAL, PROXIMAL, torch.ones(2, 3), VALID, **args)

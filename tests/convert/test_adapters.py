@@ -103,7 +103,7 @@ def test_bad_inputs_are_listed(models):
                  "q_proj.weight: checkpoint (3, 64) vs config (64, 64)"):
         assert part in msg, msg
     good = hf_state(cfg, model)
-    with pytest.raises(ValueError, match="tp_size=4 must divide num_key_value_heads=2"):
+    with pytest.raises(ValueError, match="tp_size=4 must divide the model's num_key_value_heads=2"):
         hf_to_mcore(good, cfg, 0, 4, 0, 1)
     with pytest.raises(ValueError, match="pp_size=3"):
         hf_to_mcore(good, cfg, 0, 1, 0, 3)

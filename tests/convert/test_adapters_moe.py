@@ -69,9 +69,9 @@ def test_per_expert_names_are_transformers_on_disk_names(model, tmp_path):
 def test_bad_expert_layouts_are_refused(model):
     cfg, hf = model
     ref = hf_state(cfg, hf)
-    with pytest.raises(ValueError, match="ep_size=3 must divide num_experts=4"):
+    with pytest.raises(ValueError, match="ep_size=3 must divide the model's num_experts=4"):
         hf_to_mcore(ref, cfg, 0, 1, 0, 1, ep_rank=0, ep_size=3)
-    with pytest.raises(ValueError, match="etp_size=3 must divide moe_intermediate_size=32"):
+    with pytest.raises(ValueError, match="etp_size=3 must divide the model's moe_intermediate_size=32"):
         hf_to_mcore(ref, cfg, 0, 1, 0, 1, etp_rank=0, etp_size=3)
     with pytest.raises(ValueError, match="missing"):  # expert-parallel rank 1 absent
         mcore_to_hf({(0, 0, 0, 0): hf_to_mcore(ref, cfg, 0, 1, 0, 1, ep_rank=0, ep_size=2)}, cfg)

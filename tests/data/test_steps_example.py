@@ -12,7 +12,7 @@ def test_config_resolves_for_every_compared_variant():
     for preset, extra in (("hapo", ()), ("dapo", ()), ("hapo", ("algo.h_hat_mode=reference",))):
         cfg = load_config(os.path.join(EXAMPLE, "config.yaml"), overrides=extra, preset=preset)
         assert cfg.rollout.max_response_length == 72 and cfg.logging.save_rollouts_interval > 0
-    assert cfg.algo.h_hat_mode == "reference"
+    assert cfg.algo.loss.h_hat_mode == "reference"
 
 
 def test_prepared_rows_fit_the_length_limits(tmp_path):

@@ -63,9 +63,9 @@ def _batch(vocab):
 
 
 def _loss_cfg():
-    from hapo_megatron.parallel.loss import LossConfig
+    from hapo_megatron.algo import PolicyLossConfig
 
-    return LossConfig(clip_ratio_high=0.28, loss_agg_mode="token-mean")
+    return PolicyLossConfig(clip_ratio_high=0.28, loss_agg_mode="token-mean")
 
 
 def _megatron_run(arch, tp, pp, fused, sp):

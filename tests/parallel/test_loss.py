@@ -12,6 +12,7 @@ import torch
 
 from hapo_megatron.algo import (
     LOSS_AGG_MODES,
+    PolicyLossConfig,
     compute_entropy_stats,
     hapo_policy_loss,
     normalize_entropy,
@@ -20,7 +21,7 @@ from hapo_megatron.algo import (
 from hapo_megatron.parallel.context_parallel import gather_from_cp, split_for_cp
 from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.parallel.loss import (
-    LossConfig,
+    DEFAULT_LOGPROB_CHUNK,
     hapo_loss_from_logits,
     logprobs_entropy_from_logits,
     make_logprob_func,
@@ -36,16 +37,18 @@ DP_ROWS = (0, 2, 6)  # uneven DP split: rank 0 two rows, rank 1 four
 def _configs():
     out = []
     for i, mode in enumerate(LOSS_AGG_MODES):
-        extra = [dict(logprob_chunk_size=7), dict(kl_loss_coef=0.1, kl_loss_type="k3"),
-                 dict(entropy_coeff=0.01, logprob_chunk_size=5),
+        extra = [dict(), dict(kl_loss_coef=0.1, kl_loss_type="k3"), dict(entropy_coeff=0.01),
                  dict(tis_cap=1.5, clip_ratio_high=0.28)][i]
-        out.append((LossConfig(loss_agg_mode=mode, **extra), "token" if i % 2 else 0.9))
-    out.append((LossConfig(adaptive_clip=False, adaptive_advantage=False, h_hat_mode="reference"), 1.0))
+        chunk = {0: 7, 2: 5}.get(i, DEFAULT_LOGPROB_CHUNK)  # the fused log-prob's chunking
+        out.append((PolicyLossConfig(loss_agg_mode=mode, **extra), "token" if i % 2 else 0.9, chunk))
+    out.append((PolicyLossConfig(adaptive_clip=False, adaptive_advantage=False, h_hat_mode="reference"), 1.0,
+                DEFAULT_LOGPROB_CHUNK))
     # the off-policy correction: seq_tis needs each sequence's sum over the CP ranks (a dropped CP
     # reduction in parallel.loss._seq_is_log_ratio fails the "cp" layout below)
-    out.append((LossConfig(rollout_is="seq_tis", rollout_is_cap=1.5), "token"))
-    out.append((LossConfig(rollout_is="token_mis", rollout_is_cap=1.3, loss_agg_mode="seq-mean-token-mean"), 0.9))
-    out.append((LossConfig(rollout_is="token_tis", rollout_is_cap=1.2), 1.0))
+    out.append((PolicyLossConfig(rollout_is="seq_tis", rollout_is_cap=1.5), "token", DEFAULT_LOGPROB_CHUNK))
+    out.append((PolicyLossConfig(rollout_is="token_mis", rollout_is_cap=1.3, loss_agg_mode="seq-mean-token-mean"),
+                0.9, DEFAULT_LOGPROB_CHUNK))
+    out.append((PolicyLossConfig(rollout_is="token_tis", rollout_is_cap=1.2), 1.0, DEFAULT_LOGPROB_CHUNK))
     return out
 
 
@@ -76,11 +79,11 @@ def _temperature(kind, temp_tok):
     return temp_tok if kind == "token" else kind
 
 
-def _run(logits, batch, cfg, stats, temperature, **groups):
+def _run(logits, batch, cfg, stats, temperature, chunk=DEFAULT_LOGPROB_CHUNK, **groups):
     """loss_sum, num_tokens, d loss_sum / d logits, metrics of one (rank, micro-batch)."""
     x = logits.clone().requires_grad_(True)
-    loss_sum, num_tokens, metrics = hapo_loss_from_logits(x, batch, cfg=cfg, stats=stats,
-                                                          temperature=temperature, **groups)
+    loss_sum, num_tokens, metrics = hapo_loss_from_logits(x, batch, cfg=cfg, stats=stats, temperature=temperature,
+                                                          logprob_chunk_size=chunk, **groups)
     assert num_tokens.dtype == torch.int32 and num_tokens.dim() == 0
     loss_sum.backward()
     return loss_sum.item(), int(num_tokens), x.grad, {k: float(v) for k, v in metrics.items()}
@@ -91,18 +94,18 @@ def _loss_worker(rank, world_size):
 
     logits, batch, stats, temp_tok = _data()
     out = []
-    for cfg, tkind in _configs():
+    for cfg, tkind, chunk in _configs():
         temp = _temperature(tkind, temp_tok)
         res = {}
         shard = V // 2
-        res["tp"] = _run(logits[..., rank * shard:(rank + 1) * shard], batch, cfg, stats, temp,
+        res["tp"] = _run(logits[..., rank * shard:(rank + 1) * shard], batch, cfg, stats, temp, chunk,
                          tp_group=dist.group.WORLD)
         rows = slice(DP_ROWS[rank], DP_ROWS[rank + 1])
         t_rows = temp[rows] if torch.is_tensor(temp) else temp
-        res["dp"] = _run(logits[rows], batch.rows(rows), cfg, stats, t_rows)
+        res["dp"] = _run(logits[rows], batch.rows(rows), cfg, stats, t_rows, chunk)
         t_cp = split_for_cp(temp, 2, rank) if torch.is_tensor(temp) else temp
         res["cp"] = _run(split_for_cp(logits, 2, rank), batch.split_for_cp(2, rank),
-                         cfg, stats, t_cp, cp_group=dist.group.WORLD)
+                         cfg, stats, t_cp, chunk, cp_group=dist.group.WORLD)
         # plain arrays: tensors sent through the result queue would be shared via file descriptors
         out.append({k: (v[0], v[1], v[2].numpy(), v[3]) for k, v in res.items()})
     return out
@@ -117,14 +120,9 @@ def _reference(logits, batch, cfg, stats, temperature):
     ent = token_entropy(x, temperature)
     h_hat = normalize_entropy(batch.old_entropy, stats, cfg.h_hat_mode)
     loss_sum, norm, _ = hapo_policy_loss(
-        logp, batch.old_logprobs, batch.advantages, batch.loss_mask, h_hat,
-        clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-        clip_ratio_c=cfg.clip_ratio_c, adaptive_clip=cfg.adaptive_clip, clip_alpha=cfg.clip_alpha,
-        adaptive_advantage=cfg.adaptive_advantage, adv_beta=cfg.adv_beta,
-        loss_agg_mode=cfg.loss_agg_mode, entropy=ent, entropy_coeff=cfg.entropy_coeff,
-        ref_logprobs=batch.ref_logprobs, kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
-        rollout_logprobs=batch.rollout_logprobs, tis_cap=cfg.tis_cap, rollout_is=cfg.rollout_is,
-        rollout_is_cap=cfg.rollout_is_cap, proximal_logprobs=batch.proximal_logprobs)
+        logp, batch.old_logprobs, batch.advantages, batch.loss_mask, h_hat, cfg=cfg, entropy=ent,
+        ref_logprobs=batch.ref_logprobs, rollout_logprobs=batch.rollout_logprobs,
+        proximal_logprobs=batch.proximal_logprobs)
     loss = loss_sum / norm
     loss.backward()
     return loss.item(), x.grad
@@ -156,12 +154,12 @@ def _assert_no_ratio_on_a_discontinuity(logits, batch, cfg, stats, temp, what):
     assert not near.any(), (what, "ratios on a discontinuity", fields[0].ratio[near])
 
 
-def _single_and_micro(logits, batch, cfg, stats, temp):
-    single = _run(logits, batch, cfg, stats, temp)
+def _single_and_micro(logits, batch, cfg, stats, temp, chunk):
+    single = _run(logits, batch, cfg, stats, temp, chunk)
     parts, grads = [], []
     for lo, hi in ((0, 1), (1, 4), (4, 6)):  # micro-batches of 1, 3, 2 sequences
         t = temp[lo:hi] if torch.is_tensor(temp) else temp
-        parts.append(_run(logits[lo:hi], batch.rows(slice(lo, hi)), cfg, stats, t))
+        parts.append(_run(logits[lo:hi], batch.rows(slice(lo, hi)), cfg, stats, t, chunk))
         grads.append(parts[-1][2])
     return single, parts, torch.cat(grads)
 
@@ -171,12 +169,12 @@ def test_layout_invariance_all_agg_modes():
     results = [[{k: (v[0], v[1], torch.from_numpy(v[2]), v[3]) for k, v in c.items()} for c in r]
                for r in results]
     logits, batch, stats, temp_tok = _data()
-    for ci, (cfg, tkind) in enumerate(_configs()):
+    for ci, (cfg, tkind, chunk) in enumerate(_configs()):
         temp = _temperature(tkind, temp_tok)
         what = cfg.loss_agg_mode
         _assert_no_ratio_on_a_discontinuity(logits, batch, cfg, stats, temp, what)
         ref_loss, ref_grad = _reference(logits, batch, cfg, stats, temp)
-        single, micro_parts, micro_grad = _single_and_micro(logits, batch, cfg, stats, temp)
+        single, micro_parts, micro_grad = _single_and_micro(logits, batch, cfg, stats, temp, chunk)
         loss1, n1, m1 = _combine([single])
         assert abs(loss1 - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss)), (what, loss1, ref_loss)
         _close(single[2] / n1, ref_grad, (what, "single vs reference"))
@@ -205,26 +203,37 @@ def test_layout_invariance_all_agg_modes():
 
 def test_microbatch_scope_uses_current_entropy_stats():
     logits, batch, _, _ = _data(1)
-    cfg = LossConfig(entropy_stats_scope="microbatch", h_hat_entropy="current")
+    cfg = PolicyLossConfig(entropy_stats_scope="microbatch", h_hat_entropy="current")
     loss_sum, n, metrics = hapo_loss_from_logits(logits, batch, cfg=cfg, stats=None)
     ent = token_entropy(logits)
     stats = compute_entropy_stats(ent, batch.loss_mask)
-    ref = LossConfig(entropy_stats_scope="global", h_hat_entropy="current")
+    ref = PolicyLossConfig(entropy_stats_scope="global", h_hat_entropy="current")
     loss_sum2, n2, _ = hapo_loss_from_logits(logits, batch, cfg=ref, stats=stats)
     assert int(n) == int(n2) and torch.allclose(loss_sum, loss_sum2, rtol=1e-5)
     # h_hat_entropy="old" with microbatch scope: stats of the old entropies of the micro-batch
-    cfg_old = LossConfig(entropy_stats_scope="microbatch", h_hat_entropy="old")
+    cfg_old = PolicyLossConfig(entropy_stats_scope="microbatch", h_hat_entropy="old")
     l3, _, _ = hapo_loss_from_logits(logits, batch, cfg=cfg_old, stats=None)
-    l4, _, _ = hapo_loss_from_logits(logits, batch, cfg=LossConfig(),
+    l4, _, _ = hapo_loss_from_logits(logits, batch, cfg=PolicyLossConfig(),
                                      stats=compute_entropy_stats(batch.old_entropy, batch.loss_mask))
     assert torch.allclose(l3, l4)
 
 
+def test_loss_scale_factor_is_the_seq_mean_token_sum_norm_horizon():
+    """The horizon divides the loss sum (Megatron's count stays the sequence count): the row
+    length S by default, the given constant otherwise."""
+    logits, batch, stats, _ = _data()
+    cfg = PolicyLossConfig(loss_agg_mode="seq-mean-token-sum-norm")
+    row, n_row, _ = hapo_loss_from_logits(logits, batch, cfg=cfg, stats=stats)
+    const, n_const, _ = hapo_loss_from_logits(logits, batch, cfg=cfg, stats=stats, loss_scale_factor=100.0)
+    assert int(n_row) == int(n_const) == 5  # the rows with a valid token
+    assert float(const) * 100.0 == pytest.approx(float(row) * S, rel=1e-6)
+
+
 def test_make_loss_func_and_logprob_func():
     logits, batch, stats, _ = _data(2)
-    f = make_loss_func(batch, cfg=LossConfig(), stats=stats)
+    f = make_loss_func(batch, cfg=PolicyLossConfig(), stats=stats)
     a = f(logits)
-    b = hapo_loss_from_logits(logits, batch, cfg=LossConfig(), stats=stats)
+    b = hapo_loss_from_logits(logits, batch, cfg=PolicyLossConfig(), stats=stats)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     zero, n, out = make_logprob_func(batch.labels, temperature=0.8)(logits)
     lp, ent = logprobs_entropy_from_logits(logits, batch.labels, temperature=0.8)
@@ -238,7 +247,7 @@ def test_token_fields_are_what_the_metrics_count():
     (one computation, which the diagnostics reuse)."""
     logits, batch, stats, _ = _data(3)  # a seed where all three bounds are hit
     got = []
-    cfg = LossConfig(clip_ratio_low=0.05, clip_ratio_high=0.05, clip_ratio_c=1.01)
+    cfg = PolicyLossConfig(clip_ratio_low=0.05, clip_ratio_high=0.05, clip_ratio_c=1.01)
     _, _, m = hapo_loss_from_logits(logits, batch, cfg=cfg, stats=stats, on_token_fields=got.append)
     (f,) = got
     valid = batch.loss_mask != 0
@@ -258,16 +267,16 @@ def test_empty_microbatch_and_bad_input():
     logits, batch, stats, _ = _data(3)
     empty = batch.with_(loss_mask=torch.zeros(B, S))
     x = logits.clone().requires_grad_(True)
-    loss_sum, n, _ = hapo_loss_from_logits(x, empty, cfg=LossConfig(), stats=stats)
+    loss_sum, n, _ = hapo_loss_from_logits(x, empty, cfg=PolicyLossConfig(), stats=stats)
     loss_sum.backward()
     assert int(n) == 0 and loss_sum.item() == 0.0 and torch.all(x.grad == 0)
     with pytest.raises(ValueError, match="advantages"):
-        hapo_loss_from_logits(logits, batch.with_(advantages=None), cfg=LossConfig(), stats=stats)
+        hapo_loss_from_logits(logits, batch.with_(advantages=None), cfg=PolicyLossConfig(), stats=stats)
     with pytest.raises(TypeError, match="MicroBatch"):
-        hapo_loss_from_logits(logits, {"labels": batch.labels}, cfg=LossConfig(), stats=stats)
+        hapo_loss_from_logits(logits, {"labels": batch.labels}, cfg=PolicyLossConfig(), stats=stats)
     with pytest.raises(ValueError, match="stats"):
-        hapo_loss_from_logits(logits, batch, cfg=LossConfig(), stats=None)
+        hapo_loss_from_logits(logits, batch, cfg=PolicyLossConfig(), stats=None)
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        LossConfig(loss_agg_mode="mean")
+        PolicyLossConfig(loss_agg_mode="mean")
     with pytest.raises(ValueError, match="old_logprobs"):
         batch.with_(old_logprobs=batch.old_logprobs[:, :3])

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from hapo_megatron.config import RewardConfig
 from hapo_megatron.rewards import registry
 from hapo_megatron.rewards.counts import RewardCounts
 from hapo_megatron.rewards.scoring import RewardScorer, auto_num_workers, min_score
@@ -36,8 +37,9 @@ def _score(scorer, hand_over_first: bool):
 
 @pytest.mark.parametrize("reward, fmt", [("math", "01"), ("tests.rewards.test_registry:dict_reward", "pm1")])
 def test_workers_give_what_the_process_gives(reward, fmt):
-    inline, _ = _score(RewardScorer(reward, num_workers=0, timeout_s=30, score_format=fmt), False)
-    scorer = RewardScorer(reward, num_workers=2, timeout_s=30, score_format=fmt)
+    section = dict(reward_fn=reward, timeout_s=30, score_format=fmt)
+    inline, _ = _score(RewardScorer(RewardConfig(**section, num_workers=0)), False)
+    scorer = RewardScorer(RewardConfig(**section, num_workers=2))
     try:
         pooled, counts = _score(scorer, True)
     finally:
@@ -58,38 +60,38 @@ def test_rewards_that_cannot_travel_are_refused(monkeypatch):
         return 1.0
 
     with pytest.raises(ValueError, match="reward 'local_reward' cannot run in reward worker processes"):
-        RewardScorer("local_reward", num_workers=1, timeout_s=1)
+        RewardScorer(RewardConfig(reward_fn="local_reward", num_workers=1, timeout_s=1))
     local_reward.__module__ = "__main__"
     with pytest.raises(ValueError, match="lives in '__main__'.*reward.num_workers=0"):
-        RewardScorer("local_reward", num_workers=1, timeout_s=1)
-    assert RewardScorer("local_reward", num_workers=0, timeout_s=1).pool is None  # in process it is fine
+        RewardScorer(RewardConfig(reward_fn="local_reward", num_workers=1, timeout_s=1))
+    in_process = RewardScorer(RewardConfig(reward_fn="local_reward", num_workers=0, timeout_s=1))
+    assert in_process.pool is None  # in process it is fine
 
 
 def test_settings_are_checked():
-    with pytest.raises(ValueError, match="num_workers must be -1"):
-        RewardScorer("math", num_workers=-2, timeout_s=1)
-    with pytest.raises(ValueError, match="timeout_s must be > 0"):
-        RewardScorer("math", num_workers=0, timeout_s=0)
+    with pytest.raises(ValueError, match="reward.num_workers must be >= -1"):
+        RewardScorer(RewardConfig(reward_fn="math", num_workers=-2, timeout_s=1))
+    with pytest.raises(ValueError, match="reward.timeout_s must be > 0"):
+        RewardScorer(RewardConfig(reward_fn="math", num_workers=0, timeout_s=0))
     assert (min_score("pm1"), min_score("01")) == (-1.0, 0.0)
     assert 1 <= auto_num_workers() <= 8
 
 
 def test_from_config_carries_every_field():
-    from hapo_megatron.config import RewardConfig
     from tests.rewards.test_registry import dict_reward
 
     cfg = RewardConfig(reward_fn="tests.rewards.test_registry:dict_reward", score_format="01",
                        reward_kwargs={"data_source": "a"}, num_workers=1, timeout_s=7.5)
     defaults = RewardConfig()
     assert (defaults.num_workers, defaults.timeout_s) != (cfg.num_workers, cfg.timeout_s)
-    scorer = RewardScorer.from_config(cfg)
+    scorer = RewardScorer(cfg)
     try:
         assert scorer.fn is dict_reward and scorer.score_format == "01" and scorer.wrong == 0.0
         assert scorer.reward_kwargs == {"data_source": "a"} and scorer.timeout_s == 7.5
         assert scorer.pool.num_workers == 1
     finally:
         scorer.close()
-    auto = RewardScorer.from_config(defaults)  # -1: sized from the CPUs
+    auto = RewardScorer(defaults)  # -1: sized from the CPUs
     try:
         assert auto.pool.num_workers == auto_num_workers() and auto.timeout_s == 30.0
     finally:

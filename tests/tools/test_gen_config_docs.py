@@ -21,9 +21,8 @@ def test_every_field_and_preset_is_documented():
     text = gen.generate()
 
     def walk(cls, prefix):
-        for f in dataclasses.fields(cls):
-            tp = C._hints(cls)[f.name]
-            key = f"{prefix}.{f.name}"
+        for name, (tp, _) in C.config_keys(cls).items():
+            key = f"{prefix}.{name}"
             assert f"| `{key}` |" in text, key
             if isinstance(tp, type) and issubclass(tp, C._Section):
                 walk(tp, key)

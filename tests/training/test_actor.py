@@ -73,13 +73,13 @@ def _actor_checks(rank, world, data, ckpt_dir):
     # the HAPO loss moves log-probs in the direction of the advantage
     from hapo_megatron.algo import EntropyStats
     from hapo_megatron.config import AlgoConfig
-    from hapo_megatron.parallel.loss import LossConfig, make_loss_func
+    from hapo_megatron.parallel.loss import make_loss_func
     for i, s in enumerate(seqs):
         s.advantage = 1.0 if i % 2 == 0 else -1.0
     mbs = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batch_size=4)
     (lp, ent), = actor.compute_logprobs_entropy(mbs, temperature=1.0)
     mbs = [mbs[0].with_(old_logprobs=lp, old_entropy=ent)]
-    lc = LossConfig.from_algo(AlgoConfig())
+    lc = AlgoConfig().loss
     actor.train_step(mbs, lambda mb: make_loss_func(mb, cfg=lc, stats=EntropyStats.neutral(), tp_group=g.tp))
     (after, _), = actor.compute_logprobs_entropy(mbs, temperature=1.0)
     delta = (after.sum(1) - lp.sum(1)).tolist()

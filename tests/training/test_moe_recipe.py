@@ -46,22 +46,18 @@ def test_config_loads_and_validates(cfg):
 
 
 def test_shape_file_is_qwen3_30b_a3b(hf_config):
-    from hapo_megatron.models.hf_config import is_moe
+    from hapo_megatron.config.validate import ModelSpec
     from hapo_megatron.training.memory.plan import param_count, shape_from_hf_config
-    assert is_moe(hf_config) and hf_config.model_type == "qwen3_moe"
+    assert ModelSpec.of(hf_config).is_moe and hf_config.model_type == "qwen3_moe"
     assert (hf_config.num_experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size) == (128, 8, 768)
     assert param_count(shape_from_hf_config(hf_config)) == 30_532_122_624  # the published 30.5B
 
 
 def test_layout_fits_the_model(cfg, hf_config):
-    from hapo_megatron.models.moe import check_moe_training_layout
-    from hapo_megatron.train import check_dist_timeout, check_parallel_fits_model
+    from hapo_megatron.config.validate import ModelSpec, validate_run
+    from hapo_megatron.train import check_dist_timeout
     from hapo_megatron.training.context_length import check_sequence_fits
-    p = cfg.parallel
-    check_parallel_fits_model(hf_config, p)
-    check_moe_training_layout(hf_config, tp=p.tensor_model_parallel_size, ep=p.expert_model_parallel_size,
-                              etp=p.expert_tensor_parallel_size, pp=p.pipeline_model_parallel_size,
-                              cp=p.context_parallel_size, sequence_parallel=p.sequence_parallel)
+    validate_run(cfg, ModelSpec.of(hf_config), 16)
     check_sequence_fits(hf_config, cfg)
     for world in (8, 16):  # one node (train.sh) and two nodes: a generation round < the job timeout
         check_dist_timeout(cfg, world)
@@ -182,12 +178,13 @@ def test_memory_plan_reads_the_config_fields(cfg, hf_config):
         return plan_from_config(c, hf_config, world_size=16, device_bytes=int(H100_GIB * GiB))
 
     base = plan()
-    assert cfg.model.fused_output_layer and cfg.model.routing_replay and cfg.algo.kl_loss_coef == 0
+    assert cfg.model.fused_output_layer and cfg.model.routing_replay and cfg.algo.loss.kl_loss_coef == 0
     assert base.routes == 512 * 16 * (1024 + 10240) // 4 * (48 // 2) * 8 * 1  # PP=2: a stage's layers, uint8 ids
     assert plan(model={"routing_replay": False, "measure_routing_mismatch": False}).routes == 0
     measured = plan(model={"routing_replay": False, "measure_routing_mismatch": True})
     assert measured.routes == base.routes  # mismatch measurement fetches them too
-    assert base.reference == 0 and plan(algo={"kl_loss_coef": 0.001}).reference == base.params
+    with_kl = dataclasses.replace(cfg.algo.loss, kl_loss_coef=0.001)
+    assert base.reference == 0 and plan(algo={"loss": with_kl}).reference == base.params
     logits = plan(model={"fused_output_layer": False}).activations - base.activations
     # 12.75 GiB of logits less the fused kernel's ~1 GiB (slices of 1024 x 75968, accumulator, gather)
     assert 11.5 * GiB < logits < 12.75 * GiB

@@ -16,7 +16,8 @@ import torch
 
 from hapo_megatron.algo import EntropyStats
 from hapo_megatron.config import AlgoConfig, RolloutConfig, load_config
-from hapo_megatron.parallel.loss import LossConfig, hapo_loss_from_logits
+from hapo_megatron.algo import PolicyLossConfig
+from hapo_megatron.parallel.loss import hapo_loss_from_logits
 from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.training.off_policy import with_proximal_logprobs
 
@@ -53,7 +54,8 @@ def _setup(adaptive, mode="token_tis", cap=2.0):
                     rollout_logprobs=rollout, temperatures=temps, recomputed_logprobs=at_base,
                     old_logprobs=at_base, advantages=torch.ones(B, S))
     cfg = SimpleNamespace(rollout=RolloutConfig(temperature=t_base),
-                          algo=AlgoConfig(adaptive_temperature=adaptive, rollout_is=mode, rollout_is_cap=cap))
+                          algo=AlgoConfig.from_dict(dict(adaptive_temperature=adaptive, rollout_is=mode,
+                                                         rollout_is_cap=cap)))
     actor = FakeActor(logits)
     rt = SimpleNamespace(cfg=cfg, rl=SimpleNamespace(rollout_entropy_stats=STATS), actor=actor,
                          groups=SimpleNamespace(is_pipeline_last=True), contributes_metrics=True)
@@ -88,13 +90,13 @@ def test_without_adaptive_temperature_the_old_logprob_pass_is_reused():
 def test_loss_refuses_a_batch_without_proximal_logprobs():
     _, mb, logits, _ = _setup(adaptive=False)
     with pytest.raises(ValueError, match="proximal_logprobs"):
-        hapo_loss_from_logits(logits, mb, cfg=LossConfig(rollout_is="seq_tis", adaptive_clip=False,
+        hapo_loss_from_logits(logits, mb, cfg=PolicyLossConfig(rollout_is="seq_tis", adaptive_clip=False,
                                                          adaptive_advantage=False), stats=None)
 
 
 def test_loss_none_ignores_the_proximal_field_bit_for_bit():
     _, mb, logits, _ = _setup(adaptive=False)
-    cfg = LossConfig(adaptive_clip=False, adaptive_advantage=False)
+    cfg = PolicyLossConfig(adaptive_clip=False, adaptive_advantage=False)
     a = hapo_loss_from_logits(logits, mb, cfg=cfg, stats=None)
     b = hapo_loss_from_logits(logits, mb.with_(proximal_logprobs=mb.rollout_logprobs + 1), cfg=cfg, stats=None)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -3,6 +3,8 @@
 import json
 import os
 
+import pytest
+
 from hapo_megatron.train import main
 from tests.training.tiny_setup import ROOT, tiny_overrides
 
@@ -34,7 +36,7 @@ def test_prompt_longer_than_limit(tiny, tmp_path, capsys):
 
 def test_tp_not_dividing_heads(tiny, tmp_path, capsys):
     _fails(capsys, tiny, tmp_path / "run", "parallel.tensor_model_parallel_size=3",
-           match="must divide the model's attention heads")
+           match="parallel.tensor_model_parallel_size=3 must divide the model's num_attention_heads")
 
 
 def test_missing_checkpoint_path(tiny, tmp_path, capsys):
@@ -78,3 +80,38 @@ def test_context_parallel_on_cuda_needs_transformer_engine(monkeypatch):
     cfg.model.use_te = False
     with pytest.raises(ValueError, match="model.use_te=false"):
         train.check_installs(cfg, cuda=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    """A tiny random Qwen3-MoE model of 4 experts (with its tokenizer) on disk."""
+    from hapo_megatron.models.hf_config import write_tiny_char_model
+    path = str(tmp_path_factory.mktemp("moe"))
+    write_tiny_char_model(path, "qwen3_moe", seed=0, num_experts=4, num_experts_per_tok=2)
+    return path
+
+
+@pytest.mark.parametrize("world,layout,match", [
+    (4, {"parallel.expert_model_parallel_size": 3},
+     "parallel.expert_model_parallel_size=3 must divide the model's num_experts=4"),
+    # EP 4 divides the 4 experts, but the expert grid ETP x EP x PP = 2 x 4 x 1 does not divide 4 ranks
+    (4, {"parallel.expert_model_parallel_size": 4, "parallel.expert_tensor_parallel_size": 2},
+     "not divisible by the expert grid parallel.expert_tensor_parallel_size * expert_model_parallel_size"),
+])
+def test_bad_expert_layout_fails_before_any_process_group(tiny, tiny_moe, tmp_path, capsys, monkeypatch,
+                                                          world, layout, match):
+    import torch.distributed as dist
+
+    def no_group(*args, **kwargs):
+        raise AssertionError("init_process_group called before the layout was checked")
+
+    monkeypatch.setattr(dist, "init_process_group", no_group)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    run_dir = tmp_path / "run"
+    extra = {"model.hf_model_path": tiny_moe, "data.tokenizer_path": tiny_moe, "parallel.tensor_model_parallel_size": 1,
+             **layout}
+    rc = main(["--config", CONFIG, *tiny_overrides(tiny, str(run_dir), **extra)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "hapo train: error:" in err and match in err, err
+    assert not dist.is_initialized() and not os.path.exists(run_dir)

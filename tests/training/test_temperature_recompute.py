@@ -17,7 +17,8 @@ STATS = EntropyStats(pivot=1.0, std=0.5, pos_max=2.0, neg_min=-2.0)  # of log-en
 
 def _rt(stats, *, adaptive=True, tau=0.2, t_base=0.8, mode="signed"):
     cfg = SimpleNamespace(rollout=RolloutConfig(temperature=t_base),
-                          algo=AlgoConfig(adaptive_temperature=adaptive, temperature_tau=tau, h_hat_mode=mode))
+                          algo=AlgoConfig.from_dict(dict(adaptive_temperature=adaptive, temperature_tau=tau,
+                                                         h_hat_mode=mode)))
     return SimpleNamespace(cfg=cfg, rl=SimpleNamespace(rollout_entropy_stats=stats))
 
 

@@ -302,7 +302,7 @@ def role_rank0_new(d: dict, out_dir: str, cap: int, chunk: int, gen_s: float, dp
     cfg = _cfg(prompts, n, cap)
     recs = records(d)
     engine = _ChunkedEngine(samples(d, as_lists=False), chunk, gen_s)
-    scorer = RewardScorer.from_config(cfg.reward)
+    scorer = RewardScorer(cfg.reward)
     rt = SimpleNamespace(
         cfg=cfg, engine=engine, memory=EngineMemory(engine), control=SimpleNamespace(send=lambda kind, body: None),
         sampling_seed=lambda step, i: 0,

@@ -81,7 +81,8 @@ def time_update(plan_rank: list[list[int]], lengths, *, pack: bool, actor, group
     import torch
 
     from hapo_megatron.algo import EntropyStats
-    from hapo_megatron.parallel.loss import LossConfig, make_loss_func
+    from hapo_megatron.algo import PolicyLossConfig
+    from hapo_megatron.parallel.loss import make_loss_func
     from hapo_megatron.training.batches.micro_batches import SequenceData, build_rank_micro_batches
     g = torch.Generator().manual_seed(seed)
     seqs = []
@@ -92,7 +93,7 @@ def time_update(plan_rank: list[list[int]], lengths, *, pack: bool, actor, group
             seqs.append(SequenceData(ids[:p], ids[p:], advantage=1.0, index=len(seqs)))
     mbs = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, max_tokens_per_micro_batch=budget, pack=pack)
     mbs = [mb.with_(old_logprobs=-mb.loss_mask, old_entropy=mb.loss_mask) for mb in mbs]
-    cfg, stats = LossConfig(), EntropyStats(pivot=0.0, std=1.0, pos_max=1.0, neg_min=-1.0)
+    cfg, stats = PolicyLossConfig(), EntropyStats(pivot=0.0, std=1.0, pos_max=1.0, neg_min=-1.0)
     t0 = time.perf_counter()
     actor.train_step(mbs, lambda mb: make_loss_func(mb, cfg=cfg, stats=stats, tp_group=groups.tp))
     return time.perf_counter() - t0

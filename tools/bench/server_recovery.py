@@ -22,6 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from hapo_megatron.config import SGLangConfig  # noqa: E402
 from hapo_megatron.rollout.sglang import engine as se  # noqa: E402
 from hapo_megatron.rollout.sglang import launch as launcher  # noqa: E402
 from hapo_megatron.rollout.sglang.api_key import new_api_key  # noqa: E402
@@ -48,9 +49,9 @@ def main() -> None:
         handles.append(launcher.start_process(cmd, f"http://127.0.0.1:{port}", log_path=os.path.join(root, f"s{i}.log"),
                                               env=launcher.server_env(cpu=True), api_key=key))
     try:
-        eng = se.SGLangEngine(server_urls=handles, launch=False, colocate=True, weight_sync="tensor", max_retries=0,
-                              request_timeout_s=120, send_sampling_seed=True, requests_per_call=4, api_key=key,
-                              model_path=model, launch_timeout_s=900)
+        section = SGLangConfig(colocate=True, weight_sync="tensor", max_retries=0, request_timeout_s=120)
+        eng = se.SGLangEngine(section, servers=handles, launch=False, send_sampling_seed=True, requests_per_call=4,
+                              api_key=key, model_path=model, launch_timeout_s=900)
         eng.update_weights(iter(perturbed(model, 1)))
         prompts = [[1, 10 + p, 11, 12 + p] for p in range(args.prompts)]
         params = SamplingParams(n=2, temperature=args.temperature, max_new_tokens=24, ignore_eos=True, seed=11)

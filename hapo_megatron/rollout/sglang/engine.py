@@ -74,6 +74,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from hapo_megatron.config.base import WEIGHT_SYNC_MODES
+from hapo_megatron.config.sections import SGLangConfig
 from hapo_megatron.parallel.collectives import all_gather_objects, broadcast_object, rank_and_world
 from hapo_megatron.rollout.sglang import fp8_serving
 from hapo_megatron.rollout import fp8_weights
@@ -243,8 +244,11 @@ def generate_call_plan(num_rows: int, num_servers: int,
 class SGLangEngine:
     """Rollouts on SGLang servers; see the module docstring.
 
-    Args (the ``rollout.sglang`` config fields, plus):
+    Args:
+        cfg: the ``rollout.sglang`` section (``SGLangConfig``): servers to attach to or launch, their
+            TP size and memory, weight sync, timeouts, retries and restarts.
         model_path: HF model directory the servers load (and the config source for disk sync).
+        servers: handles of servers started elsewhere (node_servers), in place of ``cfg.server_urls``.
         dtype: the servers' ``--dtype``.
         launch_timeout_s: how long a launched server may take to become healthy.
         requests_per_call: rows per ``/generate`` call; calls run concurrently.
@@ -263,7 +267,6 @@ class SGLangEngine:
             ``$HAPO_ROLLOUT_API_KEY``, else the one in ``key_file`` (the trainer's:
             ``<run_dir>/rollout_api_key``); launching without one makes a new key (written to
             ``key_file`` when given). Every request carries it; launched servers require it.
-        max_restarts: restarts of dead servers this engine may make (``rollout/sglang/server_supervisor.py``).
         supervisor: the servers' :class:`ServerSupervisor`, shared by engines over the same
             handles (node_servers: rank 0's generating engine and its node's syncing one).
         quantization: ``"none"`` or ``"fp8"`` (module docstring; ``rollout.quantization``).
@@ -274,27 +277,24 @@ class SGLangEngine:
     the others. One process only: with ``collective=True`` a failure raises as before.
     """
 
-    def __init__(self, *, model_path: Optional[str] = None, server_urls: Sequence[str] = (),
-                 num_servers: int = 1, server_tp_size: int = 1, mem_fraction_static: float = 0.7,
-                 weight_sync: str = "auto", bucket_size_mb: int = 512, request_timeout_s: float = 600.0,
-                 max_retries: int = 3, colocate: bool = True,
-                 extra_server_args: Sequence[str] = (), port_base: int = 30000, tokenizer: Any = None,
+    def __init__(self, cfg: SGLangConfig, *, model_path: Optional[str] = None,
+                 servers: Optional[Sequence[ServerHandle]] = None, tokenizer: Any = None,
                  dtype: Any = torch.bfloat16, launch_timeout_s: float = 900.0,
                  requests_per_call: int = REQUESTS_PER_CALL,
                  send_sampling_seed: bool = False, disk_sync_dir: Optional[str] = None,
                  log_dir: Optional[str] = None, collective: bool = False, wait_for_servers: bool = True,
                  session: Any = None, launch: bool = True, group_name: str = "hapo_weight_sync",
                  device: str = "auto", api_key: Optional[str] = None, key_file: Optional[str] = None,
-                 max_restarts: int = 3, supervisor: Optional[ServerSupervisor] = None,
+                 supervisor: Optional[ServerSupervisor] = None,
                  quantization: str = "none", kv_cache_dtype: str = "auto") -> None:
         fp8_serving.check_choices(quantization, kv_cache_dtype)
         self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype
-        if int(bucket_size_mb) < 1 or int(requests_per_call) < 1 or int(server_tp_size) < 1:
-            raise ValueError("bucket_size_mb, requests_per_call and server_tp_size must be >= 1")
-        self.model_path, self.tokenizer, self.colocate = model_path, tokenizer, bool(colocate)
-        self.weight_sync = resolve_weight_sync(weight_sync, colocate=self.colocate)
-        self.bucket_bytes = int(bucket_size_mb) << 20
-        self.tp = int(server_tp_size)
+        if int(requests_per_call) < 1:
+            raise ValueError(f"requests_per_call must be >= 1, got {requests_per_call}")
+        self.model_path, self.tokenizer, self.colocate = model_path, tokenizer, bool(cfg.colocate)
+        self.weight_sync = resolve_weight_sync(cfg.weight_sync, colocate=self.colocate)
+        self.bucket_bytes = int(cfg.bucket_size_mb) << 20
+        self.tp = int(cfg.server_tp_size)
         self.requests_per_call = int(requests_per_call)
         self.send_sampling_seed = bool(send_sampling_seed)
         self.disk_sync_dir = disk_sync_dir or os.environ.get("HAPO_SGLANG_SYNC_DIR") or None
@@ -304,9 +304,10 @@ class SGLangEngine:
         self.dtype = dtype if isinstance(dtype, torch.dtype) else None  # export dtype for the trainer
         self.collective = bool(collective)
         self.rank, self.world_size = rank_and_world() if self.collective else (0, 1)
+        server_urls = list(cfg.server_urls) if servers is None else list(servers)
         self._api_key = agree_on_api_key(api_key, key_file, create=launch and not server_urls,
                                          rank=self.rank, world_size=self.world_size)
-        self.http = SGLangHTTP(timeout_s=request_timeout_s, max_retries=max_retries, session=session,
+        self.http = SGLangHTTP(timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries, session=session,
                                api_key=self._api_key)
         self._nccl_group = None
         self._sync_device = "cuda"  # where broadcast buckets live (NCCL); tests use "cpu"
@@ -322,11 +323,11 @@ class SGLangEngine:
         else:
             if not model_path:
                 raise ValueError("model_path is required to launch SGLang servers")
-            self.servers = self._launch_servers(int(num_servers), mem_fraction_static, dtype,
-                                                list(extra_server_args), int(port_base),
+            self.servers = self._launch_servers(int(cfg.num_servers), cfg.mem_fraction_static, dtype,
+                                                list(cfg.extra_server_args), int(cfg.port_base),
                                                 float(launch_timeout_s), log_dir)
         self.supervisor = supervisor if supervisor is not None else ServerSupervisor(
-            self.servers, http=self.http, max_restarts=max_restarts)
+            self.servers, http=self.http, max_restarts=cfg.max_restarts)
         # set by the trainer during a rollout: polled while generate() waits, True aborts the round
         # (training/stages.py; docs/troubleshooting.md, "Preemption")
         self.stop_check: Optional[Callable[[], bool]] = None
@@ -343,20 +344,6 @@ class SGLangEngine:
         if self.weight_sync == "tensor" and self.world_size > 1 and self.world_size != len(self.servers) * self.tp:
             raise ValueError(f"weight_sync='tensor' needs one trainer rank per server GPU: world size "
                              f"{self.world_size} != {len(self.servers)} servers x tp {self.tp}")
-
-    @classmethod
-    def from_config(cls, cfg: Any, *, model_path: str, tokenizer: Any = None, dtype: Any = torch.bfloat16,
-                    **kwargs: Any) -> "SGLangEngine":
-        """Build from an ``SGLangConfig`` (``rollout.sglang``)."""
-        names = ("server_urls", "num_servers", "server_tp_size", "mem_fraction_static", "weight_sync",
-                 "bucket_size_mb", "request_timeout_s", "max_retries", "colocate",
-                 "extra_server_args", "port_base", "max_restarts")
-        missing = [n for n in names if not hasattr(cfg, n)]
-        if missing:  # strict wiring: a dropped field must not fall back to a default silently
-            raise TypeError(f"SGLangEngine.from_config: {type(cfg).__name__} lacks {missing}")
-        args = {n: getattr(cfg, n) for n in names}
-        args.update(kwargs)
-        return cls(model_path=model_path, tokenizer=tokenizer, dtype=dtype, **args)
 
     # ------------------------------------------------------------------ servers
     def _launch_servers(self, num_servers, mem_fraction, dtype, extra, port_base, timeout_s, log_dir):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import atexit
 import os
 import time
+from dataclasses import replace
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
@@ -238,13 +239,13 @@ def start_node_servers(cfg: Any, *, model_path: str, tokenizer: Any = None, dtyp
                   kv_cache_dtype=kv_cache_dtype, **engine_kwargs)
     cluster = node_sync = None
     if rank == 0:
-        cluster = SGLangEngine.from_config(cfg, server_urls=handles, log_dir=log_dir, disk_sync_dir=disk_sync_dir,
-                                           **common)
+        cluster = SGLangEngine(cfg, servers=handles, log_dir=log_dir, disk_sync_dir=disk_sync_dir, **common)
         if ctx.num_nodes > 1:  # each node's leader restarts its own servers (in its sync), never rank 0
             cluster.supervisor.restart = None
     if mode == "tensor" and own:  # one node: the same handles, one supervisor for both engines
         shared = cluster.supervisor if cluster is not None and ctx.num_nodes == 1 else None
-        node_sync = SGLangEngine.from_config(cfg, server_urls=own, weight_sync="tensor", supervisor=shared, **common)
+        # the node's own servers, by CUDA IPC (mode "tensor": colocated, so the section allows it)
+        node_sync = SGLangEngine(replace(cfg, weight_sync="tensor"), servers=own, supervisor=shared, **common)
     return NodeServersEngine(ctx=ctx, slots=slots, own=own, cluster=cluster, node_sync=node_sync, weight_sync=mode,
                              leaders_group=leaders_group, dtype=dtype)
 

@@ -54,7 +54,7 @@ class ServerSupervisor:
         clock: seconds (``time.monotonic``); events carry it, for the recovery-time figures.
     """
 
-    def __init__(self, servers: Sequence[ServerHandle], *, http: SGLangHTTP, max_restarts: int = 3,
+    def __init__(self, servers: Sequence[ServerHandle], *, http: SGLangHTTP, max_restarts: int,
                  restart: Optional[Callable[[ServerHandle], None]] = launcher.restart_process,
                  log: Callable[[str], None] = _console, clock: Callable[[], float] = time.monotonic) -> None:
         if int(max_restarts) < 0:

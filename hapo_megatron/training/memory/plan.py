@@ -236,11 +236,12 @@ def _add_warnings(plan: MemoryPlan, colocated: bool) -> None:
 
 def shape_from_hf_config(hf_config) -> ModelShape:
     # models/ and offload import torch; the planner itself stays torch-free for `hapo train`'s preflight
-    from hapo_megatron.models.hf_config import (has_qk_norm, has_qkv_bias, head_dim_of, is_moe,
-                                                moe_layer_pattern, num_kv_heads_of)
-    moe = dict(experts=int(hf_config.num_experts), moe_intermediate=int(hf_config.moe_intermediate_size),
-               moe_layers=sum(moe_layer_pattern(hf_config)),
-               moe_topk=int(hf_config.num_experts_per_tok)) if is_moe(hf_config) else {}
+    from hapo_megatron.config.validate import ModelSpec
+    from hapo_megatron.models.hf_config import (has_qk_norm, has_qkv_bias, head_dim_of, moe_layer_pattern,
+                                                num_kv_heads_of)
+    spec = ModelSpec.of(hf_config)
+    moe = dict(experts=spec.num_experts, moe_intermediate=spec.moe_ffn, moe_layers=sum(moe_layer_pattern(hf_config)),
+               moe_topk=spec.experts_per_token) if spec.is_moe else {}
     return ModelShape(**moe, hidden=int(hf_config.hidden_size), layers=int(hf_config.num_hidden_layers),
                       heads=int(hf_config.num_attention_heads), kv_heads=num_kv_heads_of(hf_config),
                       head_dim=head_dim_of(hf_config), intermediate=int(hf_config.intermediate_size),
@@ -289,7 +290,7 @@ def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int, gpus
                        tokens_per_micro_batch=tokens, recompute=cfg.model.recompute_activations,
                        sglang_fraction=sg.mem_fraction_static, server_tp=sg.server_tp_size, colocated=colocated,
                        offload=offload, device_bytes=device_bytes, fused_output_layer=cfg.model.fused_output_layer,
-                       reference_model=cfg.algo.kl_loss_coef > 0,
+                       reference_model=cfg.algo.loss.kl_loss_coef > 0,
                        routed_tokens=step_tokens // max(dp, 1) if routes_travel else 0,
                        peer_contexts=tensor_sync_peer_contexts(cfg, min(gpus_per_node, world_size)),
                        server_weight_bytes=fp8_server_weight_bytes(shape, param_count(shape)) if fp8 else None)

@@ -26,7 +26,7 @@ from hapo_megatron.training.runtime import Runtime
 def diagnostic_h_hat(mb: MicroBatch, stats: EntropyStats, algo: AlgoConfig) -> torch.Tensor:
     """``[b, s]`` normalised old-policy entropy with the step's global statistics: the entropy
     class (h_hat > 0: high) the diagnostics split tokens by."""
-    return normalize_entropy(mb.old_entropy, stats, algo.h_hat_mode)
+    return normalize_entropy(mb.old_entropy, stats, algo.loss.h_hat_mode)
 
 
 def accumulate_token_diagnostics(micro_batches: list[MicroBatch], stats: EntropyStats, algo: AlgoConfig, *,

@@ -83,24 +83,24 @@ def strip_timing(record: Mapping[str, Any]) -> dict[str, Any]:
 class MetricsLogger:
     """Fan-out of per-step metrics to the configured sinks (no-op when ``enabled`` is False)."""
 
-    def __init__(self, run_dir: str, *, total_steps: int, initial_step: int = 0, enabled: bool = True,
-                 console: bool = True, jsonl: bool = True, wandb: bool = False,
-                 wandb_mode: str = "offline", wandb_project: str | None = None,
-                 wandb_entity: str | None = None, experiment_name: str | None = None, tensorboard: bool = False,
-                 log_interval: int = 1, config: Mapping[str, Any] | None = None,
-                 desc: str = "train", tensorboard_dir: str | None = None):
-        self.enabled, self.log_interval = enabled, max(1, int(log_interval))
-        self.jsonl_path = os.path.join(run_dir, "metrics.jsonl") if jsonl else None
+    def __init__(self, cfg: Any, run_dir: str, *, total_steps: int, initial_step: int = 0, enabled: bool = True,
+                 config: Mapping[str, Any] | None = None, desc: str = "train"):
+        """``cfg``: the ``logging`` section (``LoggingConfig``): which sinks, wandb's mode, project,
+        entity and run name, the TensorBoard directory, the log interval. ``config``: the run's
+        config for wandb; ``enabled``: False on the ranks that log nothing."""
+        self.enabled, self.log_interval = enabled, max(1, int(cfg.log_interval))
+        self.jsonl_path = os.path.join(run_dir, "metrics.jsonl") if cfg.jsonl else None
         self._bar = self._wandb = self._tb = None
-        self.console, self._bar_args = console, dict(total=total_steps, initial=initial_step, desc=desc)
+        self.console, self._bar_args = cfg.console, dict(total=total_steps, initial=initial_step, desc=desc)
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        if wandb:
-            self._wandb = self._init_wandb(run_dir, wandb_mode, wandb_project, wandb_entity, experiment_name, config)
-        if tensorboard:
+        if cfg.wandb:
+            self._wandb = self._init_wandb(run_dir, cfg.wandb_mode, cfg.wandb_project, cfg.wandb_entity,
+                                           cfg.wandb_run_name, config)
+        if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self._tb = SummaryWriter(log_dir=tensorboard_dir or os.path.join(run_dir, "tensorboard"))
+            self._tb = SummaryWriter(log_dir=cfg.tensorboard_dir or os.path.join(run_dir, "tensorboard"))
 
     @staticmethod
     def _init_wandb(run_dir, mode, project, entity, name, config):

@@ -4,11 +4,11 @@ import os
 
 import torch
 
-from hapo_megatron.rollout.sglang import engine as se
 from hapo_megatron.rollout.sglang.api_key import API_KEY_ENV
 from hapo_megatron.rollout.engine import SamplingParams
 
 from .fake_sglang import FakeSession
+from tests.rollout.sglang.engines import sglang_engine
 
 URLS = ["http://a:1", "http://b:2"]
 
@@ -32,7 +32,7 @@ def collective_worker(rank, world_size, tmp_dir):
     sess = FakeSession()
     if rank == 0:
         os.environ[API_KEY_ENV] = "key-known-to-rank-0"
-    eng = se.SGLangEngine(server_urls=URLS[:1], server_tp_size=2, colocate=True, weight_sync="tensor",
+    eng = sglang_engine(server_urls=URLS[:1], server_tp_size=2, colocate=True, weight_sync="tensor",
                           session=sess, launch=False, bucket_size_mb=1, collective=True, device="cuda")
     os.environ.pop(API_KEY_ENV, None)
     out["auth"] = eng.http._auth
@@ -47,7 +47,7 @@ def collective_worker(rank, world_size, tmp_dir):
     out["release_posts"] = len(sess.posts("/release_memory_occupation"))
     # disk sync: rank 0 writes and posts, rank 1 only drains its iterator
     sess2 = FakeSession()
-    eng2 = se.SGLangEngine(server_urls=URLS, colocate=False, weight_sync="disk", session=sess2, launch=False,
+    eng2 = sglang_engine(server_urls=URLS, colocate=False, weight_sync="disk", session=sess2, launch=False,
                            collective=True,
                            disk_sync_dir=tmp_dir)
     drained = []
@@ -63,7 +63,7 @@ def collective_worker(rank, world_size, tmp_dir):
     # rank-0-only engine (the trainer's default) inside a 2-rank job: no collectives (else: hang)
     if rank == 0:
         sess3 = FakeSession()
-        eng3 = se.SGLangEngine(server_urls=URLS[:1], server_tp_size=2, colocate=True, weight_sync="tensor",
+        eng3 = sglang_engine(server_urls=URLS[:1], server_tp_size=2, colocate=True, weight_sync="tensor",
                                session=sess3, launch=False, device="cuda")
         eng3.bucket_bytes = 64 * 32 * 2
         eng3.generate([[10]], SamplingParams(n=1, max_new_tokens=2))

@@ -12,7 +12,6 @@ from hapo_megatron.config.sections import RolloutConfig, SGLangConfig
 from hapo_megatron.models import tiny_hf_config
 from hapo_megatron.models.hf_config import write_tiny_char_model
 from hapo_megatron.rollout import make_engine
-from hapo_megatron.rollout.sglang import engine as se
 from hapo_megatron.rollout.fp8 import FP8_DTYPE, quantize_blockwise
 from hapo_megatron.rollout.sglang.fp8_serving import CPU_FP8_REFUSED
 from hapo_megatron.rollout.fp8_weights import is_fp8_weight, scale_name
@@ -21,6 +20,7 @@ from hapo_megatron.rollout.sglang.launch import server_command
 from hapo_megatron.rollout.sglang.processor import SGLANG_AVAILABLE
 
 from .fake_sglang import FakeSession
+from tests.rollout.sglang.engines import sglang_engine
 
 URLS = ["http://a:1", "http://b:2"]
 FP8_NAME = "model.layers.0.self_attn.q_proj.weight"
@@ -60,7 +60,7 @@ def engine(session, **kw):
     kw.setdefault("colocate", False)
     kw.setdefault("weight_sync", "disk")
     kw.setdefault("quantization", "fp8")
-    return se.SGLangEngine(session=session, launch=False, **kw)
+    return sglang_engine(session=session, launch=False, **kw)
 
 
 # ------------------------------------------------------------------------------- config
@@ -105,7 +105,7 @@ def test_launched_fp8_servers_start_from_an_fp8_checkpoint_with_the_flags(monkey
     monkeypatch.setattr(sglang_launch, "start_process",
                         lambda cmd, url, **kw: started.append(cmd) or ServerHandle(url=url))
     model = fp8_ready_model(tmp_path / "model")
-    se.SGLangEngine(model_path=model, num_servers=1, session=FakeSession(), log_dir=str(tmp_path / "logs"),
+    sglang_engine(model_path=model, num_servers=1, session=FakeSession(), log_dir=str(tmp_path / "logs"),
                     device="cuda", weight_sync="disk", quantization="fp8", kv_cache_dtype="fp8_e4m3")
     (cmd,) = started
     assert cmd[cmd.index("--quantization") + 1] == "fp8" and cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
@@ -124,16 +124,16 @@ def test_fp8_launch_refuses_cpu_servers_float32_and_unservable_shapes(monkeypatc
     kw = dict(model_path=model, num_servers=1, session=FakeSession(), log_dir=str(tmp_path / "logs"),
               weight_sync="disk", quantization="fp8")
     with pytest.raises(ValueError, match="needs CUDA servers"):
-        se.SGLangEngine(device="cpu", **kw)
+        sglang_engine(device="cpu", **kw)
     assert "AMX" in CPU_FP8_REFUSED
     with pytest.raises(ValueError, match="bf16 or fp16"):
-        se.SGLangEngine(device="cuda", dtype=torch.float32, **kw)
+        sglang_engine(device="cuda", dtype=torch.float32, **kw)
     tiny = tmp_path / "tiny"
     write_tiny_char_model(str(tiny), "qwen3", seed=0)  # hidden 32: no whole 128-blocks
     with pytest.raises(ValueError, match="block-FP8 layers cannot hold"):
-        se.SGLangEngine(device="cuda", **{**kw, "model_path": str(tiny)})
+        sglang_engine(device="cuda", **{**kw, "model_path": str(tiny)})
     with pytest.raises(ValueError, match="quantization must be one of"):
-        se.SGLangEngine(device="cuda", **{**kw, "quantization": "fp4"})
+        sglang_engine(device="cuda", **{**kw, "quantization": "fp4"})
 
 
 def test_fp8_launch_refuses_llama(monkeypatch, tmp_path):
@@ -145,7 +145,7 @@ def test_fp8_launch_refuses_llama(monkeypatch, tmp_path):
     monkeypatch.setattr(sglang_launch, "start_process", lambda cmd, url, **kw: ServerHandle(url=url))
     llama = fp8_ready_model(tmp_path / "llama", "llama")
     with pytest.raises(ValueError, match="cannot serve LlamaForCausalLM: SGLang 0.5.23's Llama loader renames"):
-        se.SGLangEngine(model_path=llama, num_servers=1, session=FakeSession(), log_dir=str(tmp_path / "logs"),
+        sglang_engine(model_path=llama, num_servers=1, session=FakeSession(), log_dir=str(tmp_path / "logs"),
                         weight_sync="disk", quantization="fp8", device="cuda")
     assert serving_model_path(llama, "none", str(tmp_path)) == llama
     for arch in ("qwen2", "qwen3_moe"):

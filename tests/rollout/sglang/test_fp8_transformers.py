@@ -25,11 +25,11 @@ import pytest
 import torch
 
 from hapo_megatron.models.hf_config import write_tiny_char_model
-from hapo_megatron.rollout.sglang import engine as se
 from hapo_megatron.rollout.fp8 import dequantize_blockwise
 from hapo_megatron.rollout.fp8_weights import dequantized_state_dict, is_fp8_weight, scale_name
 
 from .fake_sglang import FakeSession
+from tests.rollout.sglang.engines import sglang_engine
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128)
 
@@ -46,7 +46,7 @@ def disk_sync_fp8(tmp_path, arch: str, **overrides):
     state = per_expert_state(model.state_dict())  # the trainer's export: HF on-disk names
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    eng = se.SGLangEngine(session=FakeSession(), launch=False, server_urls=["http://a:1"], colocate=False,
+    eng = sglang_engine(session=FakeSession(), launch=False, server_urls=["http://a:1"], colocate=False,
                           weight_sync="disk", disk_sync_dir=str(tmp_path / "sync"), model_path=str(src),
                           quantization="fp8")
     eng.update_weights(iter(state.items()))

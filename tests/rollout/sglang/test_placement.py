@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from hapo_megatron.rollout.sglang.placement import NodeContext, ServerSlot, plan_servers, server_host
+from tests.rollout.sglang.engines import sglang_engine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
@@ -76,12 +77,11 @@ def test_disk_sync_rank0_updates_every_node_the_others_keep_pace(tmp_path):
     import torch
 
     from hapo_megatron.rollout.sglang.node_servers import NodeServersEngine
-    from hapo_megatron.rollout.sglang.engine import SGLangEngine
 
     from .fake_sglang import FakeSession
     urls = ["http://127.0.0.1:30000", "http://10.0.0.2:30001"]  # node 0's and node 1's server
     sess = FakeSession()
-    cluster = SGLangEngine(server_urls=urls, weight_sync="disk", colocate=True, session=sess, launch=False,
+    cluster = sglang_engine(server_urls=urls, weight_sync="disk", colocate=True, session=sess, launch=False,
                            disk_sync_dir=str(tmp_path / "w"), device="cuda", wait_for_servers=False)
     weights = [("model.norm.weight", torch.ones(4)), ("lm_head.weight", torch.ones(2, 4))]
     drained = []
@@ -113,14 +113,13 @@ def test_a_single_engine_fills_its_node_with_num_servers_0(monkeypatch, tmp_path
 
     from hapo_megatron.rollout.sglang import launch as sglang_launch
     from hapo_megatron.rollout.sglang.client import ServerHandle
-    from hapo_megatron.rollout.sglang.engine import SGLangEngine
 
     from .fake_sglang import FakeSession
     started = []
     monkeypatch.setattr(sglang_launch, "start_process", lambda cmd, url, **kw: started.append(cmd) or ServerHandle(url))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    SGLangEngine(model_path=str(tmp_path), num_servers=0, server_tp_size=2, session=FakeSession(), device="cuda",
+    sglang_engine(model_path=str(tmp_path), num_servers=0, server_tp_size=2, session=FakeSession(), device="cuda",
                  log_dir=str(tmp_path), weight_sync="disk")
     assert [c[c.index("--base-gpu-id") + 1] for c in started] == ["0", "2", "4", "6"]
 

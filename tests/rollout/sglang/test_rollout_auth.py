@@ -20,6 +20,7 @@ from hapo_megatron.rollout.engine import SamplingParams
 from hapo_megatron.rollout.sglang.client import SGLangError, SGLangHTTP, ServerHandle
 
 from .fake_sglang import FakeProcess, FakeSession
+from tests.rollout.sglang.engines import sglang_engine
 
 KEY = "k3y-for-the-tests_0123456789"
 
@@ -66,7 +67,7 @@ def test_resolve_api_key_order(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- the header on every request
 def test_every_request_carries_the_key(tmp_path):
     sess = FakeSession()
-    eng = se.SGLangEngine(server_urls=["http://a:1", "http://b:2"], colocate=False, weight_sync="disk",
+    eng = sglang_engine(server_urls=["http://a:1", "http://b:2"], colocate=False, weight_sync="disk",
                           session=sess, launch=False, api_key=KEY, disk_sync_dir=str(tmp_path))
     eng.generate([[1, 2], [3]], SamplingParams(n=2, max_new_tokens=2))
     eng.update_weights(iter([("w", torch.zeros(2))]))
@@ -74,7 +75,7 @@ def test_every_request_carries_the_key(tmp_path):
     assert {c[1].rsplit("/", 1)[1] for c in sess.calls} >= {"health", "generate", "update_weights_from_disk"}
     assert sess.headers == [{"Authorization": f"Bearer {KEY}"}] * len(sess.calls)
     keyless = FakeSession()
-    se.SGLangEngine(server_urls=["http://a:1"], session=keyless, launch=False).check_health()
+    sglang_engine(server_urls=["http://a:1"], session=keyless, launch=False).check_health()
     assert keyless.headers and set(keyless.headers) == {None}  # no key known: no header at all
 
 
@@ -82,7 +83,7 @@ def test_attached_engine_reads_the_key_file_and_a_refusal_says_why(tmp_path):
     path = str(tmp_path / ak.KEY_FILE_NAME)
     ak.write_key_file(path, KEY)
     sess = FakeSession(failures={"/generate": [401]})
-    eng = se.SGLangEngine(server_urls=["http://a:1"], session=sess, launch=False, key_file=path)
+    eng = sglang_engine(server_urls=["http://a:1"], session=sess, launch=False, key_file=path)
     with pytest.raises(SGLangError, match="HTTP 401.*HAPO_ROLLOUT_API_KEY"):
         eng.generate([[1]], SamplingParams(n=1, max_new_tokens=1))
     assert sess.headers[-1] == {"Authorization": f"Bearer {KEY}"}
@@ -99,7 +100,7 @@ def test_launched_servers_get_the_key_and_the_file(monkeypatch, tmp_path):
     monkeypatch.setattr(sglang_launch, "start_process", fake_start)
     path = str(tmp_path / "run" / ak.KEY_FILE_NAME)
     sess = FakeSession()
-    eng = se.SGLangEngine(model_path=str(tmp_path), num_servers=2, session=sess, log_dir=str(tmp_path),
+    eng = sglang_engine(model_path=str(tmp_path), num_servers=2, session=sess, log_dir=str(tmp_path),
                           device="cpu", weight_sync="disk", key_file=path)
     key = ak.read_key_file(path)
     assert [kw["api_key"] for _, kw in started] == [key] * 2  # both servers

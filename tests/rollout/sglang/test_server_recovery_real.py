@@ -21,6 +21,7 @@ from hapo_megatron.rollout.sglang.server_supervisor import IN_USE, LOST, RESTART
 from hapo_megatron.rollout.sglang.launch import stop_process
 
 from .real_sglang import hf_greedy, hf_model
+from tests.rollout.sglang.engines import sglang_engine
 
 PROMPTS = [[1, 10 + p, 11, 12 + p] for p in range(12)]  # x n=2: 24 rows, 6 calls of 4 rows, 3 per server
 SAMPLED = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=11)
@@ -80,7 +81,7 @@ def test_lost_servers_are_replaced_and_rejoin_with_the_current_weights(real_serv
     second = second_real_server  # the pool's second server, launched with the first (tests/rollout/sglang/conftest.py)
     lines = []
     try:
-        eng = se.SGLangEngine(server_urls=[real_server, second], launch=False, colocate=True, weight_sync="tensor",
+        eng = sglang_engine(server_urls=[real_server, second], launch=False, colocate=True, weight_sync="tensor",
                               max_retries=0, request_timeout_s=TIMEOUT_S, send_sampling_seed=True,
                               requests_per_call=4, max_restarts=2, api_key=real_api_key, model_path=real_model_dir)
         eng.supervisor._log = lambda m: (lines.append(m), print(m, flush=True))

@@ -14,6 +14,7 @@ from hapo_megatron.rollout.sglang.client import SGLangError, ServerHandle
 
 from .collective_worker import named_weights
 from .fake_sglang import FakeProcess, FakeSession
+from tests.rollout.sglang.engines import sglang_engine
 
 URLS = ["http://a:1", "http://b:2"]
 PARAMS = SamplingParams(n=2, max_new_tokens=3, seed=5)
@@ -40,7 +41,7 @@ def launched(url):
 
 def engine(sess, *, launch_handles=True, max_restarts=3, comes_back=True, log=None, **kw):
     handles = [launched(u) for u in URLS] if launch_handles else URLS
-    eng = se.SGLangEngine(server_urls=handles, session=sess, launch=False, colocate=False, weight_sync="disk",
+    eng = sglang_engine(server_urls=handles, session=sess, launch=False, colocate=False, weight_sync="disk",
                           wait_for_servers=False, requests_per_call=4, send_sampling_seed=True, max_retries=1,
                           max_restarts=max_restarts, **kw)
     eng.http.sleep = lambda s: None
@@ -154,9 +155,9 @@ def test_no_server_left_stops_the_run_even_with_restarts_left():
 
 
 def test_max_restarts_comes_from_the_config():
-    """Mutation: dropping ``max_restarts`` from SGLangEngine.from_config's names leaves 3."""
+    """Mutation: the engine's supervisor not reading ``cfg.max_restarts`` leaves 3."""
     cfg = SGLangConfig(server_urls=URLS, colocate=False, weight_sync="disk", max_restarts=1)
-    eng = se.SGLangEngine.from_config(cfg, model_path="/m", session=FakeSession(), launch=False)
+    eng = se.SGLangEngine(cfg, model_path="/m", session=FakeSession(), launch=False)
     assert eng.supervisor.max_restarts == 1
     with pytest.raises(ValueError, match="max_restarts"):
         SGLangConfig(max_restarts=-1).validate()
@@ -219,7 +220,7 @@ def test_standin_servers_killed_and_stopped_are_restarted_as_they_were_started(t
                         if r["path"] == "start"]
     lines = []
     try:
-        eng = se.SGLangEngine(server_urls=handles, launch=False, colocate=False, weight_sync="disk", max_retries=0,
+        eng = sglang_engine(server_urls=handles, launch=False, colocate=False, weight_sync="disk", max_retries=0,
                               request_timeout_s=15.0, requests_per_call=4, api_key=key, max_restarts=2,
                               disk_sync_dir=str(tmp_path / "w"), launch_timeout_s=60)
         eng.supervisor._log = lines.append

@@ -16,6 +16,7 @@ from hapo_megatron.rollout.sglang.processor import PARAM_KEY, SGLANG_AVAILABLE, 
 
 from .collective_worker import named_weights
 from .fake_sglang import FakeProcess, FakeSession
+from tests.rollout.sglang.engines import sglang_engine
 
 STATS = EntropyStats(pivot=1.1, std=0.4, pos_max=2.0, neg_min=-2.5)
 URLS = ["http://a:1", "http://b:2"]
@@ -25,7 +26,7 @@ def engine(session, **kw):
     kw.setdefault("server_urls", URLS)
     kw.setdefault("colocate", False)
     kw.setdefault("weight_sync", "disk")
-    return se.SGLangEngine(session=session, launch=False, **kw)
+    return sglang_engine(session=session, launch=False, **kw)
 
 
 # ---------------------------------------------------------------- payloads and parsing
@@ -284,22 +285,24 @@ def test_release_resume_only_when_colocated():
 
 
 # ---------------------------------------------------------------- config, launch commands
-def test_from_config_and_weight_sync_resolution():
+def test_the_section_reaches_the_engine_and_weight_sync_resolution():
     from hapo_megatron.config import SGLangConfig
 
-    cfg = SGLangConfig(server_urls=URLS, colocate=False, weight_sync="auto", bucket_size_mb=8, max_retries=5)
-    eng = se.SGLangEngine.from_config(cfg, model_path="/m", session=FakeSession(), launch=False)
+    cfg = SGLangConfig(server_urls=URLS, colocate=False, weight_sync="auto", bucket_size_mb=8, max_retries=5,
+                       request_timeout_s=7.0, server_tp_size=2)
+    eng = se.SGLangEngine(cfg, model_path="/m", session=FakeSession(), launch=False)
     assert (eng.weight_sync, eng.bucket_bytes, eng.http.max_retries, len(eng.servers)) == ("distributed", 8 << 20, 5, 2)
+    assert (eng.http.timeout_s, eng.tp, [s.tp_size for s in eng.servers]) == (7.0, 2, [2, 2])
     dropped = types.SimpleNamespace(**{k: v for k, v in vars(cfg).items() if k != "request_timeout_s"})
-    with pytest.raises(TypeError, match="request_timeout_s"):  # strict wiring: no silent default
-        se.SGLangEngine.from_config(dropped, model_path="/m", session=FakeSession(), launch=False)
+    with pytest.raises(AttributeError, match="request_timeout_s"):  # strict wiring: no silent default
+        se.SGLangEngine(dropped, model_path="/m", session=FakeSession(), launch=False)
     assert se.resolve_weight_sync("auto", colocate=True) == "tensor"
     with pytest.raises(ValueError, match="colocate"):
         se.resolve_weight_sync("tensor", colocate=False)
     with pytest.raises(ValueError, match="weight_sync"):
         se.resolve_weight_sync("nccl", colocate=False)
     with pytest.raises(ValueError, match="launch=False"):
-        se.SGLangEngine(server_urls=[], launch=False, session=FakeSession())
+        sglang_engine(server_urls=[], launch=False, session=FakeSession())
 
 
 def test_launch_commands():
@@ -413,7 +416,7 @@ def test_launched_servers_bind_loopback_on_one_node(monkeypatch, tmp_path):
     monkeypatch.setattr(sglang_launch, "start_process", fake_start)
     monkeypatch.setenv("RANK", "0")  # as under torchrun: must not reach the server
     monkeypatch.setenv("MASTER_PORT", "29500")
-    se.SGLangEngine(model_path=str(tmp_path), num_servers=2, session=FakeSession(), log_dir=str(tmp_path),
+    sglang_engine(model_path=str(tmp_path), num_servers=2, session=FakeSession(), log_dir=str(tmp_path),
                     port_base=31000, device="cpu", weight_sync="disk")
     assert [url for _, url, _ in started] == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"]
     for cmd, _, env in started:

@@ -10,6 +10,7 @@ Checks against an independent HF-transformers recomputation (float32, full forwa
 
 import pytest
 import torch
+from tests.rollout.sglang.engines import sglang_engine
 
 pytestmark = pytest.mark.gpu
 
@@ -35,10 +36,9 @@ def tiny_models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_models, tmp_path_factory):
-    from hapo_megatron.rollout.sglang.engine import SGLangEngine
     from hapo_megatron.rollout.sglang.launch import free_port
 
-    eng = SGLangEngine(model_path=tiny_models[0], num_servers=1, server_tp_size=1, colocate=True,
+    eng = sglang_engine(model_path=tiny_models[0], num_servers=1, server_tp_size=1, colocate=True,
                        weight_sync="tensor", mem_fraction_static=0.3, port_base=free_port(),
                        launch_timeout_s=600, log_dir=str(tmp_path_factory.mktemp("logs")),
                        extra_server_args=["--disable-cuda-graph"])

@@ -19,6 +19,7 @@ import torch
 from hapo_megatron.rollout.routed_experts import decode_routed_experts, routing_mismatch
 
 from .real_sglang import hf_greedy, require_sglang, start_server
+from tests.rollout.sglang.engines import sglang_engine
 
 PROMPTS = [[1, 10, 11, 12, 13], [1, 20, 5, 7], [1, 33, 34]]
 NEW_TOKENS = 8
@@ -59,8 +60,7 @@ def _perturbed(model, seed: int):
 
 
 def _engine(url, api_key):
-    from hapo_megatron.rollout.sglang import engine as se
-    return se.SGLangEngine(server_urls=[url], launch=False, colocate=True, max_retries=0,
+    return sglang_engine(server_urls=[url], launch=False, colocate=True, max_retries=0,
                            request_timeout_s=300, api_key=api_key, weight_sync="tensor")
 
 

@@ -16,13 +16,14 @@ from hapo_megatron.rollout.sglang import engine as se
 from hapo_megatron.rollout.engine import SamplingParams
 
 from .real_sglang import hf_greedy, hf_model
+from tests.rollout.sglang.engines import sglang_engine
 
 PROMPTS = [[1, 10, 11, 12, 13], [1, 20, 5, 7], [1, 33, 34]]
 
 
 def make_engine(url, api_key, **kw):
     kw.setdefault("weight_sync", "tensor")
-    return se.SGLangEngine(server_urls=[url], launch=False, colocate=True, max_retries=0,
+    return sglang_engine(server_urls=[url], launch=False, colocate=True, max_retries=0,
                            request_timeout_s=300, api_key=api_key, **kw)
 
 
@@ -204,7 +205,7 @@ def test_killed_server_stops_the_trainer_and_keeps_its_checkpoint(real_server, r
     assert "hapo train: stopped: the SGLang rollout engine failed" in out and server.url in out, out[-4000:]
     latest = find_latest(os.path.join(run_dir, "checkpoints"))
     assert latest is not None and int(read_rl_state(latest)["step"]) >= 2
-    dead = se.SGLangEngine(server_urls=[server.url], launch=False, wait_for_servers=False, max_retries=1)
+    dead = sglang_engine(server_urls=[server.url], launch=False, wait_for_servers=False, max_retries=1)
     dead.http.sleep = lambda s: None
     with pytest.raises(ServerDiedError, match=f"no SGLang server left in use after {server.url} failed"):
         dead.generate([[1, 2]], SamplingParams(n=1, max_new_tokens=2))

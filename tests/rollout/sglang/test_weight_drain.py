@@ -8,13 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hapo_megatron.rollout.sglang import engine as se
 from hapo_megatron.rollout.sglang.client import SGLangError
 from hapo_megatron.training import stages
 from hapo_megatron.training.memory.engine_memory import EngineMemory
 
 from .collective_worker import URLS, named_weights
 from .fake_sglang import FakeSession
+from tests.rollout.sglang.engines import sglang_engine
 
 
 class Stream:
@@ -38,7 +38,7 @@ class Stream:
 
 
 def _sglang(mode, rank=0, failures=None, tmp_path=None):
-    eng = se.SGLangEngine(server_urls=URLS, colocate=False, weight_sync=mode, session=FakeSession(failures=failures),
+    eng = sglang_engine(server_urls=URLS, colocate=False, weight_sync=mode, session=FakeSession(failures=failures),
                           launch=False, bucket_size_mb=1, disk_sync_dir=str(tmp_path) if tmp_path else None)
     eng.bucket_bytes = 64 * 32 * 2  # several buckets
     eng._nccl_group, eng._sync_device = "fake-group", "cpu"

@@ -66,7 +66,8 @@ def _run_layout(actor, g, seqs, pack: bool, ref_model):
     import torch.distributed as dist
 
     from hapo_megatron.config import AlgoConfig
-    from hapo_megatron.parallel.loss import LossConfig, make_loss_func
+    from hapo_megatron.algo import PolicyLossConfig
+    from hapo_megatron.parallel.loss import make_loss_func
     from hapo_megatron.parallel.stats import global_entropy_stats
     from hapo_megatron.parallel.collectives import sum_metrics
     from hapo_megatron.training.batches.micro_batches import build_rank_micro_batches, pack_multiples
@@ -98,7 +99,7 @@ def _run_layout(actor, g, seqs, pack: bool, ref_model):
             out["fused"] = _per_sequence(fused_mbs, ("old_logprobs", "old_entropy"))
     stats = _broadcast_stats(stats, g)
     for mode in ("token-mean", "seq-mean-token-mean"):
-        cfg = LossConfig(clip_ratio_high=0.28, loss_agg_mode=mode, kl_loss_coef=0.1, tis_cap=2.0)
+        cfg = PolicyLossConfig(clip_ratio_high=0.28, loss_agg_mode=mode, kl_loss_coef=0.1, tis_cap=2.0)
         recorded = []
         for chunk in actor.model:
             chunk.zero_grad_buffer()

@@ -6,13 +6,15 @@ import math
 import os
 import time
 
+from hapo_megatron.config import LoggingConfig
 from hapo_megatron.training.metrics.sinks import MetricsLogger, Timer, read_jsonl, strip_timing, truncate_jsonl
 
 
 def test_jsonl_console_tensorboard_wandb(tmp_path, capsys):
     run = str(tmp_path)
-    log = MetricsLogger(run, total_steps=3, console=True, jsonl=True, tensorboard=True, wandb=True,
-                        wandb_mode="offline", experiment_name="t", config={"a": 1})
+    sinks = LoggingConfig(console=True, jsonl=True, tensorboard=True, wandb=True, wandb_mode="offline",
+                          wandb_run_name="t")
+    log = MetricsLogger(sinks, run, total_steps=3, config={"a": 1})
     for step in (1, 2, 3):
         log.log(step, {"rollout/reward_mean": 0.1 * step, "rollout/acc": 0.5, "entropy/mean": 1.0,
                        "loss/pg_loss": float("nan"), "timing/rollout_s": 0.2})
@@ -28,7 +30,7 @@ def test_jsonl_console_tensorboard_wandb(tmp_path, capsys):
 
 
 def test_disabled_logger_writes_nothing(tmp_path):
-    log = MetricsLogger(str(tmp_path / "r"), total_steps=1, enabled=False)
+    log = MetricsLogger(LoggingConfig(), str(tmp_path / "r"), total_steps=1, enabled=False)
     log.log(1, {"a/b": 1.0})
     log.close()
     assert not os.path.exists(tmp_path / "r")

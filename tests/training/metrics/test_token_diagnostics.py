@@ -12,7 +12,8 @@ import torch
 
 from hapo_megatron.algo import EntropyStats, PolicyTokenFields, finalize_loss_metrics, normalize_entropy
 from hapo_megatron.config import AlgoConfig
-from hapo_megatron.parallel.loss import LossConfig, hapo_loss_from_logits
+from hapo_megatron.algo import PolicyLossConfig
+from hapo_megatron.parallel.loss import hapo_loss_from_logits
 from hapo_megatron.training.batches.micro_batches import SequenceData, collate, dummy_sequence
 from hapo_megatron.training.metrics.diagnostics import (accumulate_token_diagnostics,
                                                         entropy_histogram_summary, rollout_records)
@@ -120,7 +121,7 @@ def test_diagnostics_clip_fractions_are_the_loss_metrics():
     loss/clipfrac_* over the same updates (one computation)."""
     _, batch, mbs, _ = _setup(seed=2)
     g = torch.Generator().manual_seed(5)
-    cfg = LossConfig(clip_ratio_low=0.05, clip_ratio_high=0.05, clip_ratio_c=1.05)
+    cfg = PolicyLossConfig(clip_ratio_low=0.05, clip_ratio_high=0.05, clip_ratio_c=1.05)
     sums: dict[str, float] = {}
     recorded = []
     for mb in mbs:

@@ -1,0 +1,140 @@
+"""``PolicyLossConfig``: the knobs of the policy loss, defined once (docs/algorithm.md, "Policy loss").
+
+The config's ``algo`` section embeds it (its fields are written ``algo.<name>`` in YAML), the
+loss (``algo.loss.hapo_policy_loss``, ``parallel.loss.hapo_loss_from_logits``) takes it whole.
+Each knob has its default and its check here only. Error messages start with the field's name,
+so the config section can put its path in front.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from hapo_megatron.algo.choices import (
+    ENTROPY_STATS_SCOPES, H_HAT_ENTROPIES, H_HAT_MODES, KL_LOSS_TYPES, LOSS_AGG_MODES, OLD_LOGPROB_SOURCES,
+    ROLLOUT_IS_MODES,
+)
+
+#: ``rollout_is`` value the run resolves from the rollout section (``with_default_rollout_is``)
+ROLLOUT_IS_AUTO = "auto"
+
+
+def _choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+def _finite(name: str, value) -> None:
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _finite_min(name: str, value, lo: float, *, strict: bool = False) -> None:
+    _finite(name, value)
+    if (value <= lo) if strict else (value < lo):
+        raise ValueError(f"{name} must be {'>' if strict else '>='} {lo}, got {value}")
+
+
+def _flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """The policy loss: clipping, advantage redistribution, entropy normalisation, penalties, the
+    off-policy correction."""
+
+    entropy_pivot: float = 0.8
+    """Quantile q of the log-entropies used as the pivot of h_hat (tokens above are "high")."""
+    h_hat_mode: str = "signed"
+    """"signed" (the paper: h_hat < 0 for low entropy) or "reference" (the public code's sign defect)."""
+    entropy_stats_scope: str = "global"
+    """Entropy statistics over the whole step batch on all ranks ("global") or per micro-batch."""
+    h_hat_entropy: str = "old"
+    """Which entropy feeds h_hat in the loss: of the rollout policy ("old") or the current one."""
+    adaptive_clip: bool = True
+    """HAPO component: asymmetric adaptive clipping (entropy-dependent clip ranges)."""
+    clip_alpha: float = 1.0
+    """Strength of the adaptive clip widening (>= 0)."""
+    adaptive_advantage: bool = True
+    """HAPO component: differential advantage redistribution by entropy and importance ratio."""
+    adv_beta: float = 1.0
+    """Strength of the advantage redistribution (>= 0): A_ent = A * (1 + adv_beta * h_hat)."""
+    clip_ratio_low: float = 0.2
+    """eps_L: the ratio is clipped below at 1 - eps_L."""
+    clip_ratio_high: float = 0.2
+    """eps_R: the ratio is clipped above at 1 + eps_R (DAPO clip-higher uses 0.28)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound c (> 1) for negative advantages (the paper's recipe uses 10.0)."""
+    loss_agg_mode: str = "token-mean"
+    """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
+    kl_loss_coef: float = 0.0
+    """Coefficient of the KL penalty against the reference model (0 = off, no reference model)."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator: k1 (kl), k2 (mse), k3 (low_var_kl, clamped), abs."""
+    entropy_coeff: float = 0.0
+    """Coefficient of the entropy bonus (0 = off)."""
+    old_logprob_source: str = "recompute"
+    """Old log-probs from a Megatron forward pass ("recompute") or as reported by the rollout engine."""
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling cap on pi_old / pi_rollout (null = no correction)."""
+    rollout_is: str = ROLLOUT_IS_AUTO
+    """Off-policy correction (docs/algorithm.md): a detached weight from proximal / behaviour log-probs
+    multiplies each token's loss: none, token_tis (truncated at rollout_is_cap), token_mis (tokens
+    over the cap masked), seq_tis (the sequence's product of ratios, truncated); auto = token_tis
+    with FP8 rollouts (the rollout section's quantization: fp8, docs/fp8.md) unless tis_cap or
+    old_logprob_source: rollout already decide the weighting, else none."""
+    rollout_is_cap: float = 2.0
+    """Cap of the rollout_is weight (> 0)."""
+
+    def __post_init__(self) -> None:
+        for name in ("adaptive_clip", "adaptive_advantage"):
+            _flag(name, getattr(self, name))
+        for name in ("clip_alpha", "adv_beta", "clip_ratio_low", "clip_ratio_high", "kl_loss_coef"):
+            _finite_min(name, getattr(self, name), 0.0)
+        _finite_min("clip_ratio_c", self.clip_ratio_c, 1.0, strict=True)
+        _choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _finite("entropy_pivot", self.entropy_pivot)
+        if not 0 < self.entropy_pivot < 1:
+            raise ValueError(f"entropy_pivot must be in (0, 1), got {self.entropy_pivot!r}")
+        _choice("h_hat_mode", self.h_hat_mode, H_HAT_MODES)
+        _choice("entropy_stats_scope", self.entropy_stats_scope, ENTROPY_STATS_SCOPES)
+        _choice("h_hat_entropy", self.h_hat_entropy, H_HAT_ENTROPIES)
+        _choice("kl_loss_type", self.kl_loss_type, KL_LOSS_TYPES)
+        _finite("entropy_coeff", self.entropy_coeff)
+        _choice("old_logprob_source", self.old_logprob_source, OLD_LOGPROB_SOURCES)
+        if self.tis_cap is not None:
+            _finite_min("tis_cap", self.tis_cap, 0.0, strict=True)
+        _choice("rollout_is", self.rollout_is, (ROLLOUT_IS_AUTO,) + ROLLOUT_IS_MODES)
+        _finite_min("rollout_is_cap", self.rollout_is_cap, 0.0, strict=True)
+        if self.rollout_is not in ("none", ROLLOUT_IS_AUTO) and self.tis_cap is not None:
+            raise ValueError("tis_cap and rollout_is both weight the loss by the rollout log-probs; set one")
+        if self.rollout_is not in ("none", ROLLOUT_IS_AUTO) and self.old_logprob_source != "recompute":
+            raise ValueError(f"rollout_is={self.rollout_is} compares the recomputed (proximal) log-probs with "
+                             "the rollout's: it needs old_logprob_source=recompute")
+
+    @property
+    def needs_h_hat(self) -> bool:
+        """The loss needs the normalised entropy h_hat (an adaptive switch is on)."""
+        return self.adaptive_clip or self.adaptive_advantage
+
+    def with_default_rollout_is(self, *, fp8_rollouts: bool, partial_rollouts: bool = False) -> "PolicyLossConfig":
+        """``rollout_is="auto"`` resolved: FP8 rollouts sample from another policy than the trainer's,
+        and the published FP8-RL recipes pair them with a token-level truncated importance weight
+        (docs/fp8.md, "The correction"); resumed partial responses (``partial_rollouts``) hold tokens
+        of older weights and get the same weight (docs/algorithm.md, "Over-sampling and partial
+        rollouts"); tis_cap is such a weight already, and old_logprob_source=rollout makes
+        proximal and behaviour the same policy. Else none."""
+        if self.rollout_is != ROLLOUT_IS_AUTO:
+            return self
+        off = (fp8_rollouts or partial_rollouts) and self.tis_cap is None and self.old_logprob_source == "recompute"
+        return replace(self, rollout_is="token_tis" if off else "none")
+
+    @property
+    def rollout_is_mode(self) -> str:
+        """The correction the loss applies: ``rollout_is``, where "auto" is read as without FP8
+        rollouts (the run's config resolves it with its rollout section first)."""
+        return self.with_default_rollout_is(fp8_rollouts=False).rollout_is
