@@ -295,7 +295,7 @@ def test_config_refusals_name_the_field(overrides, message):
 
 def test_config_correct_turns_the_correction_on():
     from hapo_megatron.config import load_config
-    assert load_config(overrides=SGLANG + ["rollout.over_sampling=1.5"]).algo.rollout_is == "token_tis"
+    assert load_config(overrides=SGLANG + ["rollout.over_sampling=1.5"]).algo.loss.rollout_is == "token_tis"
     masked = load_config(overrides=SGLANG + ["rollout.over_sampling=1.5", "rollout.partial_mode=mask_prefix"])
-    assert masked.algo.rollout_is == "none"
-    assert load_config(overrides=SGLANG).algo.rollout_is == "none"  # over-sampling off: as before
+    assert masked.algo.loss.rollout_is == "none"
+    assert load_config(overrides=SGLANG).algo.loss.rollout_is == "none"  # over-sampling off: as before

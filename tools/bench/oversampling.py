@@ -58,17 +58,18 @@ def build_rt(url: Optional[str], *, over_sampling: float, batch: int, n: int, ma
         f"rollout.partial_mode={partial_mode}", f"data.train_batch_size={batch}",
         f"trainer.ppo_mini_batch_size={batch}", f"rollout.n={n}", f"rollout.max_response_length={max_len}",
         f"algo.filter_groups={str(filter_groups).lower()}", "reward.overlong_buffer_enable=false",
-        f"trainer.seed={seed}", *extra])
+        f"trainer.seed={seed}", f"reward.reward_fn={REWARD}", "reward.num_workers=0", *extra])
     ds = [SimpleNamespace(prompt_ids=[1, 3 + i % 29, 3 + i // 29], ground_truth=str(i), data_source="bench",
                           extra_info=None, index=i) for i in range(prompts)]
     sampler = PromptSampler(ds, cfg.rollout.generate_batch_size or batch, seed=seed)
     rl = RLState(sampler=sampler, dyn=DynamicSampler(enabled=cfg.algo.filter_groups,
                                                      metric=cfg.algo.filter_groups_metric))
     if engine is None:
-        engine = SGLangEngine(server_urls=[url], send_sampling_seed=True, launch=False, max_retries=0,
-                              request_timeout_s=600)
+        sg = cfg.rollout.sglang
+        sg.server_urls, sg.max_retries, sg.request_timeout_s = [url], 0, 600.0
+        engine = SGLangEngine(sg, send_sampling_seed=True, launch=False)
     rt = SimpleNamespace(cfg=cfg, train_ds=ds, engine=engine, rl=rl, memory=_NoMemory(),
-                         scorer=RewardScorer(REWARD, num_workers=0, timeout_s=30),
+                         scorer=RewardScorer(cfg.reward),
                          tokenizer=SimpleNamespace(decode=lambda ids, **kw: "".join(chr(65 + t % 26) for t in ids),
                                                    eos_token_id=None),
                          control=SimpleNamespace(send=lambda *a: None), async_rollout=None,
