@@ -119,9 +119,12 @@ def generate_groups(engine, groups: Sequence[Sequence[RowRequest]], params: Sequ
                                  return_when=FIRST_COMPLETED)
             for f in done:
                 f.result()  # the first failure raises
+    except SGLangError:
+        if not enough.is_set():  # nothing more is sent, and the calls in flight end now
+            enough.set()
+            engine.abort_requests()
+        raise
     finally:
-        if not stopped:
-            enough.set()  # a failure: nothing more is sent
         pool.shutdown(wait=not stopped, cancel_futures=True)
     return out
 
