@@ -57,6 +57,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout: flo
     for p in procs:
         p.start()
     collected: dict[int, Any] = {}
+    finished = False
     try:
         while len(collected) < world_size:
             try:
@@ -69,8 +70,11 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout: flo
             if not ok:
                 raise RuntimeError(f"rank {rank} of {world_size} failed in {fn.__name__}:\n{out}")
             collected[rank] = out
+        finished = True
     finally:
         for p in procs:
+            if not finished:  # a failed or hung run: its other ranks may wait in a collective for ever
+                p.kill()
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()

@@ -80,8 +80,8 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp_si
     ``enable_memory_saver`` (colocated GPU runs) enables ``/release_memory_occupation``.
     ``skip_tokenizer_init``: requests and answers are token ids only.
     ``device="cpu"`` (see :func:`resolve_device`): SGLang's CPU engine flags (``--device cpu
-    --attention-backend torch_native --max-total-tokens``, float32; no memory saver, which needs
-    CUDA); run it with :func:`server_env` ``(cpu=True)``.
+    --attention-backend torch_native --max-total-tokens``, float32, ``--sleep-on-idle``; no memory
+    saver, which needs CUDA); run it with :func:`server_env` ``(cpu=True)``.
     ``api_key`` (default): the server requires the key :func:`start_process` hands it
     (``--api-key`` and ``--admin-api-key``, see :func:`module_argv`).
     ``quantization="fp8"``: ``--quantization fp8`` (``model_path`` must then be a block-FP8
@@ -93,8 +93,10 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp_si
            "--model-path", str(model_path),
            "--host", host, "--port", str(int(port)), "--tp-size", str(int(tp_size))]
     if device == "cpu":
+        # --sleep-on-idle: an idle scheduler otherwise polls its sockets in a busy loop, taking
+        # ~0.6 of a core from the trainer that shares the machine (docs/troubleshooting.md)
         cmd += ["--device", "cpu", "--attention-backend", "torch_native",
-                "--max-total-tokens", str(int(max_total_tokens)), "--dtype", "float32"]
+                "--max-total-tokens", str(int(max_total_tokens)), "--dtype", "float32", "--sleep-on-idle"]
     else:
         cmd += ["--base-gpu-id", str(int(base_gpu_id)), "--mem-fraction-static", str(float(mem_fraction_static)),
                 "--dtype", dtype]

@@ -422,6 +422,7 @@ def test_launched_servers_bind_loopback_on_one_node(monkeypatch, tmp_path):
     for cmd, _, env in started:
         assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and "0.0.0.0" not in cmd
         assert env["SGLANG_USE_CPU_ENGINE"] == "1" and "--device" in cmd and "torch_native" in cmd
+        assert "--sleep-on-idle" in cmd  # an idle CPU scheduler would busy-poll a core of the trainer's
         assert "RANK" not in env and "MASTER_PORT" not in env
     assert server_command("/m", port=1)[server_command("/m", port=1).index("--host") + 1] == "127.0.0.1"
 
