@@ -121,15 +121,17 @@ class PolicyLossConfig:
         """The loss needs the normalised entropy h_hat (an adaptive switch is on)."""
         return self.adaptive_clip or self.adaptive_advantage
 
-    def with_default_rollout_is(self, *, fp8_rollouts: bool) -> "PolicyLossConfig":
+    def with_default_rollout_is(self, *, fp8_rollouts: bool, partial_rollouts: bool = False) -> "PolicyLossConfig":
         """``rollout_is="auto"`` resolved: FP8 rollouts sample from another policy than the trainer's,
         and the published FP8-RL recipes pair them with a token-level truncated importance weight
-        (docs/fp8.md, "The correction"); tis_cap is such a weight already, and
-        old_logprob_source=rollout makes proximal and behaviour the same policy. Else none."""
+        (docs/fp8.md, "The correction"); resumed partial responses (``partial_rollouts``) hold tokens
+        of older weights and get the same weight (docs/algorithm.md, "Over-sampling and partial
+        rollouts"); tis_cap is such a weight already, and old_logprob_source=rollout makes
+        proximal and behaviour the same policy. Else none."""
         if self.rollout_is != ROLLOUT_IS_AUTO:
             return self
-        fp8 = fp8_rollouts and self.tis_cap is None and self.old_logprob_source == "recompute"
-        return replace(self, rollout_is="token_tis" if fp8 else "none")
+        off = (fp8_rollouts or partial_rollouts) and self.tis_cap is None and self.old_logprob_source == "recompute"
+        return replace(self, rollout_is="token_tis" if off else "none")
 
     @property
     def rollout_is_mode(self) -> str:

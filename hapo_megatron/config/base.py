@@ -35,6 +35,7 @@ SCORE_FORMATS = ("pm1", "01")
 ROLLOUT_ENGINES = ("hf", "sglang")
 WEIGHT_SYNC_MODES = ("auto", "tensor", "distributed", "disk")
 PAUSE_MODES = ("retract", "in_place", "abort")  # SGLang's /pause_generation modes
+PARTIAL_MODES = ("correct", "mask_prefix")  # rollout.partial_mode: resumed tokens of older weights
 DTYPES = ("bf16", "fp16", "fp32")
 ROLLOUT_QUANTIZATIONS = ("none", "fp8")  # docs/fp8.md
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "bf16", "bfloat16")  # SGLang's --kv-cache-dtype

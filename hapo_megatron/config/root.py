@@ -47,7 +47,9 @@ class HapoConfig(_Section):
         self._check_batching()
         self._check_rollout()
         fp8_rollouts = self.rollout.quantization == "fp8"
-        self.algo.loss = self.algo.loss.with_default_rollout_is(fp8_rollouts=fp8_rollouts)
+        partial = self.rollout.over_sampling > 1.0 and self.rollout.partial_mode == "correct"
+        self.algo.loss = self.algo.loss.with_default_rollout_is(fp8_rollouts=fp8_rollouts, partial_rollouts=partial)
+        self._check_partial_mode()
         if self.data.tokenizer_path is None:
             self.data.tokenizer_path = self.model.hf_model_path
         if self.logging.wandb_project is None:
@@ -56,6 +58,19 @@ class HapoConfig(_Section):
             self.logging.wandb_run_name = self.trainer.experiment_name
         if self.logging.tensorboard_dir is None:
             self.logging.tensorboard_dir = os.path.join(self.trainer.run_dir, "tensorboard")
+
+    def _check_partial_mode(self) -> None:
+        """Over-sampling trains resumed responses whose prefix older weights generated: ``correct``
+        weights them with the off-policy correction, so it must be on (docs/algorithm.md,
+        "Over-sampling and partial rollouts")."""
+        ro = self.rollout
+        if ro.over_sampling > 1.0 and self.model.routing_replay:
+            _fail("rollout.over_sampling > 1 resumes responses across weight versions, whose routes "
+                  "model.routing_replay cannot replay: set rollout.over_sampling=1.0 or model.routing_replay=false")
+        if ro.over_sampling > 1.0 and ro.partial_mode == "correct" and self.algo.loss.rollout_is == "none":
+            _fail("rollout.partial_mode=correct trains resumed responses with the off-policy correction, but "
+                  "algo.rollout_is is none: set algo.rollout_is (auto picks token_tis) or "
+                  "rollout.partial_mode=mask_prefix")
 
     def _check_batching(self) -> None:
         bsz, mini = self.data.train_batch_size, self.trainer.ppo_mini_batch_size

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from hapo_megatron.config.base import (
-    ADV_ESTIMATORS, DTYPES, FILTER_GROUPS_METRICS, KV_CACHE_DTYPES, PAUSE_MODES, ROLLOUT_ENGINES,
+    ADV_ESTIMATORS, DTYPES, FILTER_GROUPS_METRICS, KV_CACHE_DTYPES, PARTIAL_MODES, PAUSE_MODES, ROLLOUT_ENGINES,
     ROLLOUT_QUANTIZATIONS, SCORE_FORMATS, WEIGHT_SYNC_MODES,
     _check_choice, _check_min, _check_open_unit, _fail, _Section, inline_field,
 )
@@ -234,6 +234,14 @@ class RolloutConfig(_Section):
     = the servers keep generating while the trainer trains, and a sample may come from weights up to k
     versions older than the ones it is trained from. Needs rollout.engine=sglang with
     rollout.sglang.colocate=false."""
+    over_sampling: float = 1.0
+    """Over-sampling with partial rollouts (docs/algorithm.md, "Over-sampling and partial rollouts"):
+    each generation round starts this factor times the prompts it needs; once enough whole groups are
+    in (after dynamic sampling) the rest are aborted and kept, and the next step resumes them first
+    under the new weights. 1.0 = off. Needs rollout.engine=sglang and rollout.max_staleness=0."""
+    partial_mode: str = "correct"
+    """How a resumed response's tokens from older weights train: correct (the off-policy correction,
+    algo.rollout_is; auto picks token_tis) or mask_prefix (those tokens are left out of the loss)."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang server options."""
 
@@ -261,6 +269,12 @@ class RolloutConfig(_Section):
             _fail(f"rollout.max_staleness={self.max_staleness} needs separate rollout servers: set "
                   "rollout.engine=sglang and rollout.sglang.colocate=false (colocated servers share the "
                   "trainer's GPUs, so generation cannot overlap training), or rollout.max_staleness=0")
+        _check_min("rollout.over_sampling", self.over_sampling, 1.0)
+        _check_choice("rollout.partial_mode", self.partial_mode, PARTIAL_MODES)
+        if self.over_sampling > 1.0 and (self.engine != "sglang" or self.max_staleness):
+            _fail(f"rollout.over_sampling={self.over_sampling} aborts and resumes SGLang requests in the "
+                  "synchronous loop: set rollout.engine=sglang and rollout.max_staleness=0, or "
+                  "rollout.over_sampling=1.0")
 
 
 @dataclass

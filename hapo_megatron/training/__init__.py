@@ -11,6 +11,7 @@ Top level, in the order a run uses them:
     stages             the stages of one step, in data-path order
     rollout_protocol   rank 0's control messages to the other ranks while it alone works
     off_policy         the proximal policy's log-probs for the off-policy correction
+    partial_rollouts   over-sampling: the long tail aborted, its partial responses resumed next step
     benchmark_accuracy avg@k / pass@k on benchmark data (validation and `hapo eval`)
 
 Sub-packages:

@@ -146,7 +146,12 @@ def _take_async(rt: Runtime, step: int) -> tuple[RolloutBatch, dict[str, float],
 
 def _apply_sampler_state(rt: Runtime, state: dict) -> None:
     """Every rank takes rank 0's sampler cursor; asynchronous rollouts keep it (and the prompts in
-    flight) as the state to checkpoint instead: rank 0's live sampler runs ahead in the producer."""
+    flight) as the state to checkpoint instead: rank 0's live sampler runs ahead in the producer.
+    Over-sampling (training/partial_rollouts.py) also hands over each sequence's entropy statistics."""
+    if "partial" in state:
+        rt.rl.sampler.load_state_dict(state["sampler"])
+        rt.rl.sequence_sampling_stats = state["sequence_sampling_stats"]
+        return
     if "async" not in state:
         rt.rl.sampler.load_state_dict(state)
         return
@@ -156,6 +161,9 @@ def _apply_sampler_state(rt: Runtime, state: dict) -> None:
 
 def _rollout_rank0(rt: Runtime, step: int, stop_check: Optional[Callable[[], bool]] = None
                    ) -> tuple[RolloutBatch, dict[str, float], dict]:
+    if rt.cfg.rollout.over_sampling > 1.0:  # abort the long tail, resume it next step
+        from hapo_megatron.training.partial_rollouts import rollout_rank0
+        return rollout_rank0(rt, step, stop_check, _stop_ids(rt))
     target = rt.cfg.data.train_batch_size
     rt.memory.resume_generation()  # the KV cache (the weights came back in sync_weights)
     dyn = rt.rl.dyn

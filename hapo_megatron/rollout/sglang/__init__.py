@@ -2,6 +2,7 @@
 
     engine             `SGLangEngine`: the `RolloutEngine` on SGLang servers
     client             the HTTP client (timeouts, retries, health checks)
+    partial            one call per group, the rest aborted once the caller has enough (over-sampling)
     processor          adaptive temperature through SGLang's `CustomLogitProcessor` hook
     launch             starting and stopping server processes
     placement          where a torchrun job's servers run

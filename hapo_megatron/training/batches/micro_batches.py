@@ -53,6 +53,7 @@ class SequenceData:
     rollout_logprobs: list[float] = field(default_factory=list)
     temperatures: list[float] = field(default_factory=list)
     routed_experts: Any = ()
+    token_mask: Any = ()  # per response token, 1 = trains (empty: every token does; mask_prefix)
     index: int = -1  # position in the step's batch; -1 marks a dummy (all-masked) filler
 
     @property
@@ -315,6 +316,8 @@ def collate(seqs: Sequence[SequenceData], *, pad_multiple: int = 1) -> MicroBatc
             continue
         sl = slice(p - 1, p - 1 + r)  # positions predicting the response tokens
         loss_mask[i, sl] = 1.0
+        if len(x.token_mask):
+            loss_mask[i, sl] = torch.from_numpy(np.asarray(x.token_mask, dtype=np.float32).reshape(-1))
         advantages[i, sl] = float(x.advantage)
         if len(x.rollout_logprobs):
             rollout_lp[i, sl] = torch.from_numpy(np.asarray(x.rollout_logprobs, dtype=np.float32).reshape(-1))

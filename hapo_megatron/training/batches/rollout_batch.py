@@ -21,9 +21,10 @@ from hapo_megatron.training.batches.ragged import Ragged
 # trainer side, so storing them as float32 loses nothing the layout would keep; expert ids fit
 # int16, a row holds positions x layers x top-k of them: `Sample.routed_experts` flattened)
 RAGGED_FIELDS = {"prompt_ids": np.int32, "response_ids": np.int32, "rollout_logprobs": np.float32,
-                 "temperatures": np.float32, "routed_experts": np.int16}
-# per-token fields a batch may lack (dense models, engines not asked for routes): absent rows are empty
-OPTIONAL_RAGGED = ("routed_experts",)
+                 "temperatures": np.float32, "routed_experts": np.int16, "token_mask": np.float32}
+# per-token fields a batch may lack (dense models, engines not asked for routes; every token trains):
+# absent rows are empty
+OPTIONAL_RAGGED = ("routed_experts", "token_mask")
 
 
 @dataclass(eq=False)
@@ -54,6 +55,8 @@ class RolloutBatch(SequenceFields):
     rollout_logprobs: Ragged = field(default_factory=lambda: Ragged(dtype=np.float32))
     temperatures: Ragged = field(default_factory=lambda: Ragged(dtype=np.float32))
     routed_experts: Ragged = field(default_factory=lambda: Ragged(dtype=np.int16))
+    # per response token, 1 when it trains (rollout.partial_mode=mask_prefix); empty rows: all do
+    token_mask: Ragged = field(default_factory=lambda: Ragged(dtype=np.float32))
 
     def __setattr__(self, name: str, value: Any) -> None:  # rows assigned as lists become Ragged too
         if name in RAGGED_FIELDS and not isinstance(value, Ragged):
@@ -145,6 +148,8 @@ def build_batch(samples: Sequence[Sequence[Any]], records: Sequence[Any], result
             raise ValueError(f"prompt {p} has {len(group)} samples but {len(scored)} rewards")
         for smp, res in zip(group, scored):
             for name in RAGGED_FIELDS:  # arrays (or lists) as the engine returned them: converted per row
+                if name in OPTIONAL_RAGGED and not hasattr(smp, name):
+                    continue  # a field samples never carry (token_mask): the batch leaves it out
                 kw[name].append(getattr(smp, name, None) if name in OPTIONAL_RAGGED else getattr(smp, name))
             kw["finish_reasons"].append(str(smp.finish_reason))
             kw["group_ids"].append(group_offset + p)
@@ -265,7 +270,8 @@ def to_sequences(batch: RolloutBatch, advantages: torch.Tensor) -> list[Sequence
         raise ValueError(f"advantages has {len(advantages)} entries for {len(batch)} sequences")
     return [SequenceData(prompt_ids=batch.prompt_ids[i], response_ids=batch.response_ids[i],
                          advantage=float(advantages[i]), rollout_logprobs=batch.rollout_logprobs[i],
-                         temperatures=batch.temperatures[i], routed_experts=batch.column("routed_experts")[i], index=i)
+                         temperatures=batch.temperatures[i], routed_experts=batch.column("routed_experts")[i],
+                         token_mask=batch.column("token_mask")[i], index=i)
             for i in range(len(batch))]
 
 

@@ -90,7 +90,8 @@ class RankBatch:
         t = self.tokens
         return SequenceData(prompt_ids=t.prompt_ids[k], response_ids=t.response_ids[k], advantage=float(advantage),
                             rollout_logprobs=t.rollout_logprobs[k], temperatures=t.temperatures[k],
-                            routed_experts=t.column("routed_experts")[k], index=int(i))
+                            routed_experts=t.column("routed_experts")[k], token_mask=t.column("token_mask")[k],
+                            index=int(i))
 
 
 def step_plan(meta: SequenceMeta, *, ppo_mini_batch_size: int, dp_size: int, micro_batch_size: int,

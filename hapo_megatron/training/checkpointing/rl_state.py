@@ -35,8 +35,12 @@ class RLState:
             prompts admitted but not yet trained as of the last step's batch; checkpointed as the
             ``sampler`` and ``async_pending`` keys (the live sampler runs ahead on rank 0).
         async_pending: after a resume, the prompts to regenerate first (``async_pending``).
-        sequence_sampling_stats: asynchronous rollouts: the entropy statistics (dicts) each
-            sequence of the current step was sampled with (not checkpointed: a step is redone whole).
+        sequence_sampling_stats: asynchronous rollouts and over-sampling: the entropy statistics
+            (dicts) each sequence of the current step was sampled with (not checkpointed: a step is
+            redone whole).
+        partial_rollouts: over-sampling (`training.partial_rollouts`, rank 0): the groups started and
+            not yet trained, partial responses included, and the prompts drawn but not started
+            (`PartialPool.to_dict`); checkpoint key ``partial_rollouts``.
     """
 
     sampler: PromptSampler
@@ -48,6 +52,7 @@ class RLState:
     async_state: Optional[dict] = None
     async_pending: Optional[list] = None
     sequence_sampling_stats: Optional[list] = None
+    partial_rollouts: Optional[dict] = None
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state (the keys of ``rl_state.json``)."""
@@ -60,6 +65,7 @@ class RLState:
             "sft_done": bool(self.sft_done),
             "dynamic_sampling": self.dyn.state_dict(),
             **self._async_keys(),
+            **({"partial_rollouts": self.partial_rollouts} if self.partial_rollouts is not None else {}),
         }
 
     def _async_keys(self) -> dict[str, Any]:
@@ -79,6 +85,7 @@ class RLState:
         self.sft_done = bool(state.get("sft_done", True))
         self.dyn.load_state_dict(state.get("dynamic_sampling", {}))
         self.async_pending = [int(i) for i in state["async_pending"]] if "async_pending" in state else None
+        self.partial_rollouts = state.get("partial_rollouts")
 
 
 __all__ = ["RLState"]

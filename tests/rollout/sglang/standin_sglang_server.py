@@ -21,7 +21,11 @@ import signal
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+# the handler's shared part lives with the paced stand-in (tools/bench/standin_base.py)
+_ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
+sys.path.insert(0, os.path.join(_ROOT, "tools", "bench"))
+from standin_base import StandinHandler, serve  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--host", required=True)
@@ -52,39 +56,28 @@ def generate(ids, sp):
     return {"output_ids": out, "meta_info": {"finish_reason": {"type": "length"}, "output_token_logprobs": triples}}
 
 
-class Handler(BaseHTTPRequestHandler):
-    def _send(self, code, body):
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+class Handler(StandinHandler):
+    api_key = args.api_key
 
-    def do_GET(self):
-        self._send(200 if self.path == "/health" else 404, None)
+    def refused(self, path):
+        record(path=path, refused=True)
 
-    def do_POST(self):
-        if args.api_key and self.headers.get("Authorization") != f"Bearer {args.api_key}":
-            record(path=self.path, refused=True)
-            self._send(401, {"error": "Unauthorized"})
-            return
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
-        if self.path == "/generate":
-            record(path=self.path, rows=len(body["input_ids"]))
+    def post(self, path, body):
+        if path == "/generate":
+            record(path=path, rows=len(body["input_ids"]))
             if self._held():
-                self._send(200, [{"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"},
-                                                                  "output_token_logprobs": []}}
-                                 for _ in body["input_ids"]])
+                self.send_json(200, [{"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"},
+                                                                      "output_token_logprobs": []}}
+                                     for _ in body["input_ids"]])
                 return
-            self._send(200, [generate(i, sp) for i, sp in zip(body["input_ids"], body["sampling_params"])])
+            self.send_json(200, [generate(i, sp) for i, sp in zip(body["input_ids"], body["sampling_params"])])
             return
-        if self.path == "/abort_request":
+        if path == "/abort_request":
             _aborted.set()
-        if self.path.startswith("/update_weights") and DELAY_S:
+        if path.startswith("/update_weights") and DELAY_S:
             time.sleep(DELAY_S)
-        record(path=self.path, body={k: v for k, v in (body or {}).items() if k != "input_ids"})
-        self._send(200, {"success": True, "message": "ok"})
+        record(path=path, body={k: v for k, v in (body or {}).items() if k != "input_ids"})
+        self.send_json(200, {"success": True, "message": "ok"})
 
     def _held(self) -> bool:
         """Hold this /generate until /abort_request (True) when it comes after the first HOLD_AFTER."""
@@ -102,11 +95,8 @@ class Handler(BaseHTTPRequestHandler):
                 os.kill(int(f.read()), signal.SIGUSR1)
         return _aborted.wait(HOLD_BOUND_S)
 
-    def log_message(self, *a):
-        pass
 
-
-server = ThreadingHTTPServer((args.host, args.port), Handler)
+server = serve(Handler, args.host, args.port)
 argv = [a.replace(args.api_key, "<key>") if args.api_key else a for a in sys.argv[1:]]  # FLAG=KEY too
 record(path="start", argv=argv, bound=server.server_address[0], pid=os.getpid(), ppid=os.getppid())
 server.serve_forever()
