@@ -11,7 +11,11 @@ attention of CPU servers: on CPU a sampled row draws fresh randomness on every t
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python tools/bench/server_recovery.py
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python tools/bench/server_recovery.py --prompts 8 --max-new-tokens 4  # quick
 
-``tests/tools/test_bench_server_recovery.py`` runs the quick form.
+``--standin`` runs the same sequence (kill, retries, restart, sync) on stand-in servers
+(``tests/rollout/sglang/standin_sglang_server.py``: no model, so its token figures mean nothing):
+``tests/tools/test_bench_server_recovery.py`` runs it that way, so that the benchmark is checked
+without two CPU SGLang start-ups; the real servers' recovery is tested in
+``tests/rollout/sglang/test_server_recovery_real.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 from hapo_megatron.config import SGLangConfig  # noqa: E402
 from hapo_megatron.rollout.sglang import engine as se  # noqa: E402
@@ -38,6 +43,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=12, help="x 2 rows, 4 a call: at least 8 (server 1 gets 2 calls)")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--standin", action="store_true", help="stand-in servers in place of SGLang (a smoke run)")
     args = ap.parse_args()
     if args.prompts < 8:
         ap.error("--prompts must be at least 8: the kill comes before server 1's second call of the round")
@@ -47,13 +53,20 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="hapo_recovery_")
     model = tiny_model_dir(root)
     key, extra = new_api_key(), (["--enable-deterministic-inference"] if args.deterministic else [])
+    env = launcher.server_env(cpu=True)
+    if args.standin:  # the stand-in records its requests there, and is found on the path
+        standin_dir = os.path.join(ROOT, "tests", "rollout", "sglang")
+        env.update(HAPO_TEST_STANDIN_DIR=root,
+                   PYTHONPATH=os.pathsep.join(filter(None, [standin_dir, env.get("PYTHONPATH")])))
     handles = []
     for i in range(2):
         port = launcher.free_port()
         cmd = launcher.server_command(model, port=port, device="cpu", dtype="float32", max_total_tokens=4096,
                                       extra_args=extra)
+        if args.standin:  # the keyed launcher runs the module named in its -c program
+            cmd[2] = cmd[2].replace("sglang.launch_server", "standin_sglang_server")
         handles.append(launcher.start_process(cmd, f"http://127.0.0.1:{port}", log_path=os.path.join(root, f"s{i}.log"),
-                                              env=launcher.server_env(cpu=True), api_key=key))
+                                              env=env, api_key=key))
     try:
         section = SGLangConfig(colocate=True, weight_sync="tensor", max_retries=0, request_timeout_s=120)
         eng = se.SGLangEngine(section, servers=handles, launch=False, send_sampling_seed=True, requests_per_call=4,
