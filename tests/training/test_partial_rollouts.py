@@ -224,7 +224,7 @@ def test_versions_and_mask_prefix(scripted):
             versions = [rt.engine.emitted[(seed, j)] for j in range(len(kept.response_ids[i]))]
             assert mask[i].tolist() == [1.0 if v == version else 0.0 for v in versions]
             older_seen |= any(v < version for v in versions)
-        rb = RankBatch.whole(kept)
+        rb = RankBatch.whole(kept, plans=[])  # only its sequences are read here
         mb = collate([rb.sequence(i, 1.0) for i in range(len(kept))])
         for i in range(len(kept)):
             p, n_tok = len(kept.prompt_ids[i]), len(kept.response_ids[i])
