@@ -28,6 +28,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVER = os.path.join(ROOT, "tools", "bench", "paced_sglang_server.py")
 CONFIG = os.path.join(ROOT, "examples", "cpu_tiny", "config.yaml")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procs import kill_tree  # noqa: E402
 
 
 def start_servers(n: int, tokens_per_s: float, record_dir: str, vocab: int = 40,
@@ -90,36 +92,25 @@ def job_overrides(data: str, run_dir: str, urls: list[str], *, max_staleness: in
     return [f"{k}={v}" for k, v in kv.items()]
 
 
-def run_job(data: str, run_dir: str, overrides: list[str], timeout: float = 900) -> list[dict]:
-    """One training process; returns its metrics.jsonl records with a wall-clock ``_t``."""
+def run_job(data: str, run_dir: str, overrides: list[str], timeout: float = 900, *,
+            module: str = "hapo_megatron.train", env: dict | None = None, returncode: int = 0,
+            torchrun: bool = True) -> list[dict]:
+    """One training process (``python -m module``, default the trainer; under torchrun, whose
+    exit code is 1 for any failure, unless ``torchrun=False``) that must exit with ``returncode``;
+    returns its metrics.jsonl records."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "HAPO_SGLANG_SYNC_DIR": os.path.join(run_dir, "sync")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           "-m", "hapo_megatron.train", "--config", CONFIG, *overrides]
+           "HAPO_SGLANG_SYNC_DIR": os.path.join(run_dir, "sync"), **(env or {})}
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"] if torchrun else []
+    cmd = [sys.executable, *launch, "-m", module, "--config", CONFIG, *overrides]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_tree(proc)  # torchrun's workers run in sessions of their own: kill them too
+        kill_tree(proc)
         raise
-    if proc.returncode != 0:
-        raise RuntimeError(out[-3000:] + err[-6000:])
+    if proc.returncode != returncode:
+        raise RuntimeError(f"exit code {proc.returncode}, expected {returncode}:\n" + out[-3000:] + err[-6000:])
     return read_metrics(run_dir)
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    import psutil
-    try:
-        children = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        children = []
-    for child in children:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.kill()
-    proc.communicate()
 
 
 def read_metrics(run_dir: str) -> list[dict]:

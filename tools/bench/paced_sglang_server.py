@@ -115,6 +115,9 @@ class Handler(BaseHTTPRequestHandler):
 
 
 ThreadingHTTPServer.daemon_threads = True
+# a listen backlog like SGLang's (uvicorn: 2048), not socketserver's 5: the trainer opens one
+# connection per prompt group at once, and a full backlog drops connections (retried after 1 s)
+ThreadingHTTPServer.request_queue_size = 2048
 server = ThreadingHTTPServer((args.host, args.port), Handler)
 record(path="start", pid=os.getpid(), start=time.time())
 server.serve_forever()
