@@ -200,6 +200,7 @@ class AsyncRollout:
                    "rollout/kept_group_frac": num_kept / max(num_kept + num_filtered, 1),
                    "rollout/buffer_groups": float(self.buffer.num_live()),
                    "timing/trainer_wait_s": wait_s,
+                   "timing/generation_busy_s": busy,  # time with a group in flight since the last take
                    # generation time that ran while the trainer did something else
                    "rollout/generation_overlap_frac": max(0.0, 1.0 - wait_s / busy) if busy > 0 else 0.0,
                    "batch/reward_mean": sum(kept.rewards) / max(len(kept), 1),

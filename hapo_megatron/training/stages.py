@@ -499,7 +499,9 @@ def sync_weights(rt: Runtime) -> None:
     rt.memory.resume_weights()  # the KV cache comes back in rollout, after the offload
     if rt.cfg.rollout.max_staleness:  # asynchronous: tag the version; generation pauses around the update
         with rt.async_rollout.paused(rt.rl.step) if rt.async_rollout is not None else contextlib.nullcontext():
-            rt.engine.update_weights(named, weight_version=rt.rl.step)
+            # requests paused in place keep running on the servers: SGLang cannot flush their cache
+            rt.engine.update_weights(named, weight_version=rt.rl.step,
+                                     flush_cache=rt.cfg.rollout.sglang.pause_mode != "in_place")
     else:
         rt.engine.update_weights(named)
     left = drain_weights(named)
