@@ -506,13 +506,24 @@ class SGLangEngine:
         from hapo_megatron.config.base import PAUSE_MODES
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        for s in self.supervisor.in_use():
-            self.http.request(self.servers[s], "/pause_generation", {"mode": mode}, retries=0)
+        self._post_to_in_use("/pause_generation", {"mode": mode})
 
     def continue_generation(self) -> None:
         """``POST /continue_generation`` on every server in use (after `pause_generation`)."""
+        self._post_to_in_use("/continue_generation", {})
+
+    def _post_to_in_use(self, path: str, body: dict) -> None:
+        """``path`` on every server in use; one that has failed is taken out of use (restarted)
+        and skipped, as in a weight sync: it rejoins at a later sync, unpaused and up to date."""
         for s in self.supervisor.in_use():
-            self.http.request(self.servers[s], "/continue_generation", {}, retries=0)
+            try:
+                self.http.request(self.servers[s], path, body, retries=0)
+            except RequestRefusedError:
+                raise
+            except SGLangError as e:
+                if not self.supervisor.is_failure_of_server(s, e):
+                    raise
+                self.supervisor.mark_unhealthy(s, first_line(e))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                        weight_version: Optional[int] = None, flush_cache: bool = True) -> None:
@@ -734,6 +745,9 @@ class SGLangEngine:
 
     def shutdown(self) -> None:
         """Stop the servers this process launched; attached servers keep running."""
+        # requests still in flight (an asynchronous producer's) fail as their servers stop: a
+        # stopping engine restarts none of them
+        self.supervisor.restart = None
         for h in self.servers:
             launcher.stop_process(h)
         if self._nccl_group is not None:
