@@ -58,9 +58,16 @@ def generate(rows):
     rngs = [random.Random(hash((tuple(ids), sp.get("sampling_seed")))) for ids, sp in rows]
     lengths = [int(sp["max_new_tokens"]) for _, sp in rows]
     outs, versions = [[] for _ in rows], [[] for _ in rows]
+    deadline = time.monotonic()
     for t in range(max(lengths, default=0)):
-        time.sleep(1.0 / args.tokens_per_s)
-        _running.wait()  # paused: nothing is emitted
+        # token t is due (t + 1) / rate after the start, pauses excluded: a late wake-up (a busy
+        # machine) does not slow the rate down, as it would not on a GPU
+        deadline += 1.0 / args.tokens_per_s
+        time.sleep(max(0.0, deadline - time.monotonic()))
+        if not _running.is_set():  # paused: nothing is emitted
+            paused_at = time.monotonic()
+            _running.wait()
+            deadline += time.monotonic() - paused_at
         for r, rng in enumerate(rngs):
             if t < lengths[r]:
                 outs[r].append(rng.randrange(3, args.vocab))
