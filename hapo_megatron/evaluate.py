@@ -80,7 +80,7 @@ def is_hf_model_dir(path: str) -> bool:
 
 def find_megatron_checkpoint(path: str) -> str:
     """The `dist_checkpointing` directory of a run dir / checkpoints dir / step dir / itself."""
-    from hapo_megatron.training.checkpoint import find_latest
+    from hapo_megatron.training.checkpointing.checkpoint import find_latest
 
     for root in (os.path.join(path, "checkpoints"), path):
         if os.path.isfile(os.path.join(root, "latest")) or os.path.isdir(root):
@@ -206,14 +206,15 @@ def run(args) -> dict:
     from hapo_megatron.rewards import get_reward_fn
     from hapo_megatron.rollout.engine import SamplingParams
     from hapo_megatron.rollout.factory import make_engine
-    from hapo_megatron.training.context import sglang_context_args
-    from hapo_megatron.training.evaluation import aggregate_results, generate_and_score
+    from hapo_megatron.training.context_length import sglang_context_args
+    from hapo_megatron.training.benchmark_accuracy import aggregate_results, generate_and_score
 
     cfg = load_config(args.config, args.overrides)
     rollout_cfg, device, dtype = _resolve_settings(args, cfg)
     context = eval_context_length(cfg, args.model)
     if context is not None and rollout_cfg.engine == "sglang" and not rollout_cfg.sglang.server_urls:
-        cfg.model.max_position_embeddings = context  # launched servers get --context-length (training/context.py)
+        # launched servers get --context-length (training/context_length.py)
+        cfg.model.max_position_embeddings = context
         rollout_cfg = dataclasses.replace(rollout_cfg, sglang=dataclasses.replace(
             rollout_cfg.sglang, extra_server_args=sglang_context_args(cfg, rollout_cfg.sglang.extra_server_args)))
     model_dir, source = resolve_model(args.model, args.hf_config, args.convert_dir, context)
@@ -258,7 +259,7 @@ def run(args) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    from hapo_megatron.training.evaluation import format_results_table
+    from hapo_megatron.training.benchmark_accuracy import format_results_table
 
     try:
         result = run(args)

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from hapo_megatron.compat import activate_cpu_shims
-from hapo_megatron.training.checkpoint import CheckpointLoadError, resolve_resume
+from hapo_megatron.training.checkpointing.checkpoint import CheckpointLoadError, resolve_resume
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -55,7 +55,7 @@ def collective_wait_bounds_s(cfg) -> dict[str, float]:
         return {}
     import inspect
 
-    from hapo_megatron.rollout.node_servers import start_node_servers
+    from hapo_megatron.rollout.sglang.node_servers import start_node_servers
     s = cfg.rollout.sglang
     bounds = {f"one weight-sync request (rollout.sglang.request_timeout_s={s.request_timeout_s:g})":
               float(s.request_timeout_s)}
@@ -84,7 +84,7 @@ def check_dist_timeout(cfg, world_size: int = 1) -> None:
 def check_server_placement(cfg, world_size: int, env=None) -> None:
     """The SGLang servers the trainer launches must fit the nodes: each node runs its share on its
     own GPUs (rollout.placement; ValueError naming the fields when they do not fit)."""
-    from hapo_megatron.rollout.placement import NodeContext, plan_servers
+    from hapo_megatron.rollout.sglang.placement import NodeContext, plan_servers
     sg = cfg.rollout.sglang
     if cfg.rollout.engine != "sglang" or sg.server_urls:
         return
@@ -158,7 +158,7 @@ def preflight(cfg, world_size: int, *, allow_config_change: bool = False):
     with a message naming the config field or the file/row.
     """
     from hapo_megatron.training.sources import build_datasets, initial_hf_weights, load_tokenizer
-    from hapo_megatron.training.context import check_sequence_fits, sglang_context_args
+    from hapo_megatron.training.context_length import check_sequence_fits, sglang_context_args
     from hapo_megatron.config.run_identity import check_same_algorithm
     check_installs(cfg)
     resolve_model_sources(cfg)
@@ -213,11 +213,11 @@ def _set_threads() -> None:
 
 
 def print_memory_plan(cfg, world_size: int) -> None:
-    """Rank 0 on CUDA: the per-GPU memory plan of the run (training/memory_plan.py), with a
+    """Rank 0 on CUDA: the per-GPU memory plan of the run (training/memory/plan.py), with a
     warning when a phase does not fit the device."""
     if not torch.cuda.is_available():
         return
-    from hapo_megatron.training.memory_plan import format_plan, plan_from_config
+    from hapo_megatron.training.memory.plan import format_plan, plan_from_config
     from hapo_megatron.training.sources import load_hf_config
     hf_config = load_hf_config(cfg.model.hf_model_path, cfg.model.max_position_embeddings)
     device = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
@@ -240,7 +240,7 @@ def quiet_warnings() -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `hapo train`; returns the exit code: 0 done, 1 stopped by a failure, 2 bad
     input (nothing was run), 75 stopped early by a signal or trainer.exit_after_minutes after
-    saving (`--resume auto` continues; training/preemption.py)."""
+    saving (`--resume auto` continues; training/checkpointing/preemption.py)."""
     quiet_warnings()
     from hapo_megatron.config import format_config, load_config, save_config
     args = parse_args(argv)
@@ -263,8 +263,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"config saved to {save_config(cfg, os.path.join(cfg.trainer.run_dir, 'config.yaml'))}", flush=True)
     import torch.distributed as dist
 
-    from hapo_megatron.rollout.sglang_client import SGLangError
-    from hapo_megatron.training.preemption import RunStopped
+    from hapo_megatron.rollout.sglang.client import SGLangError
+    from hapo_megatron.training.checkpointing.preemption import RunStopped
     from hapo_megatron.training.trainer import TrainingStopped, fit
     code = 0
     try:

@@ -1,4 +1,4 @@
-"""Tests of hapo_megatron.training.evaluation: pass@k / avg@k math and evaluate() end to end."""
+"""Tests of hapo_megatron.training.benchmark_accuracy: pass@k / avg@k math and evaluate() end to end."""
 
 import itertools
 import math
@@ -7,16 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from hapo_megatron.training.evaluation import (
-    PromptResult,
-    aggregate_results,
-    avg_at_k,
-    default_k_values,
-    evaluate,
-    format_results_table,
-    generate_and_score,
-    pass_at_k,
-)
+from hapo_megatron.training.benchmark_accuracy import (PromptResult, aggregate_results, avg_at_k,
+                                                       default_k_values, evaluate, format_results_table,
+                                                       generate_and_score, pass_at_k)
 
 
 def brute_pass_at_k(correct, k):
@@ -407,7 +400,7 @@ def test_hf_config_found_in_saved_run_config(tmp_path):
 
 def test_hapo_eval_launches_sglang_at_the_trained_context(tiny_model_and_data, monkeypatch):
     """`model.max_position_embeddings` (here from --set) reaches the servers hapo eval launches as
-    --context-length and the model override (training/context.py), so prompts past the base
+    --context-length and the model override (training/context_length.py), so prompts past the base
     model's context are served (mutation: without the sglang_context_args line in evaluate.run the
     servers get no --context-length). Attached servers (--sglang-url) are left as they are."""
     import hapo_megatron.rollout.factory as engine_mod

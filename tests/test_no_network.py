@@ -36,7 +36,7 @@ def test_non_loopback_access_is_blocked_with_a_clear_message(unlogged, how):
 
 
 def test_a_udp_route_lookup_is_allowed_but_sending_on_it_is_not(unlogged):
-    from hapo_megatron.rollout.sglang_launch import node_ip
+    from hapo_megatron.rollout.sglang.launch import node_ip
     assert node_ip() != ""  # connects a UDP socket to 10.255.255.255 to read the route: no packet
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect(REMOTE)
@@ -90,7 +90,7 @@ def test_child_pythons_load_the_guard(tmp_path):
 
 def test_a_cpu_sglang_servers_environment_keeps_the_guard(tmp_path):
     """The CPU server's stand-ins put their own sitecustomize first; it runs the guard's after it."""
-    from hapo_megatron.rollout.sglang_launch import server_env
+    from hapo_megatron.rollout.sglang.launch import server_env
     log = tmp_path / "blocked.log"
     env = server_env(cpu=True, base=_child_env(log))
     code = "import socket; socket.getaddrinfo('pypi.org', 443)"

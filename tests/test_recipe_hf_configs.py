@@ -9,8 +9,8 @@ import pytest
 
 from hapo_megatron.config import load_config
 from hapo_megatron.train import check_parallel_fits_model
-from hapo_megatron.training.context import check_sequence_fits
-from hapo_megatron.training.memory_plan import param_count, shape_from_hf_config
+from hapo_megatron.training.context_length import check_sequence_fits
+from hapo_megatron.training.memory.plan import param_count, shape_from_hf_config
 from hapo_megatron.training.sources import load_hf_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hapo_megatron.training.metrics import read_jsonl, strip_timing
+from hapo_megatron.training.metrics.sinks import read_jsonl, strip_timing
 from tests.float_bounds import ENTROPY_REL, h_hat_bound, near_loss_discontinuity, stats_bounds
 from tests.tools._load import load_tool
 from tests.training.tiny_setup import ROOT, prepare_tiny, tiny_overrides
@@ -339,7 +339,7 @@ def preempted_runs(tiny, tmp_path_factory):
     resumed to the end. After each stop: (each rank's exit code, torchrun's, the output, the
     checkpoints listed, `latest`, whether it has its COMPLETE marker, its manifest's verification
     problems, the steps logged); and the run dir."""
-    from hapo_megatron.training.checkpoint_manifest import verify
+    from hapo_megatron.training.checkpointing.manifest import verify
     run_dir = str(tmp_path_factory.mktemp("preempted") / "run")
     ckpts = os.path.join(run_dir, "checkpoints")
     stops = {}
@@ -362,7 +362,7 @@ def test_sigterm_saves_the_last_finished_step_and_resumes_to_identical_metrics(p
     step 3 is saved (after step 2's periodic save in the same process: dist_checkpointing's writer
     process outlives the signal). Every rank exits with EXIT_STOPPED; `--resume auto` then
     reproduces the uninterrupted run's metrics exactly (`preempted_runs`: one run, both stops)."""
-    from hapo_megatron.training.preemption import EXIT_STOPPED
+    from hapo_megatron.training.checkpointing.preemption import EXIT_STOPPED
     stops, run_dir = preempted_runs
     codes, torchrun_code, out, listed, latest, complete, problems, logged = stops[stage]
     assert codes == [EXIT_STOPPED, EXIT_STOPPED], out[-3000:]

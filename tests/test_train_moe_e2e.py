@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from hapo_megatron.training.metrics import read_jsonl
+from hapo_megatron.training.metrics.sinks import read_jsonl
 from tests.test_train_e2e import _run
 from tests.training.tiny_setup import ROOT, prepare_tiny, tiny_overrides
 

@@ -19,7 +19,7 @@ mkdir -p "$SHARED_DIR"
 MEM_FRACTION="$(python -c "from hapo_megatron.config import load_config; \
 print(load_config('$CONFIG').rollout.sglang.mem_fraction_static)" 2>/dev/null || echo 0.85)"
 
-exec python -m hapo_megatron.rollout.serve --model-path "$MODEL_PATH" \
+exec python -m hapo_megatron.rollout.sglang.serve --model-path "$MODEL_PATH" \
   --num-servers "$NUM_SERVERS" --tp-size "$SERVER_TP" --port-base "$SGLANG_PORT_BASE" \
   --mem-fraction-static "$MEM_FRACTION" --log-dir "$SHARED_DIR/sglang_logs" \
   --api-key-file "$SHARED_DIR/rollout_api_key" --url-file "$SHARED_DIR/server_urls" \

@@ -1,7 +1,7 @@
 """The trainer's colocated weight-sync sequence on a real SGLang server of TP=2 (GPU only).
 
 What `hapo train` does around every step with colocated servers (training/stages.py,
-training/engine_memory.py): release every memory region -> (train) -> resume the weights ->
+training/memory/engine_memory.py): release every memory region -> (train) -> resume the weights ->
 update the weights from tensors (CUDA-IPC, one serialisation per server TP rank) -> resume the KV
 cache and CUDA graphs -> generate. Here on a tiny random model whose weights are replaced by other
 random weights, then the server's greedy tokens are checked against transformers holding the new
@@ -76,8 +76,8 @@ def _run_sequence(model_dir: str, log_dir: str) -> str:
     from hapo_megatron.config import HapoConfig
     from hapo_megatron.rollout.engine import SamplingParams
     from hapo_megatron.rollout.factory import make_engine
-    from hapo_megatron.rollout.sglang_launch import free_port
-    from hapo_megatron.training.engine_memory import ENGINE_MEMORY_TAGS
+    from hapo_megatron.rollout.sglang.launch import free_port
+    from hapo_megatron.training.memory.engine_memory import ENGINE_MEMORY_TAGS
     cfg = HapoConfig.from_dict({"rollout": {"engine": "sglang", "n": 1, "max_response_length": MAX_NEW_TOKENS,
                                             "sglang": {"num_servers": 1, "server_tp_size": 2, "colocate": True,
                                                        "weight_sync": "tensor", "mem_fraction_static": 0.2,

@@ -74,7 +74,7 @@ def _serve(model_dir: str, quantization: str, new_state: dict, log_dir: str):
     from hapo_megatron.config import HapoConfig
     from hapo_megatron.rollout.engine import SamplingParams
     from hapo_megatron.rollout.factory import make_engine
-    from hapo_megatron.rollout.sglang_launch import free_port
+    from hapo_megatron.rollout.sglang.launch import free_port
     cfg = HapoConfig.from_dict({"rollout": {
         "engine": "sglang", "quantization": quantization, "max_response_length": SAMPLED_TOKENS,
         "sglang": {"num_servers": 1, "colocate": True, "weight_sync": "tensor", "mem_fraction_static": 0.3,

@@ -1,4 +1,4 @@
-"""The per-GPU memory plan of a config (training/memory_plan.py) as a doctor line."""
+"""The per-GPU memory plan of a config (training/memory/plan.py) as a doctor line."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def check_memory_plan(config: str, overrides=(), *, world_size: int | None = Non
     unless ``world_size`` is given (at least TP x PP x CP). ValueError (from
     ``ParallelConfig.validate_world``) when the layout cannot run on that world."""
     from hapo_megatron.config import load_config
-    from hapo_megatron.training.memory_plan import format_plan, plan_from_config
+    from hapo_megatron.training.memory.plan import format_plan, plan_from_config
     from hapo_megatron.training.sources import load_hf_config
     cfg = load_config(config, list(overrides))
     try:

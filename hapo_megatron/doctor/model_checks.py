@@ -72,7 +72,7 @@ def check_packed_vs_padded() -> CheckResult:
                            "build and use the image (docs/docker.md)")
     from hapo_megatron.parallel.groups import initialize_parallel
     from hapo_megatron.training.actor import packed_seq_params_of
-    from hapo_megatron.training.batching import SequenceData, collate, collate_packed
+    from hapo_megatron.training.batches.micro_batches import SequenceData, collate, collate_packed
     initialize_parallel(tp=1, seed=0)
     hf_config, models = _tiny_gpt_pair()
     model = models[True]

@@ -31,7 +31,7 @@ def _build(hf_config, state, fused: dict):
 def _outputs(model, hf_config):
     """(padded logits, packed-row logits of the same sequences, gradient norm of the padded pass)."""
     from hapo_megatron.training.actor import packed_seq_params_of
-    from hapo_megatron.training.batching import SequenceData, collate, collate_packed
+    from hapo_megatron.training.batches.micro_batches import SequenceData, collate, collate_packed
     gen = torch.Generator().manual_seed(0)
     v = hf_config.vocab_size
     seqs = [SequenceData(torch.randint(0, v, (p,), generator=gen).tolist(),

@@ -33,7 +33,7 @@ FIX = ("the MoE actor at EP=2 fails on this machine: run python -m pytest tests/
 
 def _sequences(hf_model):
     """The batch, with transformers' own top-k experts of every position as the engine's routes."""
-    from hapo_megatron.training.batching import SequenceData
+    from hapo_megatron.training.batches.micro_batches import SequenceData
     cfg = hf_model.config
     gen = torch.Generator().manual_seed(0)
     out = []
@@ -61,7 +61,7 @@ def _rank_body(rank: int, tmpdir: str, packed_rows: bool = True) -> dict:
     from hapo_megatron.models.hf_config import tiny_hf_config
     from hapo_megatron.parallel.groups import initialize_parallel
     from hapo_megatron.training.actor import MegatronActor
-    from hapo_megatron.training.batching import build_rank_micro_batches, plan_micro_batches
+    from hapo_megatron.training.batches.micro_batches import build_rank_micro_batches, plan_micro_batches
     from hapo_megatron.training.sft import cross_entropy_loss_factory
 
     g = initialize_parallel(tp=1, ep=2, seed=0)

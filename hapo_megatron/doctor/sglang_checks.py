@@ -14,7 +14,7 @@ import time
 import torch
 
 from hapo_megatron.doctor.report import FAIL, PASS, SKIP, CheckResult
-from hapo_megatron.rollout.sglang_launch import CPU_STUBS_ENV, cpu_stubs_dir
+from hapo_megatron.rollout.sglang.launch import CPU_STUBS_ENV, cpu_stubs_dir
 
 MODES = ("tensor", "distributed", "disk")
 CPU_MODES = ("tensor", "disk")  # "distributed" is NCCL
@@ -32,7 +32,7 @@ def write_tiny_model(out_dir: str, dtype: torch.dtype = torch.bfloat16) -> str:
 def _engine(model_dir: str, mode: str, log_dir: str, dtype: torch.dtype):
     from hapo_megatron.config import HapoConfig
     from hapo_megatron.rollout.factory import make_engine
-    from hapo_megatron.rollout.sglang_launch import free_port
+    from hapo_megatron.rollout.sglang.launch import free_port
     # a free port: on a shared machine another job's server may hold the default one (it would
     # answer /health, then refuse our key)
     cfg = HapoConfig.from_dict({"rollout": {"engine": "sglang", "n": 2, "max_response_length": 16, "sglang": {

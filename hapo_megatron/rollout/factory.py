@@ -35,7 +35,7 @@ def make_engine(rollout_cfg: Any, *, hf_config_or_path: Any, tokenizer: Any = No
         kwargs.setdefault("max_batch_size", int(rollout_cfg.hf_max_batch_size))
         return HFRolloutEngine(hf_config_or_path, tokenizer=tokenizer, device=device, dtype=dtype, **kwargs)
     if engine == "sglang":
-        from hapo_megatron.rollout.sglang_engine import SGLangEngine
+        from hapo_megatron.rollout.sglang.engine import SGLangEngine
 
         if not isinstance(hf_config_or_path, str):
             raise ValueError("hf_config_or_path must be a model directory (str) for the sglang engine")

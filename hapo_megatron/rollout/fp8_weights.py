@@ -138,7 +138,7 @@ def write_fp8_checkpoint(model_dir: str, out_dir: str, *, shard_bytes: int = 2 <
     :func:`quantization_config`, its tokenizer files copied. Checks the shapes first
     (:func:`check_servable`). Returns ``out_dir``."""
     from hapo_megatron.convert.hf_io import HFCheckpointReader
-    from hapo_megatron.rollout.weight_sync import write_hf_checkpoint
+    from hapo_megatron.rollout.sglang.weight_sync import write_hf_checkpoint
 
     reader = HFCheckpointReader(model_dir)
     check_servable({n: reader.shape(n) for n in reader}, tp_size, block)

@@ -1,7 +1,7 @@
 """The Megatron actor: model chunks wrapped in Megatron DDP, the (distributed) optimizer, the LR
 schedule, forward-only log-prob passes and mini-batch updates through ``forward_backward_func``.
 
-Micro-batches are `MicroBatch` values from `hapo_megatron.training.batching` (full sequences, on
+Micro-batches are `MicroBatch` values from `hapo_megatron.training.batches.micro_batches` (full sequences, on
 the host; this class cuts the context-parallel chunk and moves it to the model's device). A loss
 factory ``make_loss(mb)`` returns Megatron's ``loss_func(output_tensor) -> (loss_sum, num_tokens,
 metrics)`` with ``calculate_per_token_loss=True``: Megatron divides the gradients by the global
@@ -27,10 +27,11 @@ from hapo_megatron.models.routing_replay import (check_consumed, install_route_r
                                                  take_mismatch_counts)
 from hapo_megatron.parallel.collectives import all_reduce_tensor
 from hapo_megatron.parallel.micro_batch import MicroBatch
-from hapo_megatron.training.checkpoint import OPTIMIZER_FORMAT, optimizer_sharding_metadata
-from hapo_megatron.training.optimizer_checkpoint import (ensure_adam_state, load_optimizer_state,
-                                                          reshaped_for_this_optimizer, saved_with_chained_prefix)
-from hapo_megatron.training.route_share import route_layer_offset, stage_layer_range
+from hapo_megatron.training.checkpointing.checkpoint import OPTIMIZER_FORMAT, optimizer_sharding_metadata
+from hapo_megatron.training.checkpointing.optimizer_state import (ensure_adam_state, load_optimizer_state,
+                                                                  reshaped_for_this_optimizer,
+                                                                  saved_with_chained_prefix)
+from hapo_megatron.training.batches.route_share import route_layer_offset, stage_layer_range
 
 LossFactory = Callable[[MicroBatch], Callable]
 ROUTING_MODES = ("off", "measure", "replay")
@@ -411,7 +412,7 @@ class MegatronActor:
 
     def save(self, path: str, optimizer_format: str = OPTIMIZER_FORMAT) -> None:
         """Model + optimizer with Megatron dist_checkpointing (collective). The default optimizer
-        format is layout-free (see `hapo_megatron.training.checkpoint.OPTIMIZER_FORMAT`)."""
+        format is layout-free (see `hapo_megatron.training.checkpointing.checkpoint.OPTIMIZER_FORMAT`)."""
         from megatron.core import dist_checkpointing
         ensure_adam_state(self.optimizer)  # a save before the first optimizer step (a run stopped early)
         if dist.get_rank() == 0:

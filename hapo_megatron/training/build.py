@@ -19,19 +19,20 @@ from hapo_megatron.parallel.collectives import all_gather_objects
 from hapo_megatron.parallel.groups import ParallelGroups
 from hapo_megatron.rewards import get_reward_fn
 from hapo_megatron.rewards.scoring import RewardScorer
-from hapo_megatron.rollout.api_key import KEY_FILE_NAME
+from hapo_megatron.rollout.sglang.api_key import KEY_FILE_NAME
 from hapo_megatron.rollout.factory import make_engine
-from hapo_megatron.rollout.node_servers import start_node_servers
+from hapo_megatron.rollout.sglang.node_servers import start_node_servers
 from hapo_megatron.training.actor import MegatronActor
-from hapo_megatron.training.checkpoint import (COMPLETE, CheckpointManager, Layout, list_checkpoints,
-                                               load_newest_loadable, read_checkpoint_info, resolve_resume,
-                                               resume_message)
-from hapo_megatron.training.context import sglang_context_args
-from hapo_megatron.training.engine_memory import EngineMemory
-from hapo_megatron.training.metrics import MetricsLogger
-from hapo_megatron.training.offload import make_actor_offloader
-from hapo_megatron.training.rl_state import RLState
-from hapo_megatron.training.rl_step import DynamicSampler
+from hapo_megatron.training.checkpointing.checkpoint import (COMPLETE, CheckpointManager, Layout,
+                                                             list_checkpoints, load_newest_loadable,
+                                                             read_checkpoint_info, resolve_resume,
+                                                             resume_message)
+from hapo_megatron.training.context_length import sglang_context_args
+from hapo_megatron.training.memory.engine_memory import EngineMemory
+from hapo_megatron.training.metrics.sinks import MetricsLogger
+from hapo_megatron.training.memory.offload import make_actor_offloader
+from hapo_megatron.training.checkpointing.rl_state import RLState
+from hapo_megatron.training.batches.rollout_batch import DynamicSampler
 from hapo_megatron.training.rollout_protocol import Rank0Channel
 from hapo_megatron.training.runtime import Runtime
 from hapo_megatron.training.sources import build_datasets, initial_hf_weights, load_hf_config, load_tokenizer

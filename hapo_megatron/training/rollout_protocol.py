@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hapo_megatron.parallel.collectives import broadcast_object
 
 DONE, ERROR, HEARTBEAT, PROGRESS = "done", "error", "heartbeat", "progress"
-ABANDONED = "abandoned"  # rank 0 gave the rollout up on a stop request (training/preemption.py)
+ABANDONED = "abandoned"  # rank 0 gave the rollout up on a stop request (training/checkpointing/preemption.py)
 
 
 class RolloutAbandoned(Exception):

@@ -20,10 +20,10 @@ from hapo_megatron.rewards import RewardResult
 from hapo_megatron.rewards.scoring import RewardScorer
 from hapo_megatron.rollout.engine import RolloutEngine
 from hapo_megatron.training.actor import MegatronActor
-from hapo_megatron.training.checkpoint import CheckpointManager, capture_rng_state
-from hapo_megatron.training.engine_memory import EngineMemory
-from hapo_megatron.training.metrics import MetricsLogger, Timer
-from hapo_megatron.training.rl_state import RLState
+from hapo_megatron.training.checkpointing.checkpoint import CheckpointManager, capture_rng_state
+from hapo_megatron.training.memory.engine_memory import EngineMemory
+from hapo_megatron.training.metrics.sinks import MetricsLogger, Timer
+from hapo_megatron.training.checkpointing.rl_state import RLState
 
 if TYPE_CHECKING:  # transformers is imported only where a tokenizer or config is loaded
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -93,7 +93,7 @@ class Runtime:
 
     def snapshot(self) -> "StepSnapshot":
         """The checkpointed state as it is now (a copy): what a stop before the next update saves,
-        since until then the model and optimizer are unchanged (training/preemption.py)."""
+        since until then the model and optimizer are unchanged (training/checkpointing/preemption.py)."""
         return StepSnapshot(json.loads(json.dumps(self.checkpoint_state())), capture_rng_state())
 
     def save_checkpoint(self, snapshot: Optional["StepSnapshot"] = None) -> str:

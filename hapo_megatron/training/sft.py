@@ -18,7 +18,7 @@ from hapo_megatron.data import PromptSampler
 from hapo_megatron.parallel.collectives import sum_metrics
 from hapo_megatron.parallel.loss import DEFAULT_LOGPROB_CHUNK, logprobs_entropy_from_logits
 from hapo_megatron.parallel.micro_batch import MicroBatch
-from hapo_megatron.training.batching import SequenceData, build_rank_micro_batches
+from hapo_megatron.training.batches.micro_batches import SequenceData, build_rank_micro_batches
 
 
 def reference_response(record: Any) -> str:

@@ -21,7 +21,7 @@ def load_hf_config(path: str, max_position_embeddings: Optional[int] = None):
     config object the Megatron model, the HF engine and HF exports are built from."""
     from transformers import AutoConfig
 
-    from hapo_megatron.training.context import apply_context_override
+    from hapo_megatron.training.context_length import apply_context_override
     return apply_context_override(AutoConfig.from_pretrained(path), max_position_embeddings)
 
 

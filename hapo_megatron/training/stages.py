@@ -29,13 +29,13 @@ from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.rewards.counts import RewardCounts
 from hapo_megatron.rollout.engine import GenerationAborted, SamplingParams, drain_weights
 from hapo_megatron.training.actor import LossFactory
-from hapo_megatron.training.batching import collate_micro_batches, pack_multiples, token_efficiency
-from hapo_megatron.training.engine_memory import empty_cache
-from hapo_megatron.training.rl_step import (RolloutBatch, build_batch, rollout_metrics, sequence_advantages,
-                                            shape_rewards)
-from hapo_megatron.training.route_share import route_dtype, stage_layer_range, stage_routes
-from hapo_megatron.training.rollout_share import (MiniPlan, RankBatch, SequenceMeta, held_sequences, split_for_ranks,
-                                                  step_plan)
+from hapo_megatron.training.batches.micro_batches import collate_micro_batches, pack_multiples, token_efficiency
+from hapo_megatron.training.memory.engine_memory import empty_cache
+from hapo_megatron.training.batches.rollout_batch import (RolloutBatch, build_batch, rollout_metrics,
+                                                          sequence_advantages, shape_rewards)
+from hapo_megatron.training.batches.route_share import route_dtype, stage_layer_range, stage_routes
+from hapo_megatron.training.batches.rollout_share import (MiniPlan, RankBatch, SequenceMeta, held_sequences,
+                                                          split_for_ranks, step_plan)
 from hapo_megatron.training.rollout_protocol import ABANDONED, DONE, ERROR, PROGRESS, RolloutAbandoned
 from hapo_megatron.training.runtime import Runtime
 
@@ -83,7 +83,7 @@ def rollout(rt: Runtime, step: int, stop_check: Optional[Callable[[], bool]] = N
     every rank receives its share of the kept batch (`_share_out`). ``rollout/*`` metrics cover
     every generated response.
 
-    ``stop_check`` (rank 0: this rank has a stop request, training/preemption.py) is asked before
+    ``stop_check`` (rank 0: this rank has a stop request, training/checkpointing/preemption.py) is asked before
     every generation round and, by an SGLang engine, while it waits on the servers (their requests
     are then aborted): True gives the rollout up and every rank raises `RolloutAbandoned`, so a
     stop is honoured within about a second of its arrival, not after up to 16 rounds.
@@ -139,8 +139,8 @@ def _engine_stop_check(engine, stop_check: Optional[Callable[[], bool]]) -> Iter
 def _take_async(rt: Runtime, step: int, stop_check: Optional[Callable[[], bool]] = None
                 ) -> tuple[RolloutBatch, dict[str, float], dict]:
     """Rank 0 under ``rollout.max_staleness >= 1``: the step's batch from the producer's buffer
-    (training/async_rollout.py), ``stop_check`` asked while it waits; the checkpoint state and
-    per-sequence sampling statistics travel with it to every rank."""
+    (training/asynchronous/producer.py), ``stop_check`` asked while it waits; the checkpoint state
+    and per-sequence sampling statistics travel with it to every rank."""
     kept, metrics, snapshot, seq_stats = rt.async_rollout.take_step(step, stop_check)
     return kept, metrics, {"async": snapshot, "sequence_sampling_stats": seq_stats}
 
@@ -535,7 +535,7 @@ def evaluate(rt: Runtime, step: int) -> dict[str, float]:
 
 
 def _evaluate_rank0(rt: Runtime) -> dict[str, float]:
-    from hapo_megatron.training.evaluation import evaluate as run_eval
+    from hapo_megatron.training.benchmark_accuracy import evaluate as run_eval
     cfg = rt.cfg
     records = list(rt.val_ds)
     if cfg.data.val_max_samples:

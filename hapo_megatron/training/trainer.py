@@ -12,16 +12,16 @@ from typing import Any, Optional
 
 from hapo_megatron.config import HapoConfig
 from hapo_megatron.training import stages
-from hapo_megatron.training.diagnostics import token_diagnostics
-from hapo_megatron.training.metrics import read_jsonl
-from hapo_megatron.training.checkpoint import step_dir_name
-from hapo_megatron.training.preemption import (RunStopped, StopRequest, cpu_group_over_world,
-                                                shield_checkpoint_writer)
+from hapo_megatron.training.metrics.diagnostics import token_diagnostics
+from hapo_megatron.training.metrics.sinks import read_jsonl
+from hapo_megatron.training.checkpointing.checkpoint import step_dir_name
+from hapo_megatron.training.checkpointing.preemption import (RunStopped, StopRequest, cpu_group_over_world,
+                                                             shield_checkpoint_writer)
 from hapo_megatron.training.build import build_runtime, setup_reference
 from hapo_megatron.training.rollout_protocol import RolloutAbandoned
 from hapo_megatron.training.runtime import Runtime, StepSnapshot
 from hapo_megatron.training.sft import run_sft
-from hapo_megatron.training.async_rollout import start_async_rollout, stop_async_rollout
+from hapo_megatron.training.asynchronous.producer import start_async_rollout, stop_async_rollout
 
 
 class TrainingStopped(RuntimeError):

@@ -42,7 +42,7 @@ RTOL, SCALE_ATOL = 1e-4, 1e-5
 
 
 def _sequences():
-    from hapo_megatron.training.batching import SequenceData
+    from hapo_megatron.training.batches.micro_batches import SequenceData
     g = torch.Generator().manual_seed(4)  # lengths whose padded plan gives the ranks 3 and 2 micro-batches
     out = []
     for i in range(9):
@@ -55,7 +55,7 @@ def _sequences():
 def _micro_batches(seqs, g, *, pack: bool, fillers: str, sequence_parallel: bool):
     """This rank's micro-batches: the trainer's plan (``fillers="plan"``), without its fillers
     (``"none"``), or with one more filler on every rank (``"extra"``)."""
-    from hapo_megatron.training.batching import collate_micro_batches, pack_multiples, plan_micro_batches
+    from hapo_megatron.training.batches.micro_batches import collate_micro_batches, pack_multiples, plan_micro_batches
     plan = plan_micro_batches([s.num_tokens for s in seqs], dp_size=g.dp_size, max_tokens_per_micro_batch=BUDGET,
                               pack=pack)
     mine = plan[g.dp_rank]

@@ -81,7 +81,7 @@ def _recompute_ranks(rank, world, tmpdir):
     from hapo_megatron.config import OptimConfig
     from hapo_megatron.parallel.groups import destroy_parallel, initialize_parallel
     from hapo_megatron.training.actor import MegatronActor
-    from hapo_megatron.training.batching import build_rank_micro_batches
+    from hapo_megatron.training.batches.micro_batches import build_rank_micro_batches
     from hapo_megatron.training.sft import cross_entropy_loss_factory
     from tests.convert.moe_checks import moe_model
     from tests.parallel.test_moe_training import _sequences

@@ -24,7 +24,7 @@ LAYERS, TOP_K, EXPERTS = 2, 2, 4
 def _sequences(stage=None):
     """Sequences with forced routes (distinct experts per position, seeded): every layer's, or
     (``stage`` = (first, end)) those layers' only."""
-    from hapo_megatron.training.batching import SequenceData
+    from hapo_megatron.training.batches.micro_batches import SequenceData
     g = torch.Generator().manual_seed(3)
     out = []
     for i in range(6):
@@ -45,8 +45,8 @@ def _stage_ranks(rank, world, path):
     from hapo_megatron.config import OptimConfig
     from hapo_megatron.parallel.groups import destroy_parallel, initialize_parallel
     from hapo_megatron.training.actor import MegatronActor
-    from hapo_megatron.training.batching import SequenceData, collate_micro_batches
-    from hapo_megatron.training.route_share import stage_layer_range
+    from hapo_megatron.training.batches.micro_batches import SequenceData, collate_micro_batches
+    from hapo_megatron.training.batches.route_share import stage_layer_range
 
     g = initialize_parallel(pp=2, seed=1)
     actor = MegatronActor(AutoConfig.from_pretrained(path), groups=g, total_optimizer_steps=2, init_hf_path=path,

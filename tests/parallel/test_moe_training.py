@@ -112,7 +112,7 @@ AUX_COEF = 0.5
 
 
 def _sequences():
-    from hapo_megatron.training.batching import SequenceData
+    from hapo_megatron.training.batches.micro_batches import SequenceData
 
     gen = torch.Generator().manual_seed(5)
     return [SequenceData(torch.randint(4, 150, (4 + i,), generator=gen).tolist(),
@@ -128,7 +128,7 @@ def _actor_run(tmpdir, coef):
     from hapo_megatron.config import OptimConfig
     from hapo_megatron.parallel.groups import destroy_parallel, initialize_parallel
     from hapo_megatron.training.actor import MegatronActor
-    from hapo_megatron.training.batching import build_rank_micro_batches
+    from hapo_megatron.training.batches.micro_batches import build_rank_micro_batches
     from hapo_megatron.training.sft import cross_entropy_loss_factory
 
     g = initialize_parallel(tp=1, ep=2, seed=1)

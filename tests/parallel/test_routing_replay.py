@@ -33,7 +33,7 @@ LAYOUTS = {"ep1-dp2": (1, 1, False, False, "replay"), "ep2": (1, 2, False, False
 def _sequences():
     """4 sequences whose routes ([n - 1, L * k]) are the model's own at even positions, random
     other experts at odd ones."""
-    from hapo_megatron.training.batching import SequenceData
+    from hapo_megatron.training.batches.micro_batches import SequenceData
 
     cfg, hf = moe_model()
     gen = torch.Generator().manual_seed(5)
@@ -122,7 +122,7 @@ def _actor_run(tmpdir, tp, ep, sp, recompute, routing):
     from hapo_megatron.config import OptimConfig
     from hapo_megatron.parallel.groups import destroy_parallel, initialize_parallel
     from hapo_megatron.training.actor import MegatronActor
-    from hapo_megatron.training.batching import build_rank_micro_batches
+    from hapo_megatron.training.batches.micro_batches import build_rank_micro_batches
     from hapo_megatron.training.sft import cross_entropy_loss_factory
 
     g = initialize_parallel(tp=tp, ep=ep, etp=1, seed=1)

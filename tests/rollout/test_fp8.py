@@ -10,9 +10,8 @@ import math
 import pytest
 import torch
 
-from hapo_megatron.rollout.fp8 import (
-    BLOCK, E4M3_MAX, FP8_DTYPE, ZERO_BLOCK_SCALE, dequantize_blockwise, quantize_blockwise, scale_shape,
-)
+from hapo_megatron.rollout.fp8 import (BLOCK, E4M3_MAX, FP8_DTYPE, ZERO_BLOCK_SCALE, dequantize_blockwise,
+                                       quantize_blockwise, scale_shape)
 
 
 def slow_quantize(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,7 +179,7 @@ def test_matches_sglang_own_block_dequantisation(tmp_path):
     import subprocess
     import sys
 
-    from hapo_megatron.rollout.sglang_launch import cpu_stubs_dir, server_env
+    from hapo_megatron.rollout.sglang.launch import cpu_stubs_dir, server_env
 
     if importlib.util.find_spec("sglang") is None or cpu_stubs_dir() is None:
         pytest.skip("needs SGLang and tools/sglang_cpu_stubs")

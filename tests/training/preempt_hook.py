@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
         from hapo_megatron.train import main as train_main
         return train_main(argv)
     from hapo_megatron.training import stages
-    from hapo_megatron.training.preemption import StopRequest
+    from hapo_megatron.training.checkpointing.preemption import StopRequest
 
     got_signal = threading.Event()
     on_signal = StopRequest._on_signal
@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
 def _signal_at_async_take(step: int, marker_dir: str) -> None:
     import signal
 
-    from hapo_megatron.training.async_rollout import AsyncRollout
+    from hapo_megatron.training.asynchronous.producer import AsyncRollout
     original = AsyncRollout.take_step
 
     def take_step(self, s, *args, **kwargs):

@@ -22,7 +22,7 @@ def _actor_checks(rank, world, data, ckpt_dir):
     from hapo_megatron.config import OptimConfig
     from hapo_megatron.parallel.groups import initialize_parallel
     from hapo_megatron.training.actor import MegatronActor
-    from hapo_megatron.training.batching import SequenceData, build_rank_micro_batches
+    from hapo_megatron.training.batches.micro_batches import SequenceData, build_rank_micro_batches
     from hapo_megatron.training.sft import cross_entropy_loss_factory
 
     g = initialize_parallel(tp=2, seed=3)

@@ -13,8 +13,8 @@ BATCH, MINI, SFT = 8, 2, 3
 
 
 def test_short_batches_train_on_what_was_kept_and_the_schedule_counts_real_steps(tiny, tmp_path):
-    from hapo_megatron.training.checkpoint import read_rl_state
-    from hapo_megatron.training.metrics import read_jsonl
+    from hapo_megatron.training.checkpointing.checkpoint import read_rl_state
+    from hapo_megatron.training.metrics.sinks import read_jsonl
 
     run_dir = str(tmp_path / "run")
     argv = ["--config", CONFIG, *tiny_overrides(tiny, run_dir, **{

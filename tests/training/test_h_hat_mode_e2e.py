@@ -16,7 +16,7 @@ T_BASE = 1.0
 
 def test_reference_mode_reaches_rollout_temperatures_and_loss(tiny, tmp_path):
     from hapo_megatron.analysis import read_rollouts, rollout_path
-    from hapo_megatron.training.metrics import read_jsonl
+    from hapo_megatron.training.metrics.sinks import read_jsonl
 
     run_dir = str(tmp_path / "run")
     argv = ["--config", CONFIG, *tiny_overrides(tiny, run_dir, **{

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from hapo_megatron.training.metrics import read_jsonl, strip_timing
+from hapo_megatron.training.metrics.sinks import read_jsonl, strip_timing
 from tests.distributed import run_distributed
 from tests.training.tiny_setup import ROOT, tiny_overrides, train_main
 

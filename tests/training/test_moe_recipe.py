@@ -47,7 +47,7 @@ def test_config_loads_and_validates(cfg):
 
 def test_shape_file_is_qwen3_30b_a3b(hf_config):
     from hapo_megatron.models.hf_config import is_moe
-    from hapo_megatron.training.memory_plan import param_count, shape_from_hf_config
+    from hapo_megatron.training.memory.plan import param_count, shape_from_hf_config
     assert is_moe(hf_config) and hf_config.model_type == "qwen3_moe"
     assert (hf_config.num_experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size) == (128, 8, 768)
     assert param_count(shape_from_hf_config(hf_config)) == 30_532_122_624  # the published 30.5B
@@ -56,7 +56,7 @@ def test_shape_file_is_qwen3_30b_a3b(hf_config):
 def test_layout_fits_the_model(cfg, hf_config):
     from hapo_megatron.models.moe import check_moe_training_layout
     from hapo_megatron.train import check_dist_timeout, check_parallel_fits_model
-    from hapo_megatron.training.context import check_sequence_fits
+    from hapo_megatron.training.context_length import check_sequence_fits
     p = cfg.parallel
     check_parallel_fits_model(hf_config, p)
     check_moe_training_layout(hf_config, tp=p.tensor_model_parallel_size, ep=p.expert_model_parallel_size,
@@ -90,7 +90,7 @@ def test_routing_replay_on(cfg, hf_config):
 
 
 def test_sglang_servers_carry_the_ep_size(cfg):
-    from hapo_megatron.training.context import sglang_context_args
+    from hapo_megatron.training.context_length import sglang_context_args
     sg = cfg.rollout.sglang
     assert cfg.rollout.engine == "sglang" and sg.colocate and sg.server_tp_size == 4
     args = list(sg.extra_server_args)
@@ -112,7 +112,7 @@ def test_sglang_knows_the_ep_flag():
 
 
 def test_two_node_servers_fit_the_nodes(cfg):
-    from hapo_megatron.rollout.placement import plan_servers
+    from hapo_megatron.rollout.sglang.placement import plan_servers
     sg = cfg.rollout.sglang
     slots = plan_servers(num_servers=sg.num_servers, server_tp_size=sg.server_tp_size, num_nodes=2, ranks_per_node=8,
                          colocate=sg.colocate, gpus_per_node=8, port_base=sg.port_base)
@@ -126,7 +126,7 @@ def _memory(config_path: str, world: int, overrides=()):
 
 def test_memory_plan_at_16_ranks_fits_80gb(cfg, hf_config):
     from hapo_megatron.doctor.report import PASS
-    from hapo_megatron.training.memory_plan import GiB, plan_from_config
+    from hapo_megatron.training.memory.plan import GiB, plan_from_config
     res, text = _memory(CONFIG, 16)
     plan = plan_from_config(cfg, hf_config, world_size=16, device_bytes=int(H100_GIB * GiB))
     assert plan.fits, text
@@ -150,7 +150,7 @@ def test_dropping_the_expert_parallel_size_is_caught(tmp_path, cfg, hf_config):
     """The mutation the recipe must not suffer: without parallel.expert_model_parallel_size the
     layout still divides 16 ranks (EP 1), but every GPU of a stage then holds all 128 experts of
     its 24 layers, which the plan refuses; the tests above fail on it too (they read the field)."""
-    from hapo_megatron.training.memory_plan import GiB, plan_from_config
+    from hapo_megatron.training.memory.plan import GiB, plan_from_config
     with open(CONFIG) as f:
         raw = yaml.safe_load(f)
     del raw["parallel"]["expert_model_parallel_size"]
@@ -175,7 +175,7 @@ def test_memory_plan_reads_the_config_fields(cfg, hf_config):
     import dataclasses
 
     from hapo_megatron.doctor.memory_checks import check_memory_plan
-    from hapo_megatron.training.memory_plan import GiB, plan_from_config
+    from hapo_megatron.training.memory.plan import GiB, plan_from_config
 
     def plan(**sections):
         c = dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), **v) for k, v in sections.items()})
@@ -203,7 +203,7 @@ def test_tensor_sync_contexts_follow_the_server_layout(cfg):
     test_memory_plan_at_16_ranks_fits_80gb (the README's overhead line)."""
     import dataclasses
 
-    from hapo_megatron.training.memory_plan import tensor_sync_peer_contexts
+    from hapo_megatron.training.memory.plan import tensor_sync_peer_contexts
 
     def sg(**kw):
         return dataclasses.replace(cfg, rollout=dataclasses.replace(

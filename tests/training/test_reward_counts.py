@@ -11,8 +11,8 @@ from hapo_megatron.rewards import math as math_reward
 from hapo_megatron.rewards.scoring import RewardScorer
 from hapo_megatron.rollout.engine import Sample
 from hapo_megatron.training import stages
-from hapo_megatron.training.engine_memory import EngineMemory
-from hapo_megatron.training.rl_step import DynamicSampler
+from hapo_megatron.training.memory.engine_memory import EngineMemory
+from hapo_megatron.training.batches.rollout_batch import DynamicSampler
 from tests.training.misbehaving_reward import read_calls
 
 

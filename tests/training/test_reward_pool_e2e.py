@@ -16,7 +16,7 @@ CONFIG = os.path.join(ROOT, "examples", "cpu_tiny", "config.yaml")
 
 @pytest.mark.slow
 def test_training_completes_and_counts_reward_failures(tiny, tmp_path):
-    from hapo_megatron.training.metrics import read_jsonl
+    from hapo_megatron.training.metrics.sinks import read_jsonl
 
     run_dir, log_dir = str(tmp_path / "run"), tmp_path / "calls"
     log_dir.mkdir()

@@ -32,9 +32,9 @@ def _rollout_protocol(rank, world, fail):
     import torch.distributed as dist
 
     from hapo_megatron.training import rollout_protocol, stages
-    from hapo_megatron.training.rl_step import RolloutBatch
+    from hapo_megatron.training.batches.rollout_batch import RolloutBatch
     from hapo_megatron.parallel.collectives import broadcast_object
-    from hapo_megatron.training.engine_memory import EngineMemory
+    from hapo_megatron.training.memory.engine_memory import EngineMemory
     from hapo_megatron.training.rollout_protocol import Rank0Channel
 
     channel = Rank0Channel.create(timeout_minutes=5, heartbeat_s=0.02)

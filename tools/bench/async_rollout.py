@@ -39,8 +39,8 @@ def start_servers(n: int, tokens_per_s: float, record_dir: str, vocab: int = 40,
     """``n`` paced stand-in servers on free ports; (processes, URLs) once they answer /health.
     ``extra[i]``: more arguments of server ``i``. A server whose port was taken meanwhile starts
     again on another; on failure the ones started are stopped."""
-    from hapo_megatron.rollout.sglang_client import SGLangHTTP, ServerDiedError, ServerHandle
-    from hapo_megatron.rollout.sglang_launch import free_port
+    from hapo_megatron.rollout.sglang.client import SGLangHTTP, ServerDiedError, ServerHandle
+    from hapo_megatron.rollout.sglang.launch import free_port
     procs, urls = [], []
     env = {**os.environ, "HAPO_TEST_STANDIN_DIR": record_dir}
     http = SGLangHTTP(timeout_s=10, max_retries=0)

@@ -103,9 +103,9 @@ def rss_mb() -> float:
 
 
 # --------------------------------------------------------------------------- BASELINE: the old path
-# The functions of hapo_megatron/training/rl_step.py and stages.layout before the array path, per-token
+# The functions of hapo_megatron/training/batches/rollout_batch.py and stages.layout before the array path, per-token
 # Python lists throughout; kept here only to measure against (and as the reference of
-# tests/training/test_array_path.py).
+# tests/training/batches/test_array_path.py).
 LEGACY_RAGGED = {"prompt_ids": "int32", "response_ids": "int32", "rollout_logprobs": "float32",
                  "temperatures": "float32"}
 LEGACY_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs", "temperatures", "finish_reasons", "group_ids",
@@ -214,7 +214,7 @@ def legacy_layout(b: dict, adv, *, dp_rank: int, dp_size: int, ppo_mini_batch_si
                   max_tokens_per_micro_batch, pack: bool, pad_multiple: int = 1, seq_multiple: int = 1,
                   row_multiple: int = 1) -> list:
     """to_sequences over the whole batch, then build_rank_micro_batches per mini-batch."""
-    from hapo_megatron.training.batching import SequenceData, build_rank_micro_batches, split_mini_batches
+    from hapo_megatron.training.batches.micro_batches import SequenceData, build_rank_micro_batches, split_mini_batches
     seqs = [SequenceData(prompt_ids=b["prompt_ids"][i], response_ids=b["response_ids"][i], advantage=float(adv[i]),
                          rollout_logprobs=b["rollout_logprobs"][i], temperatures=b["temperatures"][i], index=i)
             for i in range(len(b["response_ids"]))]
@@ -242,7 +242,7 @@ def _cfg(prompts: int, n: int, cap: int):
 
 def role_rank0_old(d: dict, out_dir: str, cap: int) -> dict:
     from hapo_megatron.rewards import get_reward_fn
-    from hapo_megatron.training.rl_step import DynamicSampler  # noqa: F401 - the old one filtered the same way
+    from hapo_megatron.training.batches.rollout_batch import DynamicSampler  # noqa: F401 - the old one filtered the same way
     smp, recs = samples(d, as_lists=True), records(d)
     reward_fn = get_reward_fn("math")
     reward_fn(decode(np.array([0, 0])), "0")  # its imports happen once per process, not per step
@@ -295,9 +295,9 @@ def role_rank0_new(d: dict, out_dir: str, cap: int, chunk: int, gen_s: float, dp
     from hapo_megatron.rewards import get_reward_fn
     from hapo_megatron.rewards.scoring import RewardScorer
     from hapo_megatron.training import stages
-    from hapo_megatron.training.engine_memory import EngineMemory
-    from hapo_megatron.training.rl_step import DynamicSampler
-    from hapo_megatron.training.rollout_share import SequenceMeta, split_for_ranks
+    from hapo_megatron.training.memory.engine_memory import EngineMemory
+    from hapo_megatron.training.batches.rollout_batch import DynamicSampler
+    from hapo_megatron.training.batches.rollout_share import SequenceMeta, split_for_ranks
     prompts, n = len(d["prompts"]), int(d["n"])
     cfg = _cfg(prompts, n, cap)
     recs = records(d)
@@ -343,7 +343,7 @@ def _rt_for(cfg, dp: int, dp_rank: int):
 
 def role_rank(out_dir: str, path: str, dp: int, prompts: int, n: int, cap: int) -> dict:
     from hapo_megatron.training import stages
-    from hapo_megatron.training.rollout_share import RankBatch, held_sequences
+    from hapo_megatron.training.batches.rollout_share import RankBatch, held_sequences
     cfg = _cfg(prompts, n, cap)
     legacy_layout({f: [] for f in LEGACY_FIELDS}, [], dp_rank=0, dp_size=1, ppo_mini_batch_size=1, micro_batch_size=1,
                   max_tokens_per_micro_batch=None, pack=False)  # its imports, before the baseline RSS

@@ -4,7 +4,7 @@ the update phase's time, both layouts in the same run.
 One PPO mini-batch of ``--prompts x --responses`` sequences (``--prompt-len`` tokens of prompt,
 lognormal response lengths with mean ``--mean`` and shape ``--sigma``, capped at ``--cap``) is laid
 out over ``--dp`` data-parallel ranks by the trainer's own `plan_micro_batches` /
-`token_efficiency` (`hapo_megatron.training.batching`), padded and packed, with
+`token_efficiency` (`hapo_megatron.training.batches.micro_batches`), padded and packed, with
 ``parallel.max_tokens_per_micro_batch = --max-tokens``. Defaults: the 7B recipe's settings.
 
 ``--time`` also runs the update phase (forward + backward of the HAPO loss through the actor and
@@ -41,7 +41,7 @@ def sample_lengths(*, prompts: int, responses: int, prompt_len: int, mean: float
 
 def layouts(lengths, *, dp, max_tokens, micro_batch_size, tp, cp, sp):
     """{"padded"|"packed": (plan, token_efficiency dict)} with the trainer's padding multiples."""
-    from hapo_megatron.training.batching import pack_multiples, plan_micro_batches, token_efficiency
+    from hapo_megatron.training.batches.micro_batches import pack_multiples, plan_micro_batches, token_efficiency
     seq_m, row_m = pack_multiples(tp_size=tp, cp_size=cp, sequence_parallel=sp)
     pad_m = math.lcm(tp if sp and tp > 1 else 1, 2 * cp if cp > 1 else 1)
     out = {}
@@ -82,7 +82,7 @@ def time_update(plan_rank: list[list[int]], lengths, *, pack: bool, actor, group
 
     from hapo_megatron.algo import EntropyStats
     from hapo_megatron.parallel.loss import LossConfig, make_loss_func
-    from hapo_megatron.training.batching import SequenceData, build_rank_micro_batches
+    from hapo_megatron.training.batches.micro_batches import SequenceData, build_rank_micro_batches
     g = torch.Generator().manual_seed(seed)
     seqs = []
     for b in plan_rank:

@@ -1,5 +1,5 @@
 """Bytes of MoE routes per training step (docs/moe.md, "Routes volume"), before and after each
-rank got only its pipeline stage's layers in one byte per expert id (`training/route_share.py`).
+rank got only its pipeline stage's layers in one byte per expert id (`training/batches/route_share.py`).
 
 A step of ``--prompts x --responses`` sequences (``--prompt-len`` tokens of prompt, lognormal
 responses of mean ``--mean`` capped at ``--cap``, `tools/bench/packing.py`'s `sample_lengths`)
@@ -40,7 +40,7 @@ def _plan_holders(lengths, prompt_len, *, responses, dp, mini_prompts, budget):
     """The data-parallel rank of every sequence under the trainer's plan."""
     import numpy as np
 
-    from hapo_megatron.training.rollout_share import SequenceMeta, held_sequences, step_plan
+    from hapo_megatron.training.batches.rollout_share import SequenceMeta, held_sequences, step_plan
     n = len(lengths)
     meta = SequenceMeta(group_ids=[i // responses for i in range(n)],
                         prompt_lengths=np.full(n, prompt_len, np.int64),
@@ -57,7 +57,7 @@ def volume(lengths, prompt_len, *, responses, layers, top_k, experts, tp, pp, dp
     """Bytes of one step's routes at each point of the data path, before and after."""
     import numpy as np
 
-    from hapo_megatron.training.route_share import route_dtype
+    from hapo_megatron.training.batches.route_share import route_dtype
     positions = np.asarray(lengths, np.int64) - 1
     holder = _plan_holders(lengths, prompt_len, responses=responses, dp=dp, mini_prompts=mini_prompts, budget=budget)
     ids_per_dp = np.bincount(holder, weights=positions * layers * top_k, minlength=dp)  # all layers
@@ -84,8 +84,8 @@ def check(seed: int = 0) -> int:
     import numpy as np
 
     from hapo_megatron.training import stages
-    from hapo_megatron.training.rl_step import RolloutBatch
-    from hapo_megatron.training.rollout_share import SequenceMeta, split_for_ranks, step_plan
+    from hapo_megatron.training.batches.rollout_batch import RolloutBatch
+    from hapo_megatron.training.batches.rollout_share import SequenceMeta, split_for_ranks, step_plan
     rng = np.random.default_rng(seed)
     layers, top_k, experts, tp, pp, dp, responses, prompt_len = 4, 2, 16, 2, 2, 2, 4, 3
     resp = rng.integers(1, 30, 4 * responses)

@@ -67,7 +67,7 @@ def actor_logprobs(path: str, hf_config, groups, samples, routing: str):
     ``(differing, compared)`` routing counts, with ``routing`` "measure" or "replay"."""
     from hapo_megatron.config import OptimConfig
     from hapo_megatron.training.actor import MegatronActor
-    from hapo_megatron.training.batching import SequenceData, build_rank_micro_batches
+    from hapo_megatron.training.batches.micro_batches import SequenceData, build_rank_micro_batches
 
     actor = MegatronActor(hf_config, groups=groups, optim=OptimConfig(lr=1e-6, lr_warmup_steps=0),
                           total_optimizer_steps=1, init_hf_path=path, moe_aux_loss_coef=0.0, routing=routing)

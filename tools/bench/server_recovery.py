@@ -22,9 +22,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from hapo_megatron.rollout import sglang_engine as se  # noqa: E402
-from hapo_megatron.rollout import sglang_launch as launcher  # noqa: E402
-from hapo_megatron.rollout.api_key import new_api_key  # noqa: E402
+from hapo_megatron.rollout.sglang import engine as se  # noqa: E402
+from hapo_megatron.rollout.sglang import launch as launcher  # noqa: E402
+from hapo_megatron.rollout.sglang.api_key import new_api_key  # noqa: E402
 from hapo_megatron.rollout.engine import SamplingParams  # noqa: E402
 
 
@@ -34,8 +34,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args()
-    from tests.rollout.real_sglang import tiny_model_dir
-    from tests.rollout.test_server_recovery_real import perturbed
+    from tests.rollout.sglang.real_sglang import tiny_model_dir
+    from tests.rollout.sglang.test_server_recovery_real import perturbed
 
     root = tempfile.mkdtemp(prefix="hapo_recovery_")
     model = tiny_model_dir(root)

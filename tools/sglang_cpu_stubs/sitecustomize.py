@@ -1,5 +1,5 @@
 """Run at start-up by every Python process that has this directory on its PYTHONPATH, i.e. a CPU
-SGLang server's processes only (`hapo_megatron.rollout.sglang_launch.server_env`): installs the
+SGLang server's processes only (`hapo_megatron.rollout.sglang.launch.server_env`): installs the
 CPU host-cache fix (`hapo_cpu_host_cache`) when SGLang's CPU engine is selected."""
 
 import os

@@ -1,0 +1,110 @@
+"""The weight-export contract: an engine's ``update_weights`` reads the weight iterator to the
+end on every rank, also when the update fails (the export behind it runs collectives over the
+trainer's ranks: a rank that stops early leaves the others waiting), and `stages.sync_weights`
+drains it on ranks without an engine and refuses an engine that leaves tensors unread."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hapo_megatron.rollout.sglang import engine as se
+from hapo_megatron.rollout.sglang.client import SGLangError
+from hapo_megatron.training import stages
+from hapo_megatron.training.memory.engine_memory import EngineMemory
+
+from .collective_worker import URLS, named_weights
+from .fake_sglang import FakeSession
+
+
+class Stream:
+    """A weight stream that counts what was read (like `export_hf_weights`, one pass)."""
+
+    def __init__(self, items):
+        self.items, self.read = list(items), 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.read == len(self.items):
+            raise StopIteration
+        self.read += 1
+        return self.items[self.read - 1]
+
+    @property
+    def left(self) -> int:
+        return len(self.items) - self.read
+
+
+def _sglang(mode, rank=0, failures=None, tmp_path=None):
+    eng = se.SGLangEngine(server_urls=URLS, colocate=False, weight_sync=mode, session=FakeSession(failures=failures),
+                          launch=False, bucket_size_mb=1, disk_sync_dir=str(tmp_path) if tmp_path else None)
+    eng.bucket_bytes = 64 * 32 * 2  # several buckets
+    eng._nccl_group, eng._sync_device = "fake-group", "cpu"
+    eng.rank, eng.world_size = rank, 2 if rank else 1  # rank 1 of a collective engine (no real group)
+    eng._barrier = lambda group=None: None
+    return eng
+
+
+@pytest.mark.parametrize("mode", ["distributed", "disk"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sglang_reads_everything_on_every_rank(mode, rank, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda *a, **k: None)
+    stream = Stream(named_weights())
+    _sglang(mode, rank, tmp_path=tmp_path).update_weights(stream)
+    assert stream.left == 0
+
+
+def test_sglang_reads_everything_when_a_server_refuses(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda *a, **k: None)
+    stream = Stream(named_weights())
+    eng = _sglang("distributed", failures={"/update_weights_from_distributed": [400]})
+    with pytest.raises(SGLangError, match="400"):
+        eng.update_weights(stream)
+    assert stream.left == 0  # the first bucket failed; the rest was still read
+
+
+def test_hf_engine_reads_everything_also_when_it_refuses_the_update():
+    from tests.rollout.test_hf_engine import make
+    eng = make(seed=0)
+    named = [(k, v.float()) for k, v in eng.model.state_dict().items()]
+    stream = Stream([("model.bogus.weight", torch.zeros(2))] + named)
+    with pytest.raises(ValueError, match="unknown names"):
+        eng.update_weights(stream)
+    assert stream.left == 0
+    stream = Stream(named)
+    eng.update_weights(stream)
+    assert stream.left == 0
+
+
+class _Actor:
+    def __init__(self, stream):
+        self.stream = stream
+
+    def export_hf_weights(self, dtype=None):
+        return self.stream
+
+
+class _HalfReader:
+    """An engine breaking the contract: it stops after half the tensors."""
+
+    def update_weights(self, named):
+        for _ in range(2):
+            next(named)
+
+    def resume_memory(self):
+        pass
+
+
+def test_sync_weights_drains_without_an_engine_and_refuses_an_engine_that_stops_early():
+    stream = Stream(named_weights())
+    stages.sync_weights(SimpleNamespace(engine=None, actor=_Actor(stream)))  # ranks 1..n-1
+    assert stream.left == 0
+    stream = Stream(named_weights())
+    engine = _HalfReader()
+    rt = SimpleNamespace(engine=engine, actor=_Actor(stream), memory=EngineMemory(engine),
+                         cfg=SimpleNamespace(rollout=SimpleNamespace(max_staleness=0)))  # synchronous
+    with pytest.raises(RuntimeError, match="_HalfReader.update_weights left 2 exported tensors unread"):
+        stages.sync_weights(rt)
+    assert stream.left == 0  # read before raising: no rank is left waiting in the export
