@@ -1,6 +1,6 @@
 """Asynchronous rollouts (`rollout.max_staleness: 1`) on the session's two REAL CPU SGLang servers
-(tests/rollout/sglang/conftest.py; attached by URL, so `colocate: false`), the trainer in its own process,
-disk weight sync.
+(tests/rollout/sglang/conftest.py; attached by URL, so `colocate: false`), the trainer in its own
+process, disk weight sync.
 
 - Every trained sample's lag is <= 1 on every batch (the buffer raises otherwise; the metrics
   say so per step), and some batch has lag 1: the servers' per-token weight versions reach the
@@ -9,8 +9,10 @@ disk weight sync.
   a group in flight since the previous take (`timing/generation_busy_s`) exceeds the trainer's
   wait for the batch (`timing/trainer_wait_s`), so generation ran while the trainer trained.
 - The reward rises: a reward the tiny random model learns in a few steps (the share of digits,
-  tests/training/digit_reward.py; the CPU example's math reward needs hundreds of warm-start steps
-  first). Compared: the mean reward of the first three steps and of the last three.
+  tests/training/digit_reward.py, at a learning rate of 1e-2; the CPU example's math reward needs
+  hundreds of warm-start steps first). Compared: the mean reward of the first three steps and of
+  the last three (measured before this rate, at the example's 1e-3: -0.76 -> -0.71, too close to
+  the step-to-step noise of 32 responses a step to assert on).
 - `pause_mode: in_place` (the requests stay on the servers, with their KV cache, during the
   update): the run goes through. SGLang refuses to flush its cache while they run and fails the
   update; the engine then skips the flush (mutation: flush anyway -> the run fails with "cache
@@ -41,7 +43,7 @@ def _train(real_model_dir, urls, key, run_dir, steps, **extra):
                "rollout.sglang.colocate": "false", "rollout.sglang.weight_sync": "disk",
                "rollout.max_staleness": 1, "algo.rollout_is": "token_tis",
                "reward.reward_fn": "tests.training.digit_reward:score", "reward.num_workers": 0,
-               "reward.overlong_buffer_enable": "false", **extra})]
+               "reward.overlong_buffer_enable": "false", "optim.lr": 1e-2, **extra})]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", API_KEY_ENV: key,
            "HAPO_SGLANG_SYNC_DIR": os.path.join(run_dir, "sync"),
            "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
