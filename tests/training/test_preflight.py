@@ -78,3 +78,9 @@ def test_context_parallel_on_cuda_needs_transformer_engine(monkeypatch):
     cfg.model.use_te = False
     with pytest.raises(ValueError, match="model.use_te=false"):
         train.check_installs(cfg, cuda=True)
+
+
+def test_cpu_threads_leave_a_core_to_asynchronous_rollouts():
+    from hapo_megatron.train import cpu_threads
+    assert [cpu_threads(2, 1, 0), cpu_threads(2, 1, 1), cpu_threads(2, 2, 0), cpu_threads(2, 2, 1)] == [2, 1, 1, 1]
+    assert [cpu_threads(16, 2, 0), cpu_threads(16, 2, 2), cpu_threads(1, 1, 1)] == [8, 7, 1]
