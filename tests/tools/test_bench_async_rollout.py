@@ -41,3 +41,4 @@ def test_combine_sums_the_rounds_of_one_setting():
     c = bench.combine([a, b])
     assert c["steps"] == 3 and c["wall_s"] == 8.0 and c["steps_per_hour"] == 1350.0
     assert c["idle_frac"] == 0.25 and c["busy_s_per_step"] == 2.0 and c["staleness_max"] == 1.0
+    assert c["step_times"] == [2.0, 2.0, 4.0] and c["steps_per_hour_median"] == 1800.0

@@ -12,7 +12,9 @@ first and the last logged step (``perf/step_time_s`` would hide the overlap). Th
 fraction is the time it waited for data (``timing/trainer_wait_s``, asynchronous) or generated
 (``timing/rollout_s``, synchronous) over the wall time; "busy s/step" is the rest, the trainer's
 own work per step (it grows when generation competes for the machine's cores). ``--repeats`` runs
-the three settings in turn that many times (a change in the machine's load meets each alike).
+the three settings in turn that many times (a change in the machine's load meets each alike); the
+steps per hour of the median step time are printed too (a burst of load from other processes
+slows a few steps of one setting and moves the mean, not the median).
 The reward is a cheap parity score (the stand-in's responses are random tokens): on the CPU job
 the math verifier's CPU time would compete with the trainer for the cores while generation
 overlaps training, which it does not on a GPU box.
@@ -127,6 +129,7 @@ def summarize(recs: list[dict], *, warmup: int = 2) -> dict[str, float]:
     idle = sum(r.get("timing/trainer_wait_s", r.get("timing/rollout_s", 0.0)) for r in rows)
     gen = [r.get("timing/rollout_s", 0.0) for r in rows]
     return combine([{"steps": len(rows), "wall_s": wall, "idle_s": idle, "rollout_s_sum": sum(gen),
+                     "step_times": [r["perf/step_time_s"] for r in rows],
                      "staleness_max": max((r.get("rollout/staleness_max", 0.0) for r in rows), default=0.0)}])
 
 
@@ -134,8 +137,12 @@ def combine(parts: list[dict]) -> dict[str, float]:
     """The figures of several runs of one setting together (their steps and wall times summed)."""
     steps, wall = sum(p["steps"] for p in parts), sum(p["wall_s"] for p in parts)
     idle, gen = sum(p["idle_s"] for p in parts), sum(p["rollout_s_sum"] for p in parts)
-    return {"steps": steps, "wall_s": wall, "idle_s": idle, "rollout_s_sum": gen,
+    times = sorted(t for p in parts for t in p["step_times"])
+    median = (times[(len(times) - 1) // 2] + times[len(times) // 2]) / 2 if times else 0.0
+    return {"steps": steps, "wall_s": wall, "idle_s": idle, "rollout_s_sum": gen, "step_times": times,
             "steps_per_hour": 3600.0 * steps / max(wall, 1e-9), "idle_frac": idle / max(wall, 1e-9),
+            # robust to a burst of load from other processes on a shared machine (a few slow steps)
+            "steps_per_hour_median": 3600.0 / max(median, 1e-9),
             "busy_s_per_step": (wall - idle) / max(steps, 1), "rollout_s_mean": gen / max(steps, 1),
             "staleness_max": max(p["staleness_max"] for p in parts)}
 
@@ -202,10 +209,13 @@ def main(argv=None) -> dict:
     base = results[0]["steps_per_hour"]
     print(f"training {train_s:.2f} s/step (calibration), token rate {rate:.1f}/s -> generation "
           f"~{length / rate:.2f} s/step; {args.repeats} round(s) of {steps} steps per setting")
-    print(f"{'max_staleness':>13} {'steps/h':>9} {'ratio':>6} {'idle':>6} {'busy s/step':>11} {'staleness_max':>13}")
+    base_median = results[0]["steps_per_hour_median"]
+    print(f"{'max_staleness':>13} {'steps/h':>9} {'ratio':>6} {'idle':>6} {'busy s/step':>11} "
+          f"{'steps/h (median step)':>21} {'ratio':>6} {'staleness_max':>13}")
     for k, r in results.items():
         print(f"{k:>13} {r['steps_per_hour']:>9.0f} {r['steps_per_hour'] / base:>6.2f} {r['idle_frac']:>6.2f} "
-              f"{r['busy_s_per_step']:>11.2f} {r['staleness_max']:>13.0f}")
+              f"{r['busy_s_per_step']:>11.2f} {r['steps_per_hour_median']:>21.0f} "
+              f"{r['steps_per_hour_median'] / base_median:>6.2f} {r['staleness_max']:>13.0f}")
     return {"train_s": train_s, "rate": rate, "results": results}
 
 
