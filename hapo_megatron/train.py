@@ -192,11 +192,21 @@ def _init_distributed(timeout_minutes: float) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
-def _set_threads() -> None:
+def cpu_threads(cpu_count: int, local_ranks: int, max_staleness: int) -> int:
+    """Intra-op threads of each CPU rank: the node's cores shared out among its ranks, one core
+    left out under asynchronous rollouts. There the producer and the servers run while the ranks
+    train, and an OpenMP team that spans every core stalls whenever one of its threads is
+    preempted (measured on 2 cores: training 27% slower with 2 threads, unchanged with 1;
+    tools/bench/README.md)."""
+    cores = cpu_count - 1 if max_staleness else cpu_count
+    return max(1, cores // max(1, local_ranks))
+
+
+def _set_threads(cfg) -> None:
     if torch.cuda.is_available():
         return
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    torch.set_num_threads(cpu_threads(os.cpu_count() or 1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                                      int(cfg.rollout.max_staleness)))
 
 
 def print_memory_plan(cfg, world_size: int) -> None:
@@ -240,7 +250,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if rank == 0:
             print(f"hapo train: error: {e}", file=sys.stderr, flush=True)
         return 2
-    _set_threads()
+    _set_threads(cfg)
     activate_cpu_shims()  # megatron-core on CPU (gloo); a no-op where CUDA is available
     _init_distributed(cfg.trainer.dist_timeout_minutes)
     if rank == 0:

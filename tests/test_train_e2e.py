@@ -18,10 +18,12 @@ import torch
 
 from hapo_megatron.training.metrics.sinks import read_jsonl, strip_timing
 from tests.float_bounds import ENTROPY_REL, h_hat_bound, near_loss_discontinuity, stats_bounds
+from tests.tools._load import load_tool
 from tests.training.tiny_setup import ROOT, prepare_tiny, tiny_overrides
 
 CONFIG = os.path.join(ROOT, "examples", "cpu_tiny", "config.yaml")
 pytestmark = pytest.mark.slow
+kill_tree = load_tool("bench/procs").kill_tree  # torchrun and its workers (own sessions)
 
 
 def _cmd(data, run_dir, *extra):
@@ -34,23 +36,6 @@ def _run(cmd, timeout=400):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stdout + proc.stderr
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun's workers (they run in their own sessions), then torchrun: a crash."""
-    import psutil
-    try:
-        children = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        children = []
-    for child in children:
-        try:
-            child.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(children, timeout=30)
-    proc.kill()
-    proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +126,7 @@ def killed_run(tiny, full_run, tmp_path_factory):
                 break
             time.sleep(0.05)
     finally:
-        _kill_tree(proc)
+        kill_tree(proc)
     after_kill = open(pointer).read().strip() if os.path.exists(pointer) else None
     if after_kill != "step_000002":
         return run_dir, after_kill, None, None
@@ -341,7 +326,7 @@ def _preempted_run(tiny, run_dir: str, stage: str, step: int, *extra: str):
             torchrun_code = proc.wait(timeout=300)
         finally:
             if proc.poll() is None:
-                _kill_tree(proc)
+                kill_tree(proc)
     exits = [os.path.join(markers, f"exit.rank{r}") for r in (0, 1)]
     codes = [int(open(p).read()) if os.path.exists(p) else None for p in exits]  # None: the rank crashed
     return codes, torchrun_code, open(log).read()

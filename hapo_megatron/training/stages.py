@@ -99,7 +99,7 @@ def rollout(rt: Runtime, step: int, stop_check: Optional[Callable[[], bool]] = N
             try:
                 with rt.control.heartbeats({"step": step}):
                     kept, metrics, sampler_state = (_rollout_rank0(rt, step, stop_check)
-                                                    if rt.async_rollout is None else _take_async(rt, step))
+                                                    if rt.async_rollout is None else _take_async(rt, step, stop_check))
             except (RolloutAbandoned, GenerationAborted) as e:
                 _release_after_abandon(rt)
                 rt.control.send(ABANDONED, str(e))
@@ -136,11 +136,12 @@ def _engine_stop_check(engine, stop_check: Optional[Callable[[], bool]]) -> Iter
         engine.stop_check = None
 
 
-def _take_async(rt: Runtime, step: int) -> tuple[RolloutBatch, dict[str, float], dict]:
+def _take_async(rt: Runtime, step: int, stop_check: Optional[Callable[[], bool]] = None
+                ) -> tuple[RolloutBatch, dict[str, float], dict]:
     """Rank 0 under ``rollout.max_staleness >= 1``: the step's batch from the producer's buffer
-    (training/asynchronous/producer.py); the checkpoint state and per-sequence sampling statistics travel
-    with it to every rank."""
-    kept, metrics, snapshot, seq_stats = rt.async_rollout.take_step(step)
+    (training/asynchronous/producer.py), ``stop_check`` asked while it waits; the checkpoint state
+    and per-sequence sampling statistics travel with it to every rank."""
+    kept, metrics, snapshot, seq_stats = rt.async_rollout.take_step(step, stop_check)
     return kept, metrics, {"async": snapshot, "sequence_sampling_stats": seq_stats}
 
 
@@ -492,7 +493,9 @@ def sync_weights(rt: Runtime) -> None:
     rt.memory.resume_weights()  # the KV cache comes back in rollout, after the offload
     if rt.cfg.rollout.max_staleness:  # asynchronous: tag the version; generation pauses around the update
         with rt.async_rollout.paused(rt.rl.step) if rt.async_rollout is not None else contextlib.nullcontext():
-            rt.engine.update_weights(named, weight_version=rt.rl.step)
+            # requests paused in place keep running on the servers: SGLang cannot flush their cache
+            rt.engine.update_weights(named, weight_version=rt.rl.step,
+                                     flush_cache=rt.cfg.rollout.sglang.pause_mode != "in_place")
     else:
         rt.engine.update_weights(named)
     left = drain_weights(named)

@@ -30,3 +30,15 @@ def test_summarize_counts_steps_after_the_warm_up():
     s = bench.summarize(recs)
     assert s["steps"] == 2 and s["wall_s"] == 4.0 and s["steps_per_hour"] == 1800.0
     assert s["idle_frac"] == 0.25 and s["staleness_max"] == 1.0
+
+
+def test_combine_sums_the_rounds_of_one_setting():
+    bench = load_tool("bench/async_rollout")
+    a = bench.summarize([{"perf/step_time_s": 2.0, "timing/trainer_wait_s": 0.5, "rollout/staleness_max": 1.0}] * 2,
+                        warmup=0)
+    b = bench.summarize([{"perf/step_time_s": 4.0, "timing/trainer_wait_s": 1.0, "rollout/staleness_max": 0.0}],
+                        warmup=0)
+    c = bench.combine([a, b])
+    assert c["steps"] == 3 and c["wall_s"] == 8.0 and c["steps_per_hour"] == 1350.0
+    assert c["idle_frac"] == 0.25 and c["busy_s_per_step"] == 2.0 and c["staleness_max"] == 1.0
+    assert c["step_times"] == [2.0, 2.0, 4.0] and c["steps_per_hour_median"] == 1800.0

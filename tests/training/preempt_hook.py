@@ -4,6 +4,10 @@ arrives during that stage; writes ``<marker dir>/held.<stage>.rank<R>`` when the
 and ``exit.rank<R>`` (the exit code) at the end.
 
 Environment: HAPO_TEST_HOLD_STAGE (``rollout`` or ``update``), HAPO_TEST_HOLD_STEP, HAPO_TEST_MARKER_DIR.
+
+``HAPO_TEST_HOLD_STAGE=async_take`` (rollout.max_staleness >= 1, one process): instead, the trainer
+sends itself SIGTERM as it starts to take step HAPO_TEST_HOLD_STEP's batch from the producer's
+buffer, so the signal arrives while it waits for that batch (the test's servers hold its requests).
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ _STAGE_FUNCTIONS = {"rollout": "rollout", "update": "ppo_update"}
 def main(argv: list[str]) -> int:
     stage, step = os.environ["HAPO_TEST_HOLD_STAGE"], int(os.environ["HAPO_TEST_HOLD_STEP"])
     marker_dir, rank = os.environ["HAPO_TEST_MARKER_DIR"], os.environ.get("RANK", "0")
+    if stage == "async_take":
+        _signal_at_async_take(step, marker_dir)
+        from hapo_megatron.train import main as train_main
+        return train_main(argv)
     from hapo_megatron.training import stages
     from hapo_megatron.training.checkpointing.preemption import StopRequest
 
@@ -45,6 +53,20 @@ def main(argv: list[str]) -> int:
     with open(os.path.join(marker_dir, f"exit.rank{rank}"), "w") as f:
         f.write(str(code))
     return code
+
+
+def _signal_at_async_take(step: int, marker_dir: str) -> None:
+    import signal
+
+    from hapo_megatron.training.asynchronous.producer import AsyncRollout
+    original = AsyncRollout.take_step
+
+    def take_step(self, s, *args, **kwargs):
+        if s == step:
+            open(os.path.join(marker_dir, f"signalled.take.step{s}"), "w").close()
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, s, *args, **kwargs)
+    AsyncRollout.take_step = take_step
 
 
 if __name__ == "__main__":

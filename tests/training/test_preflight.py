@@ -115,3 +115,9 @@ def test_bad_expert_layout_fails_before_any_process_group(tiny, tiny_moe, tmp_pa
     err = capsys.readouterr().err
     assert rc == 2 and "hapo train: error:" in err and match in err, err
     assert not dist.is_initialized() and not os.path.exists(run_dir)
+
+
+def test_cpu_threads_leave_a_core_to_asynchronous_rollouts():
+    from hapo_megatron.train import cpu_threads
+    assert [cpu_threads(2, 1, 0), cpu_threads(2, 1, 1), cpu_threads(2, 2, 0), cpu_threads(2, 2, 1)] == [2, 1, 1, 1]
+    assert [cpu_threads(16, 2, 0), cpu_threads(16, 2, 2), cpu_threads(1, 1, 1)] == [8, 7, 1]

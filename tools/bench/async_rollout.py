@@ -10,9 +10,14 @@ training (measured on a first synchronous run: ``--gen-train-ratio``). Each sett
 ``--steps`` steps after ``--warmup`` warm-up steps; steps per hour come from the wall time between the
 first and the last logged step (``perf/step_time_s`` would hide the overlap). The trainer's idle
 fraction is the time it waited for data (``timing/trainer_wait_s``, asynchronous) or generated
-(``timing/rollout_s``, synchronous) over the wall time. The reward is a cheap parity score (the
-stand-in's responses are random tokens): on the CPU job the math verifier's CPU time would compete
-with the trainer for the cores while generation overlaps training, which it does not on a GPU box.
+(``timing/rollout_s``, synchronous) over the wall time; "busy s/step" is the rest, the trainer's
+own work per step (it grows when generation competes for the machine's cores). ``--repeats`` runs
+the three settings in turn that many times (a change in the machine's load meets each alike); the
+steps per hour of the median step time are printed too (a burst of load from other processes
+slows a few steps of one setting and moves the mean, not the median).
+The reward is a cheap parity score (the stand-in's responses are random tokens): on the CPU job
+the math verifier's CPU time would compete with the trainer for the cores while generation
+overlaps training, which it does not on a GPU box.
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVER = os.path.join(ROOT, "tools", "bench", "paced_sglang_server.py")
 CONFIG = os.path.join(ROOT, "examples", "cpu_tiny", "config.yaml")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procs import kill_tree  # noqa: E402
 
 
 def start_servers(n: int, tokens_per_s: float, record_dir: str, vocab: int = 40,
@@ -90,36 +96,25 @@ def job_overrides(data: str, run_dir: str, urls: list[str], *, max_staleness: in
     return [f"{k}={v}" for k, v in kv.items()]
 
 
-def run_job(data: str, run_dir: str, overrides: list[str], timeout: float = 900) -> list[dict]:
-    """One training process; returns its metrics.jsonl records with a wall-clock ``_t``."""
+def run_job(data: str, run_dir: str, overrides: list[str], timeout: float = 900, *,
+            module: str = "hapo_megatron.train", env: dict | None = None, returncode: int = 0,
+            torchrun: bool = True) -> list[dict]:
+    """One training process (``python -m module``, default the trainer; under torchrun, whose
+    exit code is 1 for any failure, unless ``torchrun=False``) that must exit with ``returncode``;
+    returns its metrics.jsonl records."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "HAPO_SGLANG_SYNC_DIR": os.path.join(run_dir, "sync")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           "-m", "hapo_megatron.train", "--config", CONFIG, *overrides]
+           "HAPO_SGLANG_SYNC_DIR": os.path.join(run_dir, "sync"), **(env or {})}
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"] if torchrun else []
+    cmd = [sys.executable, *launch, "-m", module, "--config", CONFIG, *overrides]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_tree(proc)  # torchrun's workers run in sessions of their own: kill them too
+        kill_tree(proc)
         raise
-    if proc.returncode != 0:
-        raise RuntimeError(out[-3000:] + err[-6000:])
+    if proc.returncode != returncode:
+        raise RuntimeError(f"exit code {proc.returncode}, expected {returncode}:\n" + out[-3000:] + err[-6000:])
     return read_metrics(run_dir)
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    import psutil
-    try:
-        children = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        children = []
-    for child in children:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.kill()
-    proc.communicate()
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -133,9 +128,23 @@ def summarize(recs: list[dict], *, warmup: int = 2) -> dict[str, float]:
     wall = sum(r["perf/step_time_s"] for r in rows)
     idle = sum(r.get("timing/trainer_wait_s", r.get("timing/rollout_s", 0.0)) for r in rows)
     gen = [r.get("timing/rollout_s", 0.0) for r in rows]
-    return {"steps": len(rows), "wall_s": wall, "steps_per_hour": 3600.0 * len(rows) / max(wall, 1e-9),
-            "idle_frac": idle / max(wall, 1e-9), "rollout_s_mean": sum(gen) / max(len(gen), 1),
-            "staleness_max": max((r.get("rollout/staleness_max", 0.0) for r in rows), default=0.0)}
+    return combine([{"steps": len(rows), "wall_s": wall, "idle_s": idle, "rollout_s_sum": sum(gen),
+                     "step_times": [r["perf/step_time_s"] for r in rows],
+                     "staleness_max": max((r.get("rollout/staleness_max", 0.0) for r in rows), default=0.0)}])
+
+
+def combine(parts: list[dict]) -> dict[str, float]:
+    """The figures of several runs of one setting together (their steps and wall times summed)."""
+    steps, wall = sum(p["steps"] for p in parts), sum(p["wall_s"] for p in parts)
+    idle, gen = sum(p["idle_s"] for p in parts), sum(p["rollout_s_sum"] for p in parts)
+    times = sorted(t for p in parts for t in p["step_times"])
+    median = (times[(len(times) - 1) // 2] + times[len(times) // 2]) / 2 if times else 0.0
+    return {"steps": steps, "wall_s": wall, "idle_s": idle, "rollout_s_sum": gen, "step_times": times,
+            "steps_per_hour": 3600.0 * steps / max(wall, 1e-9), "idle_frac": idle / max(wall, 1e-9),
+            # robust to a burst of load from other processes on a shared machine (a few slow steps)
+            "steps_per_hour_median": 3600.0 / max(median, 1e-9),
+            "busy_s_per_step": (wall - idle) / max(steps, 1), "rollout_s_mean": gen / max(steps, 1),
+            "staleness_max": max(p["staleness_max"] for p in parts)}
 
 
 def main(argv=None) -> dict:
@@ -148,6 +157,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--small", action="store_true", help="3 steps, tiny responses (the suite's smoke test)")
     ap.add_argument("--gen-train-ratio", type=float, default=1.0,
                     help="generation time / training time per step that the token rate is set to")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of the three settings, in turn (figures over all rounds: a change in the "
+                         "machine's load meets every setting alike)")
     ap.add_argument("--out", default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--rollout-is", default="token_tis",
                     help="algo.rollout_is of every setting (the same algorithm in all three: with adaptive "
@@ -175,31 +187,35 @@ def main(argv=None) -> dict:
         try:
             cal = summarize(run_job(data, os.path.join(work, "calibrate"),
                                     job_overrides(data, os.path.join(work, "calibrate"), urls, max_staleness=0,
-                                                  steps=4, response_length=length, **size)))
+                                                  steps=warmup + 4, response_length=length, **size)),
+                            warmup=warmup)
         finally:
             stop_servers(procs)
-        train_s = cal["wall_s"] / cal["steps"] - cal["rollout_s_mean"]
+        train_s = cal["busy_s_per_step"]
     # one step generates batch x n rows, one request per group (all at once): length tokens of wall time
     rate = length / max(args.gen_train_ratio * train_s, 1e-3)
-    results = {}
+    parts: dict[int, list[dict]] = {0: [], 1: [], 2: []}
     procs, urls = start_servers(2, rate, rec_dir)
     try:
-        for k in (0, 1, 2):
-            run_dir = os.path.join(work, f"staleness_{k}")
-            t0 = time.time()
-            results[k] = summarize(run_job(data, run_dir, job_overrides(
-                data, run_dir, urls, max_staleness=k, steps=steps + warmup, response_length=length, **size)),
-                warmup=warmup)
-            results[k]["job_s"] = time.time() - t0
+        for rep in range(args.repeats):
+            for k in parts:
+                run_dir = os.path.join(work, f"staleness_{k}" + (f"_{rep}" if rep else ""))
+                parts[k].append(summarize(run_job(data, run_dir, job_overrides(
+                    data, run_dir, urls, max_staleness=k, steps=steps + warmup, response_length=length, **size)),
+                    warmup=warmup))
     finally:
         stop_servers(procs)
+    results = {k: combine(p) for k, p in parts.items()}
     base = results[0]["steps_per_hour"]
     print(f"training {train_s:.2f} s/step (calibration), token rate {rate:.1f}/s -> generation "
-          f"~{length / rate:.2f} s/step")
-    print(f"{'max_staleness':>13} {'steps/h':>9} {'ratio':>6} {'idle':>6} {'staleness_max':>13}")
+          f"~{length / rate:.2f} s/step; {args.repeats} round(s) of {steps} steps per setting")
+    base_median = results[0]["steps_per_hour_median"]
+    print(f"{'max_staleness':>13} {'steps/h':>9} {'ratio':>6} {'idle':>6} {'busy s/step':>11} "
+          f"{'steps/h (median step)':>21} {'ratio':>6} {'staleness_max':>13}")
     for k, r in results.items():
         print(f"{k:>13} {r['steps_per_hour']:>9.0f} {r['steps_per_hour'] / base:>6.2f} {r['idle_frac']:>6.2f} "
-              f"{r['staleness_max']:>13.0f}")
+              f"{r['busy_s_per_step']:>11.2f} {r['steps_per_hour_median']:>21.0f} "
+              f"{r['steps_per_hour_median'] / base_median:>6.2f} {r['staleness_max']:>13.0f}")
     return {"train_s": train_s, "rate": rate, "results": results}
 
 

@@ -88,9 +88,16 @@ def generate(rows):
     outs, versions = [[] for _ in rows], [[] for _ in rows]
     aborts_at_start = _state["aborts"]
     aborted = False
+    deadline = time.monotonic()
     for t in range(max((n for _, n, _, _ in plans), default=0)):
-        time.sleep(1.0 / args.tokens_per_s)
-        _running.wait()  # paused: nothing is emitted
+        # token t is due (t + 1) / rate after the start, pauses excluded: a late wake-up (a busy
+        # machine) does not slow the rate down, as it would not on a GPU
+        deadline += 1.0 / args.tokens_per_s
+        time.sleep(max(0.0, deadline - time.monotonic()))
+        if not _running.is_set():  # paused: nothing is emitted
+            paused_at = time.monotonic()
+            _running.wait()
+            deadline += time.monotonic() - paused_at
         if _state["aborts"] != aborts_at_start:
             aborted = True
             break

@@ -44,7 +44,9 @@ class StandinHandler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
-    request_queue_size = 256  # a step's calls connect at once: the default backlog (5) resets some
+    # a listen backlog like SGLang's (uvicorn: 2048), not socketserver's 5: the trainer opens one
+    # connection per prompt group at once, and a full backlog drops connections (retried after 1 s)
+    request_queue_size = 2048
 
 
 def serve(handler, host, port):

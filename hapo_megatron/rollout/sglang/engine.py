@@ -335,6 +335,7 @@ class SGLangEngine:
         self._failed_in_sync: set[int] = set()  # servers of the current weight sync that failed it
         self._joining: list[int] = []  # servers the current weight sync brings back into use
         self._weight_version: Optional[str] = None  # the tag of the update in progress (update_weights)
+        self._flush_cache = True  # whether the update in progress flushes the servers' KV cache
         # asynchronous rollouts send one small generate call per prompt group, from many threads:
         # with spread_calls, successive calls start on successive servers (else each call's
         # chunks are spread from server 0, as the synchronous loop always did)
@@ -492,21 +493,35 @@ class SGLangEngine:
         from hapo_megatron.config.base import PAUSE_MODES
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        for s in self.supervisor.in_use():
-            self.http.request(self.servers[s], "/pause_generation", {"mode": mode}, retries=0)
+        self._post_to_in_use("/pause_generation", {"mode": mode})
 
     def continue_generation(self) -> None:
         """``POST /continue_generation`` on every server in use (after `pause_generation`)."""
+        self._post_to_in_use("/continue_generation", {})
+
+    def _post_to_in_use(self, path: str, body: dict) -> None:
+        """``path`` on every server in use; one that has failed is taken out of use (restarted)
+        and skipped, as in a weight sync: it rejoins at a later sync, unpaused and up to date."""
         for s in self.supervisor.in_use():
-            self.http.request(self.servers[s], "/continue_generation", {}, retries=0)
+            try:
+                self.http.request(self.servers[s], path, body, retries=0)
+            except RequestRefusedError:
+                raise
+            except SGLangError as e:
+                if not self.supervisor.is_failure_of_server(s, e):
+                    raise
+                self.supervisor.mark_unhealthy(s, first_line(e))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                       weight_version: Optional[int] = None) -> None:
+                       weight_version: Optional[int] = None, flush_cache: bool = True) -> None:
         """Stream HF-named tensors to every server in buckets of ``bucket_size_mb`` (collective).
         Every rank reads ``named_tensors`` to the end, also when the update fails.
         ``weight_version``: tag every update request with it (SGLang then reports, per request,
-        which tokens each version generated: `Sample.weight_versions`)."""
+        which tokens each version generated: `Sample.weight_versions`). ``flush_cache=False``:
+        keep the servers' KV cache (SGLang refuses to flush it, failing the update, while requests
+        paused ``in_place`` are running)."""
         self._weight_version = None if weight_version is None else str(int(weight_version))
+        self._flush_cache = bool(flush_cache)
         sync = {"tensor": self._sync_tensor, "distributed": self._sync_distributed, "disk": self._sync_disk}
         named = iter(named_tensors)
         stream = fp8_weights.quantize_named_tensors(named) if self.quantization == "fp8" else named
@@ -631,7 +646,7 @@ class SGLangEngine:
                     torch.distributed.gather_object(blobs[0], per_rank, dst=leader, group=pg)
                 if self.rank == leader:
                     self._post_update(s, "/update_weights_from_tensor",
-                                      ws.tensor_update_payload(per_rank, flush_cache=last))
+                                      ws.tensor_update_payload(per_rank, flush_cache=last and self._flush_cache))
                 self._barrier(pg)  # the server has read our IPC handle before we free it
             del keepalive
 
@@ -667,7 +682,8 @@ class SGLangEngine:
         with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
             for bucket, last in ws.with_last(self._buckets(named)):
                 flat, _ = ws.flatten_bucket(bucket)
-                body = ws.distributed_update_payload(bucket, group_name=self.group_name, flush_cache=last)
+                body = ws.distributed_update_payload(bucket, group_name=self.group_name,
+                                                     flush_cache=last and self._flush_cache)
                 if self._weight_version is not None:
                     body["weight_version"] = self._weight_version
                 futs = [pool.submit(self.http.request, srv, "/update_weights_from_distributed", body, retries=0)
@@ -693,7 +709,7 @@ class SGLangEngine:
         if self.quantization == "fp8" and os.path.isfile(os.path.join(path, "config.json")):
             fp8_weights.mark_fp8_config(path)  # a loadable FP8 checkpoint (transformers, tools)
         for s in targets:
-            self._post_update(s, "/update_weights_from_disk", {"model_path": path, "flush_cache": True})
+            self._post_update(s, "/update_weights_from_disk", {"model_path": path, "flush_cache": self._flush_cache})
 
     # ------------------------------------------------------------------ memory and shutdown
     def _post_to_own_servers(self, path: str, body: dict) -> None:
@@ -716,6 +732,9 @@ class SGLangEngine:
 
     def shutdown(self) -> None:
         """Stop the servers this process launched; attached servers keep running."""
+        # requests still in flight (an asynchronous producer's) fail as their servers stop: a
+        # stopping engine restarts none of them
+        self.supervisor.restart = None
         for h in self.servers:
             launcher.stop_process(h)
         if self._nccl_group is not None:

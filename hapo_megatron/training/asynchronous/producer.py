@@ -22,15 +22,17 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from hapo_megatron.rewards.counts import RewardCounts
 from hapo_megatron.rollout.engine import SamplingParams
+from hapo_megatron.rollout.sglang.engine import STOP_POLL_S
 from hapo_megatron.training.asynchronous.buffer import BufferClosed, FinishedGroup, StalenessBuffer
 from hapo_megatron.training.batches.rollout_batch import (DynamicSampler, RolloutBatch, build_batch,
                                                           rollout_metrics, shape_rewards)
+from hapo_megatron.training.rollout_protocol import RolloutAbandoned
 
 #: how long the producer waits for the lag rule before looking at its stop flag again
 _POLL_S = 0.05
@@ -164,11 +166,18 @@ class AsyncRollout:
             return len(self._filter.buffer) > 0
 
     # ------------------------------------------------------------------ trainer side
-    def take_step(self, step: int) -> tuple[RolloutBatch, dict[str, float], dict, list[Optional[dict]]]:
+    def take_step(self, step: int, stop_check: Optional[Callable[[], bool]] = None
+                  ) -> tuple[RolloutBatch, dict[str, float], dict, list[Optional[dict]]]:
         """The step's batch (``train_batch_size`` kept groups), its metrics, the state to
-        checkpoint (`snapshot`) and the entropy statistics each sequence was sampled with."""
+        checkpoint (`snapshot`) and the entropy statistics each sequence was sampled with.
+        ``stop_check`` is asked before the take and while it waits (as the synchronous rollout
+        asks it): True gives the step up with `RolloutAbandoned`, the buffer untouched."""
         t0 = time.monotonic()
-        got = self.buffer.take()
+        got = None
+        while got is None:
+            if stop_check is not None and stop_check():
+                raise RolloutAbandoned(f"stop requested while step {step} waited for its rollout batch")
+            got = self.buffer.take(timeout=STOP_POLL_S if stop_check is not None else None)
         wait_s = time.monotonic() - t0
         kept = RolloutBatch.concat([g.payload for g in got])
         lags = [self.buffer.taken - 1 - g.min_version for g in got for _ in range(len(g.payload))]
@@ -191,6 +200,7 @@ class AsyncRollout:
                    "rollout/kept_group_frac": num_kept / max(num_kept + num_filtered, 1),
                    "rollout/buffer_groups": float(self.buffer.num_live()),
                    "timing/trainer_wait_s": wait_s,
+                   "timing/generation_busy_s": busy,  # time with a group in flight since the last take
                    # generation time that ran while the trainer did something else
                    "rollout/generation_overlap_frac": max(0.0, 1.0 - wait_s / busy) if busy > 0 else 0.0,
                    "batch/reward_mean": sum(kept.rewards) / max(len(kept), 1),
@@ -210,11 +220,16 @@ class AsyncRollout:
         return _Paused(self, int(version))
 
     def close(self) -> None:
-        """Stop the producer (SIGTERM, the end of the run, an error): no new request starts;
-        requests in flight end with the servers."""
+        """Stop the producer (SIGTERM, the end of the run, an error): no new request starts and
+        the servers abort the requests in flight (their groups would never be trained, and the
+        interpreter's exit waits for the threads that sent them)."""
         self._stop.set()
         self.buffer.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._score_lock:
+            in_flight = self._in_flight
+        if in_flight and hasattr(self.rt.engine, "abort_requests"):
+            self.rt.engine.abort_requests()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
 

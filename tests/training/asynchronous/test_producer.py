@@ -217,4 +217,24 @@ def test_weight_sync_is_untouched_without_staleness_and_versioned_with_it():
             return P()
     rt = _sync_rt(1, Producer())
     stages.sync_weights(rt)
-    assert rt.engine.calls == [(3, {"weight_version": 7})] and events == [("pause", 7), ("continue", 7)]
+    assert rt.engine.calls == [(3, {"weight_version": 7, "flush_cache": True})]
+    assert events == [("pause", 7), ("continue", 7)]
+
+
+def test_pause_in_place_reaches_the_servers_and_keeps_their_cache():
+    """``pause_mode: in_place``: the producer pauses the servers in that mode, and the update
+    does not flush their KV cache (SGLang fails an update whose flush finds requests running)."""
+    from hapo_megatron.training import stages
+    rt = _rt()
+    rt.cfg.rollout.sglang.pause_mode = "in_place"
+    ar = AsyncRollout(rt).start()
+    try:
+        _train(ar, rt, 2)
+    finally:
+        ar.close()
+    assert [c for c in rt.engine.calls if c[0] == "pause"] == [("pause", "in_place")] * 2
+    sync = _sync_rt(1, ar)  # the next update, through the producer's pause (on rt.engine)
+    sync.cfg.rollout.sglang.pause_mode = "in_place"
+    stages.sync_weights(sync)
+    assert sync.engine.calls == [(3, {"weight_version": 7, "flush_cache": False})]
+    assert rt.engine.calls[-2:] == [("pause", "in_place"), ("continue", None)]
