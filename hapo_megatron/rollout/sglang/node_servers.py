@@ -104,14 +104,25 @@ class NodeServersEngine:
         if self.cluster is not None:
             self.cluster.resume_memory(tags)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Collective over the node leaders (every leader calls it with the same stream)."""
+    def pause_generation(self, mode: str = "retract") -> None:
+        """Rank 0 (asynchronous rollouts): pause every server for a weight update."""
+        self._rank0("pausing generation").pause_generation(mode)
+
+    def continue_generation(self) -> None:
+        self._rank0("continuing generation").continue_generation()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                       weight_version: Optional[int] = None, flush_cache: bool = True) -> None:
+        """Collective over the node leaders (every leader calls it with the same stream).
+        ``weight_version`` and ``flush_cache``: as `SGLangEngine.update_weights` (asynchronous
+        rollouts tag every update and keep the cache of requests paused in place)."""
         self._leaders_barrier()  # rank 0 has resumed every server's weights before any node sends
         named = iter(named_tensors)
+        tags = dict(weight_version=weight_version, flush_cache=flush_cache)
         if self.weight_sync == "tensor" and self.node_sync is not None:
-            self.node_sync.update_weights(named)
+            self.node_sync.update_weights(named, **tags)
         elif self.weight_sync != "tensor" and self.cluster is not None:
-            self.cluster.update_weights(named)
+            self.cluster.update_weights(named, **tags)
         drain_weights(named)  # the export runs collectives: keep pace with the ranks that send
         self._leaders_barrier()  # every node's servers hold the new weights before rank 0 generates
         if self.weight_sync == "tensor" and self.leaders_group is not None:

@@ -107,6 +107,37 @@ def test_disk_sync_rank0_updates_every_node_the_others_keep_pace(tmp_path):
     assert len(sess.calls) == 2
 
 
+def test_launched_servers_take_asynchronous_updates_and_pauses(tmp_path):
+    """Asynchronous rollouts with launched servers (no server_urls): rank 0's node engine pauses and
+    continues every server and tags each update with its version; flush_cache=False (pause_mode
+    in_place) reaches the servers' update request."""
+    import torch
+
+    from hapo_megatron.rollout.sglang.node_servers import NodeServersEngine
+
+    from .fake_sglang import FakeSession
+    urls = ["http://127.0.0.1:30000", "http://10.0.0.2:30001"]
+    sess = FakeSession()
+    cluster = sglang_engine(server_urls=urls, weight_sync="disk", colocate=False, session=sess, launch=False,
+                            disk_sync_dir=str(tmp_path / "w"), device="cuda", wait_for_servers=False)
+    ctx = NodeContext(rank=0, node=0, local_rank=0, num_nodes=2, ranks_per_node=2)
+    node = NodeServersEngine(ctx=ctx, slots=[], own=[], cluster=cluster, node_sync=None, weight_sync="disk",
+                             leaders_group=None, dtype=torch.float32)
+    node.pause_generation("in_place")
+    node.update_weights(iter([("lm_head.weight", torch.ones(2, 4))]), weight_version=3, flush_cache=False)
+    node.continue_generation()
+    paths = [url.split("/", 3)[-1] for m, url, _ in sess.calls if m == "POST"]
+    assert paths == ["pause_generation"] * 2 + ["update_weights_from_disk"] * 2 + ["continue_generation"] * 2
+    assert [b["mode"] for _, b in sess.posts("/pause_generation")] == ["in_place"] * 2
+    assert [(b["weight_version"], b["flush_cache"]) for _, b in sess.posts("/update_weights_from_disk")] == \
+        [("3", False)] * 2
+    other = NodeServersEngine(ctx=NodeContext(rank=2, node=1, local_rank=0, num_nodes=2, ranks_per_node=2), slots=[],
+                              own=[], cluster=None, node_sync=None, weight_sync="disk", leaders_group=None,
+                              dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="pausing generation runs on global rank 0"):
+        other.pause_generation()
+
+
 def test_a_single_engine_fills_its_node_with_num_servers_0(monkeypatch, tmp_path):
     """`hapo eval` / doctor build one engine in one process from the recipes' num_servers: 0."""
     import torch
