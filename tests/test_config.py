@@ -281,9 +281,9 @@ def test_choices_come_from_algo():
     assert loss_config.H_HAT_ENTROPIES is choices.H_HAT_ENTROPIES
 
 
-def test_fp8_rollouts_turn_the_off_policy_correction_on_by_default():
-    """algo.rollout_is=auto (the default) resolves once, at load: token_tis with FP8 rollouts, none
-    otherwise; an explicit value wins, and so do the settings that already decide the weighting
+def test_fp8_and_asynchronous_rollouts_turn_the_off_policy_correction_on_by_default():
+    """algo.rollout_is=auto (the default) resolves once, at load: token_tis with FP8 or asynchronous
+    rollouts, none otherwise; an explicit value wins, and so do the settings that already decide the weighting
     (fails when the auto rule is dropped: FP8 then trains with no correction; or when it ignores
     tis_cap: the config is then refused for carrying two weights)."""
     from hapo_megatron.config import HapoConfig
@@ -297,5 +297,8 @@ def test_fp8_rollouts_turn_the_off_policy_correction_on_by_default():
     assert resolved(rollout_is="none") == "none" and resolved(rollout_is="seq_tis") == "seq_tis"
     assert resolved(tis_cap=2.0) == "none"
     assert resolved(old_logprob_source="rollout") == "none"
+    lagged = {"engine": "sglang", "max_staleness": 1, "sglang": {"colocate": False}}
+    assert HapoConfig.from_dict({"rollout": lagged}).algo.loss.rollout_is == "token_tis"  # asynchronous too
+    assert HapoConfig.from_dict({"rollout": lagged, "algo": {"rollout_is": "none"}}).algo.loss.rollout_is == "none"
     saved = HapoConfig.from_dict({"rollout": {"engine": "sglang", "quantization": "fp8", "dtype": "bf16"}})
     assert HapoConfig.from_dict(saved.to_dict()).algo.loss.rollout_is == "token_tis"  # a saved config keeps it

@@ -85,8 +85,9 @@ class PolicyLossConfig:
     """Off-policy correction (docs/algorithm.md): a detached weight from proximal / behaviour log-probs
     multiplies each token's loss: none, token_tis (truncated at rollout_is_cap), token_mis (tokens
     over the cap masked), seq_tis (the sequence's product of ratios, truncated); auto = token_tis
-    with FP8 rollouts (the rollout section's quantization: fp8, docs/fp8.md) unless tis_cap or
-    old_logprob_source: rollout already decide the weighting, else none."""
+    with FP8 rollouts (the rollout section's quantization: fp8, docs/fp8.md), asynchronous rollouts
+    (rollout.max_staleness >= 1) or resumed partial responses (rollout.partial_mode: correct),
+    unless tis_cap or old_logprob_source: rollout already decide the weighting, else none."""
     rollout_is_cap: float = 2.0
     """Cap of the rollout_is weight (> 0)."""
 
@@ -121,16 +122,20 @@ class PolicyLossConfig:
         """The loss needs the normalised entropy h_hat (an adaptive switch is on)."""
         return self.adaptive_clip or self.adaptive_advantage
 
-    def with_default_rollout_is(self, *, fp8_rollouts: bool, partial_rollouts: bool = False) -> "PolicyLossConfig":
+    def with_default_rollout_is(self, *, fp8_rollouts: bool, partial_rollouts: bool = False,
+                                async_rollouts: bool = False) -> "PolicyLossConfig":
         """``rollout_is="auto"`` resolved: FP8 rollouts sample from another policy than the trainer's,
         and the published FP8-RL recipes pair them with a token-level truncated importance weight
         (docs/fp8.md, "The correction"); resumed partial responses (``partial_rollouts``) hold tokens
         of older weights and get the same weight (docs/algorithm.md, "Over-sampling and partial
-        rollouts"); tis_cap is such a weight already, and old_logprob_source=rollout makes
-        proximal and behaviour the same policy. Else none."""
+        rollouts"), and so do samples of asynchronous rollouts (``async_rollouts``: weights up to
+        rollout.max_staleness versions older; docs/architecture.md, "Asynchronous rollouts");
+        tis_cap is such a weight already, and old_logprob_source=rollout makes proximal and
+        behaviour the same policy. Else none."""
         if self.rollout_is != ROLLOUT_IS_AUTO:
             return self
-        off = (fp8_rollouts or partial_rollouts) and self.tis_cap is None and self.old_logprob_source == "recompute"
+        lagged = fp8_rollouts or partial_rollouts or async_rollouts  # behaviour != proximal policy
+        off = lagged and self.tis_cap is None and self.old_logprob_source == "recompute"
         return replace(self, rollout_is="token_tis" if off else "none")
 
     @property

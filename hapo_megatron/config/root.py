@@ -48,7 +48,8 @@ class HapoConfig(_Section):
         self._check_rollout()
         fp8_rollouts = self.rollout.quantization == "fp8"
         partial = self.rollout.over_sampling > 1.0 and self.rollout.partial_mode == "correct"
-        self.algo.loss = self.algo.loss.with_default_rollout_is(fp8_rollouts=fp8_rollouts, partial_rollouts=partial)
+        self.algo.loss = self.algo.loss.with_default_rollout_is(fp8_rollouts=fp8_rollouts, partial_rollouts=partial,
+                                                                async_rollouts=self.rollout.max_staleness > 0)
         self._check_partial_mode()
         if self.data.tokenizer_path is None:
             self.data.tokenizer_path = self.model.hf_model_path
