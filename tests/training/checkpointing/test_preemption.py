@@ -18,7 +18,8 @@ from tests.training.tiny_setup import ROOT
 def _agree(rank, world):
     from hapo_megatron.training.checkpointing.preemption import StopRequest
     now = [0.0]
-    stop = StopRequest(signals=["SIGUSR1"], grace_s=10_000, clock=lambda: now[0], log=lambda _: None).install()
+    stop = StopRequest(signals=["SIGUSR1"], grace_s=10_000, clock=lambda: now[0], log=lambda _: None,
+        exit_after_minutes=None).install()
     try:
         nothing = stop.agreed()
         if rank == 1:
