@@ -102,7 +102,7 @@ def test_custom_params_contract():
         h_hat_mode=PolicyLossConfig().h_hat_mode) == {}
     assert P.custom_params(st.to_dict(), 1.0, 0.05, h_hat_mode=PolicyLossConfig().h_hat_mode) == cp
     for bad in (dict(base_temperature=-1.0), dict(temperature_tau=1.0), dict(h_hat_mode="x")):
-        kw = dict(stats=st, base_temperature=1.0, temperature_tau=0.05)
+        kw = dict(stats=st, base_temperature=1.0, temperature_tau=0.05, h_hat_mode=PolicyLossConfig().h_hat_mode)
         kw.update(bad)
         with pytest.raises(ValueError):
             P.custom_params(**kw)

@@ -12,6 +12,9 @@ from hapo_megatron.training.memory.plan import (CONTEXT_BYTES, PEER_CONTEXT_BYTE
 # embeddings 2*10*8 = 160, final norm 8 -> 2*592 + 160 + 8 = 1352.
 TINY = ModelShape(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10)
 
+#: the plan's config knobs, as plan_memory defaulted them before they became required
+PLAN_KNOBS = dict(distributed_optimizer=True, sequence_parallel=False, recompute=False, fused_output_layer=False)
+
 
 def test_param_count_by_hand():
     assert param_count(TINY) == 1352
@@ -124,7 +127,7 @@ def test_first_pipeline_stage_keeps_pp_micro_batches():
 
 def test_kl_reference_model_is_counted_and_stays_on_the_device():
     kw = dict(tp=2, dp=2, tokens_per_micro_batch=6, device_bytes=80 * GiB, sglang_fraction=0.5, colocated=True,
-              offload=True)
+              offload=True, **PLAN_KNOBS)
     base, ref = plan_memory(TINY, **kw), plan_memory(TINY, reference_model=True, **kw)
     assert ref.reference == 1352 == ref.params  # 676 params per GPU in bf16
     assert ref.static == base.static + 1352
@@ -155,7 +158,8 @@ def test_routing_replay_tensors_of_the_step():
 
 def test_colocated_phases_and_warnings():
     dev = 80 * GiB
-    kw = dict(tp=1, dp=1, tokens_per_micro_batch=4, sglang_fraction=0.5, server_tp=1, colocated=True, device_bytes=dev)
+    kw = dict(tp=1, dp=1, tokens_per_micro_batch=4, sglang_fraction=0.5, server_tp=1, colocated=True, device_bytes=dev,
+              **PLAN_KNOBS)
     p = plan_memory(TINY, offload=False, **kw)
     static = 2 * 1352 + 4 * 1352 + 12 * 1352
     assert p.sglang_pool == 40 * GiB and p.sglang_weights == 2 * 1352 and p.overhead == 2 * CONTEXT_BYTES
@@ -205,7 +209,7 @@ def test_tensor_sync_contexts_on_the_leaders_gpu():
     """Colocated tensor sync: each server worker on another GPU of the node opens a CUDA context on
     the node leader's GPU (PEER_CONTEXT_BYTES each), in every phase: 7 of them = 3.5 GiB."""
     kw = dict(tp=1, dp=1, tokens_per_micro_batch=4, sglang_fraction=0.5, server_tp=1, colocated=True,
-              device_bytes=80 * GiB)
+              device_bytes=80 * GiB, **PLAN_KNOBS)
     base, p = plan_memory(TINY, **kw), plan_memory(TINY, peer_contexts=7, **kw)
     assert PEER_CONTEXT_BYTES == GiB // 2 and p.peer_contexts == 7 * GiB // 2
     assert p.overhead == 2 * CONTEXT_BYTES + 7 * GiB // 2
