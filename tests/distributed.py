@@ -4,7 +4,12 @@
 gloo process group on a free localhost port, calls `fn(rank, world_size, *args)` in each and
 returns the list of return values ordered by rank. A rank that raises re-raises here with its
 traceback; a hang fails after `timeout` seconds instead of stalling the test run.
-`fn` must be importable by name (defined at module level) because ranks are spawned.
+`fn` must be importable by name (defined at module level) because ranks are started afresh.
+
+Ranks are forked from one forkserver per test process that imported torch, Megatron-Core and the
+package once (``PRELOADED``): a spawned rank spent 5-20 s of CPU importing them again, which on a
+2-core machine was most of a small multi-rank test. A forked rank gets the caller's environment
+as it is at the call (the forkserver's own was fixed when it started).
 Each rank opts into the CPU shims (`hapo_megatron.compat.activate_cpu_shims`, a no-op with CUDA)
 before calling `fn`, as the CPU entry points do.
 """
@@ -26,10 +31,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, args, results):
+# Imported once in the forkserver, before any thread starts there; every rank forks from it.
+PRELOADED = ["torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
+             "hapo_megatron.compat", "hapo_megatron.training.trainer", "tests.distributed"]
+
+
+def rank_context():
+    """The multiprocessing context that starts ranks: forks of the preloaded forkserver."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOADED)
+    return ctx
+
+
+def _worker(fn, rank, world_size, port, args, results, environ):
     import torch
     import torch.distributed as dist
 
+    os.environ.clear()  # the caller's environment now, not the forkserver's from its start
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     from hapo_megatron.compat import activate_cpu_shims
@@ -49,10 +68,12 @@ def _worker(fn, rank, world_size, port, args, results):
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout: float = 180.0) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results), daemon=True)
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, environ),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

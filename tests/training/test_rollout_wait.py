@@ -31,6 +31,7 @@ def _record_collectives(calls):
 def _rollout_protocol(rank, world, fail):
     import torch.distributed as dist
 
+    from hapo_megatron.config import HapoConfig
     from hapo_megatron.training import rollout_protocol, stages
     from hapo_megatron.training.batches.rollout_batch import RolloutBatch
     from hapo_megatron.parallel.collectives import broadcast_object
@@ -68,7 +69,10 @@ def _rollout_protocol(rank, world, fail):
     rt = SimpleNamespace(is_main=rank == 0, memory=EngineMemory(), rl=SimpleNamespace(sampler=sampler), control=channel,
                          groups=SimpleNamespace(dp_rank=0, dp_size=1, pp_rank=0, pp_size=1),
                          actor=SimpleNamespace(routing="off"),  # one DP group: both ranks get the batch
-                         async_rollout=None)
+                         async_rollout=None,
+                         # the step plan is made where the batch is shared out (stages._plan)
+                         cfg=HapoConfig.from_dict({"trainer": {"ppo_mini_batch_size": 1},
+                                                   "data": {"train_batch_size": 1}}))
     calls = []
     _record_collectives(calls)
     try:
