@@ -40,7 +40,8 @@ def test_sigkill_during_checkpoint_write_then_resume(tiny, tmp_path):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     proc = ctx.Process(target=_worker, args=(_train_and_hang_in_save, 0, 1, free_port(),
-                                             (argv, "step_000004", marker), results))
+                                             (argv, "step_000004", marker), results,
+                                             dict(os.environ)))
     proc.start()
     deadline = time.time() + 600
     while not os.path.exists(marker) and proc.is_alive() and time.time() < deadline:
