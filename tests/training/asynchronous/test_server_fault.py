@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import sys
+import threading
 
 import pytest
 import torch
@@ -59,6 +60,21 @@ def _step(ar, rt, engine):
     return _prompts(kept), metrics
 
 
+def _crash_on_next_generate(engine, handle) -> None:
+    """Kill ``handle``'s server (SIGKILL, waited for) when its next ``/generate`` is sent."""
+    http = engine.supervisor.http
+    send, armed = http.request, threading.Lock()  # held once the crash happened (calls run in threads)
+
+    def request(srv, path, body, **kw):
+        if srv.url == handle.url and path == "/generate" and armed.acquire(blocking=False):
+            http.request = send
+            os.killpg(handle.process.pid, signal.SIGKILL)
+            handle.process.wait()
+        return send(srv, path, body, **kw)
+
+    http.request = request
+
+
 @pytest.mark.slow
 def test_a_killed_launched_server_is_restarted_and_the_lag_holds(tmp_path):
     rec = str(tmp_path)
@@ -73,7 +89,9 @@ def test_a_killed_launched_server_is_restarted_and_the_lag_holds(tmp_path):
         ar = AsyncRollout(rt).start()
         try:
             got = [_step(ar, rt, engine)]
-            os.killpg(h1.process.pid, signal.SIGKILL)  # server 1 crashes; its next group fails over
+            # server 1 crashes as the next group is sent to it, which then fails over (killed at
+            # once, the producer may have been idle and the update's pause found it dead first)
+            _crash_on_next_generate(engine, h1)
             steps = 1
             while steps < MAX_STEPS:
                 got.append(_step(ar, rt, engine))
