@@ -43,6 +43,13 @@ def rank_context():
     return ctx
 
 
+def rank_process(fn, rank: int, world_size: int, port: int, args: tuple, results):
+    """The (unstarted, daemon) process of ``rank``: ``fn(rank, world_size, *args)`` in a gloo group
+    on ``port``, its outcome put on ``results`` (a queue of `rank_context`)."""
+    return rank_context().Process(target=_worker, daemon=True,
+                                  args=(fn, rank, world_size, port, args, results, dict(os.environ)))
+
+
 def _worker(fn, rank, world_size, port, args, results, environ):
     import torch
     import torch.distributed as dist
@@ -68,13 +75,9 @@ def _worker(fn, rank, world_size, port, args, results, environ):
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout: float = 180.0) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank."""
-    ctx = rank_context()
-    results = ctx.Queue()
+    results = rank_context().Queue()
     port = free_port()
-    environ = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, environ),
-                         daemon=True)
-             for r in range(world_size)]
+    procs = [rank_process(fn, r, world_size, port, args, results) for r in range(world_size)]
     for p in procs:
         p.start()
     collected: dict[int, Any] = {}

@@ -6,9 +6,8 @@ import signal
 import time
 
 import pytest
-import torch.multiprocessing as mp
 
-from tests.distributed import _worker, free_port, run_distributed
+from tests.distributed import free_port, rank_context, rank_process, run_distributed
 from tests.training.tiny_setup import ROOT, tiny_overrides, train_main
 
 CONFIG = os.path.join(ROOT, "examples", "cpu_tiny", "config.yaml")
@@ -37,11 +36,8 @@ def test_sigkill_during_checkpoint_write_then_resume(tiny, tmp_path):
     argv = ["--config", CONFIG, *tiny_overrides(tiny, run_dir, **{
         "parallel.tensor_model_parallel_size": 1, "trainer.total_steps": 4, "trainer.save_interval": 2,
         "trainer.val_at_end": "false"})]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    proc = ctx.Process(target=_worker, args=(_train_and_hang_in_save, 0, 1, free_port(),
-                                             (argv, "step_000004", marker), results,
-                                             dict(os.environ)))
+    results = rank_context().Queue()
+    proc = rank_process(_train_and_hang_in_save, 0, 1, free_port(), (argv, "step_000004", marker), results)
     proc.start()
     deadline = time.time() + 600
     while not os.path.exists(marker) and proc.is_alive() and time.time() < deadline:
