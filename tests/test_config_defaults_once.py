@@ -1,4 +1,4 @@
-"""Every config knob has its default in one place: its config dataclass field (issue 36).
+"""Every config knob has its default in one place: its config dataclass field.
 
 A function or class that is handed a knob's value (``h_hat_mode``, ``entropy_pivot``,
 ``mem_fraction_static``, ...) takes it as a required parameter (or the config section itself):
@@ -46,7 +46,7 @@ NOT_THE_KNOB = {
     ("rollout/sglang/launch.py", "stop_process", "timeout_s"),
 }
 
-#: copies not yet removed (issue 36, to do): (file, function or class, parameter). The test fails
+#: copies not yet removed (to do): (file, function or class, parameter). The test fails
 #: when one of them is gone too, so that this list only shrinks.
 NOT_YET_REMOVED = {
     ("models/gpt.py", "transformer_config_from_hf", "sequence_parallel"),
