@@ -105,7 +105,7 @@ def _hf_config_from_run(path: str) -> str | None:
 
 
 def convert_megatron_checkpoint(ckpt: str, hf_config: str | None, out_dir: str,
-                                max_position_embeddings: int | None = None) -> str:
+                                max_position_embeddings: int | None) -> str:
     """Convert a Megatron checkpoint to an HF directory with `hapo convert megatron-to-hf`.
 
     `hf_config` (an HF model dir) is needed only when the checkpoint lacks its `hf/` subdir;
@@ -126,7 +126,7 @@ def convert_megatron_checkpoint(ckpt: str, hf_config: str | None, out_dir: str,
 
 
 def resolve_model(model: str, hf_config: str | None, convert_dir: str | None,
-                  max_position_embeddings: int | None = None) -> tuple[str, str]:
+                  max_position_embeddings: int | None) -> tuple[str, str]:
     """(HF model dir to load, source description). Converts Megatron checkpoints (with the
     context ``max_position_embeddings`` in the export's config.json when given)."""
     if not os.path.exists(model):

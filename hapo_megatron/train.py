@@ -117,7 +117,7 @@ def _load_model_config(path: Optional[str]):
     if not path:
         raise ValueError("model.hf_model_path must name an HF model directory (config.json + tokenizer)")
     try:
-        return load_hf_config(path)
+        return load_hf_config(path, max_position_embeddings=None)  # the model's own context
     except Exception as e:  # noqa: BLE001 - any failure here means "no usable model config"
         if not os.path.exists(path):
             raise FileNotFoundError(f"model.hf_model_path: {path!r} does not exist") from None

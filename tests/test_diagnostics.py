@@ -23,6 +23,7 @@ from hapo_megatron.analysis import (
 )
 from hapo_megatron.analysis.cli import main
 from tests.distributed import run_distributed
+from hapo_megatron.algo.loss_config import PolicyLossConfig
 
 
 def make_records(seed=0, n_resp=6, vocab=12):
@@ -114,7 +115,7 @@ def test_entropy_pivot_nearest_rank():
     assert entropy_pivot(ent, q=0.8) == pytest.approx(4.0)   # rank round(3.2) = 3
     assert entropy_pivot(ent, q=0.5) == pytest.approx(3.0)
     assert entropy_pivot(torch.tensor([1.0, 2.0]), q=0.25) == 1.0  # round(0.25) = 0
-    assert math.isnan(entropy_pivot(ent, torch.zeros(5, dtype=torch.bool)))
+    assert math.isnan(entropy_pivot(ent, torch.zeros(5, dtype=torch.bool), q=PolicyLossConfig().entropy_pivot))
     with pytest.raises(ValueError, match="q"):
         entropy_pivot(ent, q=1.0)
 
@@ -204,11 +205,12 @@ def test_rollout_file_roundtrip_and_report(tmp_path, suffix, capsys):
     write_rollouts(path, recs)
     back = read_rollouts(path)
     assert [r["response_ids"] for r in back] == [r["response_ids"] for r in recs]
-    report = analyze_rollouts(back, top_k=2)
+    report = analyze_rollouts(back, top_k=2, entropy_pivot_q=PolicyLossConfig().entropy_pivot)
     assert report["metrics"] == pytest.approx(
         {**diagnostics_from_records(recs).summary(),
          "diag/entropy_pivot": entropy_pivot(
-             torch.tensor([e for r in recs for e in r["entropy"]], dtype=torch.float64))})
+             torch.tensor([e for r in recs for e in r["entropy"]], dtype=torch.float64),
+                 q=PolicyLossConfig().entropy_pivot)})
     assert sum(r["count"] for r in report["histogram"]) == sum(len(r["entropy"]) for r in recs)
     assert "most clipped tokens, low side" in format_report(report)
     assert main(["rollouts", path, "--top-k", "2", "--json", str(tmp_path / "r.json")]) == 0

@@ -20,6 +20,7 @@ from hapo_megatron.training.metrics.sinks import read_jsonl, strip_timing
 from tests.float_bounds import ENTROPY_REL, h_hat_bound, near_loss_discontinuity, stats_bounds
 from tests.tools._load import load_tool
 from tests.training.tiny_setup import ROOT, prepare_tiny, tiny_overrides
+from hapo_megatron.algo.loss_config import PolicyLossConfig
 
 CONFIG = os.path.join(ROOT, "examples", "cpu_tiny", "config.yaml")
 pytestmark = pytest.mark.slow
@@ -99,7 +100,7 @@ def test_token_diagnostics_logged_and_rollouts_saved(full_run, tiny):
     first = set(list(dict.fromkeys(r["uid"] for r in rows))[:4])
     assert all(abs(x - 1) < 1e-5 for r in rows if r["uid"] in first for x in r["ratio"])
     assert max(abs(x - 1) for r in rows if r["uid"] not in first for x in r["ratio"]) > 1e-6
-    report = analyze_rollouts(rows)
+    report = analyze_rollouts(rows, entropy_pivot_q=PolicyLossConfig().entropy_pivot)
     assert report["metrics"]["diag/entropy_mean"] > 0 and "top_clipped_low" in report
     assert diag_main(["rollouts", rollout_path(run_dir, 2), "--tokenizer", os.path.join(tiny, "model")]) == 0
 

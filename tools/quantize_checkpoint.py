@@ -131,8 +131,8 @@ def calibration_texts(paths: Sequence[str], tokenizer, limit: int) -> list[str]:
             with open(path, encoding="utf-8") as f:
                 texts.extend(line.strip() for line in f if line.strip())
         else:
-            texts.extend(render_prompt(row["prompt"], tokenizer)[0]
-                         for row in load_prompt_rows(path))
+            texts.extend(render_prompt(row["prompt"], tokenizer, apply_chat_template=True)[0]
+                         for row in load_prompt_rows(path, prompt_key='prompt'))
         if len(texts) >= limit:
             break
     if not texts:
@@ -189,7 +189,7 @@ def run(args) -> dict:
     check_args(args)
     if importlib.util.find_spec("modelopt") is None:
         raise ValueError("nvidia-modelopt is not installed: pip install nvidia-modelopt")
-    model_dir, _ = resolve_model(args.model, args.hf_config, None)
+    model_dir, _ = resolve_model(args.model, args.hf_config, None, max_position_embeddings=None)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch_dtype(args.dtype or ("bf16" if device.startswith("cuda") else "fp32"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)  # conversion copies the tokenizer

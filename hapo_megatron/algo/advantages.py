@@ -85,7 +85,7 @@ def _grpo_per_response(r: torch.Tensor, gidx: torch.Tensor, ng: int, norm_adv_by
 
 
 def grpo_advantages(
-    rewards, group_ids: GroupIds, loss_mask: torch.Tensor, norm_adv_by_std: bool = True, eps: float = 1e-6
+    rewards, group_ids: GroupIds, loss_mask: torch.Tensor, norm_adv_by_std: bool, eps: float = 1e-6
 ) -> torch.Tensor:
     """GRPO advantages broadcast over valid tokens.
 
@@ -110,10 +110,10 @@ def token_level_group_advantages(
     rewards,
     group_ids: GroupIds,
     loss_mask: torch.Tensor,
-    norm_adv_by_std: bool = True,
+    norm_adv_by_std: bool,
     eps: float = 1e-6,
-    fallback_threshold: Optional[float] = 5.0,
     *,
+    fallback_threshold: Optional[float],
     return_fallback: bool = False,
 ):
     """HAPO Token-Level Group Average advantages (docs/algorithm.md, section 2).
@@ -163,9 +163,9 @@ def _tlga_per_response(r: torch.Tensor, group_ids: GroupIds, lengths: torch.Tens
     return adv, fallback
 
 
-def response_advantages(rewards, group_ids: GroupIds, lengths, *, estimator: str = "hapo",
-                        norm_adv_by_std: bool = True, eps: float = 1e-6,
-                        fallback_threshold: Optional[float] = 5.0) -> Tuple[torch.Tensor, torch.Tensor]:
+def response_advantages(rewards, group_ids: GroupIds, lengths, *, estimator: str,
+                        norm_adv_by_std: bool, eps: float = 1e-6,
+                        fallback_threshold: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
     """One advantage per response, from its reward, group and number of valid tokens: the value
     `token_level_group_advantages` (``estimator="hapo"``) or `grpo_advantages` (``"grpo"``) puts
     on each of its valid tokens, 0 for a response without tokens. O(B): no ``[B, T]`` mask.

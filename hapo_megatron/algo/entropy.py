@@ -46,7 +46,7 @@ def _check_entropy_pivot(entropy_pivot: float) -> float:
     return q
 
 
-def token_entropy(logits: torch.Tensor, temperature: Union[float, torch.Tensor] = 1.0) -> torch.Tensor:
+def token_entropy(logits: torch.Tensor, temperature: Union[float, torch.Tensor]) -> torch.Tensor:
     """Entropy of ``softmax(logits / temperature)`` over the last dim.
 
     Args:
@@ -200,7 +200,7 @@ def stats_from_reductions(pivot: float, sum_sq_dev: float, count: int, max_dev: 
     return EntropyStats(pivot=float(pivot), std=std, pos_max=pos_max, neg_min=neg_min)
 
 
-def compute_entropy_stats(entropy: torch.Tensor, mask: torch.Tensor, entropy_pivot: float = 0.8) -> EntropyStats:
+def compute_entropy_stats(entropy: torch.Tensor, mask: torch.Tensor, entropy_pivot: float) -> EntropyStats:
     """Entropy statistics over the valid tokens (docs/algorithm.md, "Normalised entropy"), in float64.
 
     Args:
@@ -246,7 +246,7 @@ def _stats_values(stats: StatsLike):
     raise ValueError(f"stats must be EntropyStats, a dict or a 4-tuple, got {type(stats).__name__}")
 
 
-def h_hat_from_log_entropy(x: torch.Tensor, stats: StatsLike, h_hat_mode: str = "signed") -> torch.Tensor:
+def h_hat_from_log_entropy(x: torch.Tensor, stats: StatsLike, h_hat_mode: str) -> torch.Tensor:
     """``h_hat`` (float64, clamped to [-1, 1]) from float64 log-entropies ``x`` (internal)."""
     check_h_hat_mode(h_hat_mode)
     pivot, std, pos_max, neg_min = _stats_values(stats)
@@ -260,7 +260,7 @@ def h_hat_from_log_entropy(x: torch.Tensor, stats: StatsLike, h_hat_mode: str = 
     return h + 0.0  # turn -0.0 into 0.0
 
 
-def normalize_entropy(entropy: torch.Tensor, stats: StatsLike, h_hat_mode: str = "signed") -> torch.Tensor:
+def normalize_entropy(entropy: torch.Tensor, stats: StatsLike, h_hat_mode: str) -> torch.Tensor:
     """Normalised entropy ``h_hat`` in ``[-1, 1]`` (docs/algorithm.md, "Normalised entropy `h_hat`").
 
     Args:

@@ -19,7 +19,7 @@ def check_temperature_tau(temperature_tau: float) -> float:
 
 
 def temperature_from_entropy(entropy: torch.Tensor, stats: StatsLike, base_temperature: Union[float, torch.Tensor],
-                             temperature_tau: float, h_hat_mode: str = "signed") -> torch.Tensor:
+                             temperature_tau: float, h_hat_mode: str) -> torch.Tensor:
     """``T = T_base * (1 + tau * h_hat(H))``: the one temperature formula, used by the engines
     (through :func:`adaptive_temperature`) and by the trainer's recomputation from old entropies.
 
@@ -32,9 +32,9 @@ def temperature_from_entropy(entropy: torch.Tensor, stats: StatsLike, base_tempe
 def adaptive_temperature(
     logits: torch.Tensor,
     stats: Optional[StatsLike],
-    base_temperature: Union[float, torch.Tensor] = 1.0,
-    temperature_tau: float = 0.05,
-    h_hat_mode: str = "signed",
+    base_temperature: Union[float, torch.Tensor],
+    temperature_tau: float,
+    h_hat_mode: str,
 ) -> torch.Tensor:
     """Per-row sampling temperature ``T = T_base * (1 + tau * h_hat)``.
 

@@ -18,6 +18,8 @@ import json
 import sys
 from typing import Sequence
 
+from hapo_megatron.algo.loss_config import PolicyLossConfig
+
 __all__ = ["main", "rollouts_main", "build_parser"]
 
 
@@ -25,7 +27,8 @@ def _add_rollouts_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("files", nargs="+", help="rollout files (.jsonl, .jsonl.gz, .parquet)")
     ap.add_argument("--tokenizer", default=None, help="HF tokenizer dir to decode token ids")
     ap.add_argument("--top-k", type=int, default=20)
-    ap.add_argument("--pivot", type=float, default=0.8, help="entropy pivot quantile")
+    ap.add_argument("--pivot", type=float, default=PolicyLossConfig().entropy_pivot,
+                    help="entropy pivot quantile (default: algo.entropy_pivot's)")
     ap.add_argument("--json", default=None, help="also write the report as JSON here")
 
 
@@ -153,7 +156,8 @@ def _add_plot_tokens_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--roles", default=None, help="token roles of the task: 'steps'")
     ap.add_argument("--tokenizer", default=None, help="HF tokenizer dir (for --roles)")
-    ap.add_argument("--pivot", type=float, default=0.8, help="entropy pivot quantile")
+    ap.add_argument("--pivot", type=float, default=PolicyLossConfig().entropy_pivot,
+                    help="entropy pivot quantile (default: algo.entropy_pivot's)")
 
 
 def _plot_tokens(args) -> int:

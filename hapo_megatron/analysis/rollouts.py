@@ -133,7 +133,7 @@ def diagnostics_from_records(records: Sequence[dict]) -> TokenDiagnostics:
 
 
 def analyze_rollouts(records: Sequence[dict], *, tokenizer=None, top_k: int = 20,
-                     entropy_pivot_q: float = 0.8) -> dict:
+                     entropy_pivot_q: float) -> dict:
     """Full offline report: `{"metrics", "histogram", "top_clipped_low", "top_clipped_high"}`.
 
     The pivot is exact here (all entropies are at hand), with the spec's nearest-rank rule.

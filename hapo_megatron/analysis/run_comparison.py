@@ -35,6 +35,7 @@ import statistics
 from typing import Sequence
 
 from hapo_megatron.analysis import paired_stats
+from hapo_megatron.algo.loss_config import PolicyLossConfig
 from hapo_megatron.analysis.plots import plot_runs
 from hapo_megatron.analysis.run_metrics import load_metrics, series
 from hapo_megatron.analysis.run_tokens import CLIP_KEYS, format_summary, token_diagnostics
@@ -334,7 +335,8 @@ def compare_runs(variant_specs: Sequence[str], out: str, *, last_n: int = 5, acc
     page = results_page(table, numbers, seeds, paired, checks, plot_paths, title=title, command=command,
                         last_n=last_n, baseline=baseline)
     if tokens:
-        token_numbers, token_plots = token_diagnostics(sources, out, roles=roles, tokenizer=tokenizer)
+        token_numbers, token_plots = token_diagnostics(sources, out, roles=roles, tokenizer=tokenizer,
+                                                      pivot_q=PolicyLossConfig().entropy_pivot)
         numbers["token_diagnostics"] = token_numbers
         page += token_section(token_numbers, token_plots)
     notes = os.path.join(out, "notes.md")  # hand-written context kept across reruns

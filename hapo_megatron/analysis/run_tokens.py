@@ -51,7 +51,7 @@ def quantile(sorted_vals: Sequence[float], q: float) -> float:
     return sorted_vals[round(q * (len(sorted_vals) - 1))]
 
 
-def step_pivots(records: Sequence[dict], q: float = 0.8) -> list[float]:
+def step_pivots(records: Sequence[dict], q: float) -> list[float]:
     """The pivot entropy (nats) of every (run, step) batch of records."""
     by_step: dict = {}
     for r in records:
@@ -121,7 +121,7 @@ def mean_over_runs_and_steps(runs: Sequence[Sequence[dict]], key: str) -> float:
 
 
 def token_diagnostics(variants: dict[str, list[str]], out: str, *, roles: str | None = None,
-                      tokenizer: str | None = None, pivot_q: float = 0.8) -> tuple[dict, list[str]]:
+                      tokenizer: str | None = None, pivot_q: float) -> tuple[dict, list[str]]:
     """Summaries and plots for `{variant: [run dirs]}`; returns (summary, paths written)."""
     roles_of = role_labeller(roles, tokenizer)
     data, metrics, summary = {}, {}, {}

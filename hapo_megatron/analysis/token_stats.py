@@ -46,7 +46,7 @@ def entropy_histogram(entropy: torch.Tensor, mask: torch.Tensor | None = None) -
 
 
 def entropy_pivot(entropy: torch.Tensor, mask: torch.Tensor | None = None,
-                  q: float = 0.8) -> float:
+                  *, q: float) -> float:
     """The entropy at the pivot quantile (nearest rank `round(q * (n - 1))`, docs/algorithm.md).
 
     Returns nats (not log-entropy); NaN when there is no valid token.

@@ -34,7 +34,7 @@ def _has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_prompt(messages: list[dict[str, str]], tokenizer, apply_chat_template: bool = True) -> tuple[str, bool]:
+def render_prompt(messages: list[dict[str, str]], tokenizer, apply_chat_template: bool) -> tuple[str, bool]:
     """Prompt text and whether it came from the chat template (then it holds its special tokens).
 
     With ``apply_chat_template`` and a tokenizer that has a template: the template with the
@@ -55,8 +55,8 @@ class PromptDataset:
     counted in ``num_overlong_filtered`` (uids keep the row numbers of the file).
     """
 
-    def __init__(self, files: Union[str, Sequence[str]], tokenizer, *, prompt_key: str = "prompt",
-                 max_prompt_length: int, apply_chat_template: bool = True, filter_overlong: bool = False):
+    def __init__(self, files: Union[str, Sequence[str]], tokenizer, *, prompt_key: str,
+                 max_prompt_length: int, apply_chat_template: bool, filter_overlong: bool = False):
         if isinstance(files, str):
             files = [files]
         if not files:

@@ -22,6 +22,8 @@ __all__ = ["SetReport", "prepare", "prepare_set", "convert_rows", "load_source",
            "PERCENTILES", "set_names"]
 
 PERCENTILES = (50, 90, 99)
+#: the chat-messages column of the files written here (the trainer reads data.prompt_key)
+PROMPT_COLUMN = "prompt"
 _SAVED_DATASET_FILES = ("dataset_info.json", "dataset_dict.json", "state.json")
 
 
@@ -155,10 +157,10 @@ def convert_rows(source: MathSource, raw_rows: Iterable, origin: str, total: Opt
             if not _same_answer(kept[key]["reward_model"]["ground_truth"], answer):
                 conflicting.add(key)
             continue
-        row = {"data_source": source.data_source, "prompt": [{"role": "user", "content": apply_template(problem)}],
+        row = {"data_source": source.data_source, PROMPT_COLUMN: [{"role": "user", "content": apply_template(problem)}],
                "ability": "math", "reward_model": {"ground_truth": answer, "style": "rule"},
                "extra_info": {"source": origin, "row": index, **extra}}
-        kept[key] = validate_row(row, label, index)  # the trainer's own check of a row
+        kept[key] = validate_row(row, label, index, PROMPT_COLUMN)  # the trainer's own check of a row
     report.conflicts = len(conflicting)
     report.rows = [row for key, row in kept.items() if key not in conflicting]
     return report
@@ -175,12 +177,13 @@ def _lengths(path: str, tokenizer, apply_chat_template: bool) -> list[int]:
     """Prompt lengths in tokens as the trainer computes them (its PromptDataset reads the file)."""
     from hapo_megatron.data.dataset import PromptDataset
 
-    ds = PromptDataset(path, tokenizer, max_prompt_length=sys.maxsize, apply_chat_template=apply_chat_template)
+    ds = PromptDataset(path, tokenizer, prompt_key=PROMPT_COLUMN, max_prompt_length=sys.maxsize,
+                       apply_chat_template=apply_chat_template)
     return [len(record.prompt_ids) for record in ds]
 
 
 def prepare_set(name: str, out_dir: str, *, from_path: Optional[str] = None, tokenizer=None,
-                max_prompt_length: int = 1024, apply_chat_template: bool = True, progress: bool = True) -> SetReport:
+                max_prompt_length: int, apply_chat_template: bool, progress: bool = True) -> SetReport:
     """Prepare one set into ``out_dir/<its file>``; prints its counts to stderr."""
     source = SOURCES[name]
     ds, origin = load_source(source, from_path)
@@ -192,7 +195,7 @@ def prepare_set(name: str, out_dir: str, *, from_path: Optional[str] = None, tok
     _write(report.rows, report.path)
     report.max_prompt_length = max_prompt_length
     if tokenizer is None:
-        load_prompt_rows(report.path)  # the written file reads back through the loader
+        load_prompt_rows(report.path, PROMPT_COLUMN)  # the written file reads back through the loader
     else:
         report.lengths = _lengths(report.path, tokenizer, apply_chat_template)
     print(f"{name}: {report.rows_read} rows read from {origin}, {report.skipped} not in the set, "
@@ -220,7 +223,7 @@ def format_summary(reports: Sequence[SetReport], tokenizer_name: Optional[str], 
 
 
 def prepare(name: str, out_dir: str, *, from_paths: Optional[dict[str, str]] = None, tokenizer=None,
-            tokenizer_name: Optional[str] = None, max_prompt_length: int = 1024, apply_chat_template: bool = True,
+            tokenizer_name: Optional[str] = None, max_prompt_length: int, apply_chat_template: bool,
             progress: bool = True) -> list[SetReport]:
     """Prepare ``name`` (one set or ``paper``) into ``out_dir``; prints the summary to stdout."""
     if max_prompt_length < 1:

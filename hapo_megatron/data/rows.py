@@ -76,7 +76,7 @@ def _messages(value: Any, where: str, prompt_key: str) -> list[dict[str, str]]:
     return out
 
 
-def validate_row(row: Any, path: str, index: int, prompt_key: str = "prompt") -> dict[str, Any]:
+def validate_row(row: Any, path: str, index: int, prompt_key: str) -> dict[str, Any]:
     """Check one row and return a normalised copy (messages list, ground_truth as str)."""
     where = f"{path}: row {index}"
     if not isinstance(row, dict):
@@ -107,7 +107,7 @@ def validate_row(row: Any, path: str, index: int, prompt_key: str = "prompt") ->
     return out
 
 
-def load_prompt_rows(path: str, prompt_key: str = "prompt") -> list[dict[str, Any]]:
+def load_prompt_rows(path: str, prompt_key: str) -> list[dict[str, Any]]:
     """Read and validate every row of a .parquet or .jsonl prompt file."""
     suffix = _suffix(path)
     if not os.path.isfile(path):

@@ -16,7 +16,7 @@ class PromptSampler:
     twice. ``state_dict()`` / ``load_state_dict()`` resume exactly where the cursor stopped.
     """
 
-    def __init__(self, dataset, batch_size: int, seed: int = 1, shuffle: bool = True):
+    def __init__(self, dataset, batch_size: int, seed: int, shuffle: bool):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         if batch_size > len(dataset):

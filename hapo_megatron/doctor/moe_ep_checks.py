@@ -74,19 +74,23 @@ def _rank_body(rank: int, tmpdir: str, packed_rows: bool = True) -> dict:
     seqs = _sequences(hf)
     for pack in (False, True):  # every EP rank must run as many micro-batches (else the dispatch waits forever)
         counts = {len(p) for p in plan_micro_batches([s.num_tokens for s in seqs], dp_size=g.dp_size, pack=pack,
+                                                     micro_batch_size=1,
                                                      max_tokens_per_micro_batch=ROW_TOKENS if pack else None)}
         if len(counts) != 1:
             raise RuntimeError(f"the plan gives the EP ranks {sorted(counts)} micro-batches (pack={pack})")
     actor = MegatronActor(AutoConfig.from_pretrained(path), groups=g, total_optimizer_steps=2, dtype="bf16",
-                          init_hf_path=path, fused_output_layer=True, routing="replay",
+                          init_hf_path=path, fused_output_layer=True, routing="replay", use_te=None,
+                          sequence_parallel=False, recompute_activations=False, use_distributed_optimizer=True,
+                          moe_aux_loss_coef=None,
                           optim=OptimConfig(lr=1e-3, lr_warmup_steps=0, weight_decay=0.0))
     reference = {n: t.to(torch.bfloat16) for n, t in per_expert_state(hf.state_dict()).items()
                  if not (n == "lm_head.weight" and hf.config.tie_word_embeddings)}  # the export omits it too
     exported = dict(actor.export_hf_weights(dtype=torch.bfloat16))
     export_ok = sorted(exported) == sorted(reference) and all(
         torch.equal(exported[n].cpu(), reference[n]) for n in reference)
-    padded = build_rank_micro_batches(seqs, dp_rank=g.dp_rank, dp_size=g.dp_size)
-    packed = build_rank_micro_batches(seqs, dp_rank=g.dp_rank, dp_size=g.dp_size, pack=True,
+    padded = build_rank_micro_batches(seqs, dp_rank=g.dp_rank, dp_size=g.dp_size, micro_batch_size=1,
+                                      max_tokens_per_micro_batch=None)
+    packed = build_rank_micro_batches(seqs, dp_rank=g.dp_rank, dp_size=g.dp_size, pack=True, micro_batch_size=1,
                                       max_tokens_per_micro_batch=ROW_TOKENS, seq_multiple=8, row_multiple=8)
     sums = torch.tensor([sum(float(lp.double().sum()) for lp, _ in actor.compute_logprobs_entropy(mbs))
                          for mbs in (padded, packed if packed_rows else padded)], dtype=torch.float64,

@@ -167,7 +167,7 @@ def exact_global_sum(values: torch.Tensor, *, group=None) -> float:
 # ---- the statistics ------------------------------------------------------------------------
 
 def global_entropy_stats(entropy: torch.Tensor, mask: torch.Tensor, *, group=None,
-                         entropy_pivot: float = 0.8) -> EntropyStats:
+                         entropy_pivot: float) -> EntropyStats:
     """Entropy statistics over every valid token of every rank of `group` (exact; 6 collectives).
 
     Args:

@@ -111,7 +111,7 @@ def check_servable(shapes: Mapping[str, tuple[int, ...]], tp_size: int = 1,
                          f"these weights (docs/fp8.md, \"Which models\"):\n  {shown}")
 
 
-def server_weight_bytes(shapes: Mapping[str, tuple[int, ...]], *, quantization: str = "none",
+def server_weight_bytes(shapes: Mapping[str, tuple[int, ...]], *, quantization: str,
                         dtype_bytes: int = 2, block: tuple[int, int] = BLOCK) -> int:
     """Bytes of one server's copy of the weights (all TP ranks together): ``dtype_bytes`` per
     parameter, and with ``fp8`` 1 byte per parameter of the :func:`is_fp8_weight` tensors plus

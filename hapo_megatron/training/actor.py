@@ -91,11 +91,11 @@ class MegatronActor:
             choice differs, ``"off"`` neither (ignored for dense models).
     """
 
-    def __init__(self, hf_config, *, groups, optim, total_optimizer_steps: int, dtype: str = "fp32",
-                 use_te: Optional[bool] = None, sequence_parallel: bool = False,
-                 recompute_activations: bool = False, use_distributed_optimizer: bool = True,
+    def __init__(self, hf_config, *, groups, optim, total_optimizer_steps: int, dtype: str,
+                 use_te: Optional[bool], sequence_parallel: bool,
+                 recompute_activations: bool, use_distributed_optimizer: bool,
                  init_hf_path: Optional[str] = None, init_megatron_path: Optional[str] = None,
-                 fused_output_layer: bool = False, moe_aux_loss_coef: Optional[float] = None,
+                 fused_output_layer: bool, moe_aux_loss_coef: Optional[float],
                  routing: str = "off"):
         self.hf_config, self.groups, self.dtype = hf_config, groups, torch_dtype(dtype)
         self.spec = ModelSpec.of(hf_config)

@@ -254,7 +254,8 @@ def _score(rt, g: PartialGroup, rnd: _Round, counts: RewardCounts) -> int:
                           overlong_buffer_len=cfg.reward.overlong_buffer_len,
                           overlong_penalty_factor=cfg.reward.overlong_penalty_factor)
     rnd.scored[g.serial] = batch
-    one = DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric)
+    one = DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
+                         max_num_gen_batches=cfg.algo.max_num_gen_batches)
     one.add(batch)
     return int(len(one.buffer) > 0)
 

@@ -16,7 +16,7 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_hf_config(path: str, max_position_embeddings: Optional[int] = None):
+def load_hf_config(path: str, max_position_embeddings: Optional[int]):
     """The model's HF config with ``model.max_position_embeddings`` applied (when given): the one
     config object the Megatron model, the HF engine and HF exports are built from."""
     from transformers import AutoConfig

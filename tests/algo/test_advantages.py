@@ -1,3 +1,4 @@
+import functools
 import math
 import random
 
@@ -65,23 +66,25 @@ def test_tlga_matches_loop(seed, norm):
 def test_group_ids_as_int_tensor_and_float_mask():
     rewards = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]], dtype=torch.float32)
-    a = token_level_group_advantages(rewards, torch.tensor([7, 7, 3, 3, 3]), mask)
-    b = token_level_group_advantages(rewards, ["a", "a", "b", "b", "b"], mask)
+    a = token_level_group_advantages(rewards, torch.tensor([7, 7, 3, 3, 3]), mask,
+        norm_adv_by_std=True, fallback_threshold=5.0)
+    b = token_level_group_advantages(rewards, ["a", "a", "b", "b", "b"], mask,
+        norm_adv_by_std=True, fallback_threshold=5.0)
     torch.testing.assert_close(a, b)
-    torch.testing.assert_close(grpo_advantages(rewards, torch.tensor([7, 7, 3, 3, 3]), mask),
-                               grpo_advantages(rewards, [(0, 1), (0, 1), 2, 2, 2], mask))
+    torch.testing.assert_close(grpo_advantages(rewards, torch.tensor([7, 7, 3, 3, 3]), mask, norm_adv_by_std=True),
+                               grpo_advantages(rewards, [(0, 1), (0, 1), 2, 2, 2], mask, norm_adv_by_std=True))
 
 
 def test_tlga_hand_case():
     # group: r = [1, -1], lengths [3, 1] -> mu = (3 - 1)/4 = 0.5, sigma = sqrt((3*0.25 + 2.25)/4) = sqrt(0.75)
     rewards = torch.tensor([1.0, -1.0])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    adv = token_level_group_advantages(rewards, [0, 0], mask)
+    adv = token_level_group_advantages(rewards, [0, 0], mask, norm_adv_by_std=True, fallback_threshold=5.0)
     s = math.sqrt(0.75)
     assert adv[0].tolist() == pytest.approx([0.5 / (s + 1e-6)] * 3, rel=1e-6)
     assert adv[1].tolist() == pytest.approx([-1.5 / (s + 1e-6), 0, 0], rel=1e-6)
     # GRPO on the same: mean 0, unbiased std sqrt(2) -> +-1/sqrt(2)
-    g = grpo_advantages(rewards, [0, 0], mask)
+    g = grpo_advantages(rewards, [0, 0], mask, norm_adv_by_std=True)
     assert g[0, 0].item() == pytest.approx(1 / (math.sqrt(2) + 1e-6), rel=1e-6)
     # Dr.GRPO
     assert grpo_advantages(rewards, [0, 0], mask, norm_adv_by_std=False)[1, 0].item() == pytest.approx(-1.0)
@@ -94,11 +97,13 @@ def test_tlga_fallback_hand_case():
     mask = torch.zeros(4, 100, dtype=torch.bool)
     mask[0, :100] = True
     mask[1:, :1] = True
-    adv, fb = token_level_group_advantages(rewards, [0] * 4, mask, return_fallback=True)
+    adv, fb = token_level_group_advantages(rewards, [0] * 4, mask, return_fallback=True,
+        norm_adv_by_std=True, fallback_threshold=5.0)
     # mu = (100 - 3)/103, sigma small-ish -> |A| of the short ones = 1.94/0.33 ~ 5.8 >= 5 -> GRPO
     assert fb.tolist() == [True] * 4
-    torch.testing.assert_close(adv, grpo_advantages(rewards, [0] * 4, mask))
-    adv2, fb2 = token_level_group_advantages(rewards, [0] * 4, mask, fallback_threshold=10.0, return_fallback=True)
+    torch.testing.assert_close(adv, grpo_advantages(rewards, [0] * 4, mask, norm_adv_by_std=True))
+    adv2, fb2 = token_level_group_advantages(rewards, [0] * 4, mask, fallback_threshold=10.0, return_fallback=True,
+        norm_adv_by_std=True)
     assert fb2.tolist() == [False] * 4 and adv2[1, 0].item() < -5
 
 
@@ -106,7 +111,8 @@ def test_fallback_ignores_padding_only_responses():
     # a zero-length response whose (would-be) |A| is huge must not trigger the fallback
     rewards = torch.tensor([1.0, 1.0, 1.0, 100.0])
     mask = torch.tensor([[1, 1], [1, 1], [1, 0], [0, 0]])
-    adv, fb = token_level_group_advantages(rewards, [0, 0, 0, 0], mask, return_fallback=True)
+    adv, fb = token_level_group_advantages(rewards, [0, 0, 0, 0], mask, return_fallback=True,
+        norm_adv_by_std=True, fallback_threshold=5.0)
     assert fb.tolist() == [False] * 4
     assert torch.all(adv == 0)
 
@@ -115,32 +121,37 @@ def test_edge_cases():
     # single-response groups: A = r (GRPO) and TLGA gives 0 (mu = r, sigma = 0)
     rewards = torch.tensor([0.7, -2.0])
     mask = torch.ones(2, 3)
-    assert grpo_advantages(rewards, [0, 1], mask)[:, 0].tolist() == pytest.approx([0.7, -2.0])
-    assert torch.all(token_level_group_advantages(rewards, [0, 1], mask) == 0)
+    assert grpo_advantages(rewards, [0, 1], mask, norm_adv_by_std=True)[:, 0].tolist() == pytest.approx([0.7, -2.0])
+    assert torch.all(token_level_group_advantages(rewards, [0, 1], mask,
+        norm_adv_by_std=True, fallback_threshold=5.0) == 0)
     # all-equal rewards: zero advantages, no NaN
     eq = torch.full((4,), 0.1)
-    for fn in (grpo_advantages, token_level_group_advantages):
+    for fn in (functools.partial(grpo_advantages, norm_adv_by_std=True),
+               functools.partial(token_level_group_advantages, norm_adv_by_std=True, fallback_threshold=5.0)):
         out = fn(eq, [0] * 4, torch.ones(4, 5))
         assert torch.isfinite(out).all() and out.abs().max() < 1e-6
     # zero-length everything
-    out = token_level_group_advantages(torch.tensor([1.0, -1.0]), [0, 0], torch.zeros(2, 3))
+    out = token_level_group_advantages(torch.tensor([1.0, -1.0]), [0, 0], torch.zeros(2, 3),
+        norm_adv_by_std=True, fallback_threshold=5.0)
     assert torch.all(out == 0)
     # one valid token
     m = torch.zeros(2, 3)
     m[0, 1] = 1
-    out = token_level_group_advantages(torch.tensor([1.0, -1.0]), [0, 0], m)
+    out = token_level_group_advantages(torch.tensor([1.0, -1.0]), [0, 0], m,
+        norm_adv_by_std=True, fallback_threshold=5.0)
     assert out.abs().sum() == 0  # a group whose only valid token is one response: sigma = 0
-    assert torch.isfinite(grpo_advantages(torch.tensor([1.0, -1.0]), [0, 0], m)).all()
+    assert torch.isfinite(grpo_advantages(torch.tensor([1.0, -1.0]), [0, 0], m, norm_adv_by_std=True)).all()
 
 
 def test_inputs_not_modified_and_bad_input():
     rewards = torch.tensor([1.0, -1.0, 0.5])
     mask = torch.ones(3, 4)
     r0, m0 = rewards.clone(), mask.clone()
-    token_level_group_advantages(rewards, [0, 0, 1], mask)
-    grpo_advantages(rewards, [0, 0, 1], mask)
+    token_level_group_advantages(rewards, [0, 0, 1], mask, norm_adv_by_std=True, fallback_threshold=5.0)
+    grpo_advantages(rewards, [0, 0, 1], mask, norm_adv_by_std=True)
     assert torch.equal(rewards, r0) and torch.equal(mask, m0)
-    for fn in (grpo_advantages, token_level_group_advantages):
+    for fn in (functools.partial(grpo_advantages, norm_adv_by_std=True),
+               functools.partial(token_level_group_advantages, norm_adv_by_std=True, fallback_threshold=5.0)):
         with pytest.raises(ValueError, match="rewards"):
             fn(torch.tensor([1.0, math.nan, 0.0]), [0, 0, 1], mask)
         with pytest.raises(ValueError, match="rewards"):
@@ -156,7 +167,7 @@ def test_inputs_not_modified_and_bad_input():
         with pytest.raises(ValueError, match="eps"):
             fn(rewards, [0, 0, 1], mask, eps=0.0)
     with pytest.raises(ValueError, match="fallback_threshold"):
-        token_level_group_advantages(rewards, [0, 0, 1], mask, fallback_threshold=0.0)
+        token_level_group_advantages(rewards, [0, 0, 1], mask, fallback_threshold=0.0, norm_adv_by_std=True)
 
 
 def test_overlong_penalty():
@@ -206,10 +217,11 @@ def test_filter_groups_hand_and_bad_input():
 
 
 def test_empty_batch_and_zero_length_horizon():
-    assert grpo_advantages(torch.zeros(0), [], torch.zeros(0, 3)).shape == (0, 3)
+    assert grpo_advantages(torch.zeros(0), [], torch.zeros(0, 3), norm_adv_by_std=True).shape == (0, 3)
     adv, fb = token_level_group_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, 3),
-                                           return_fallback=True)
+                                           return_fallback=True, norm_adv_by_std=True, fallback_threshold=5.0)
     assert adv.shape == (0, 3) and fb.shape == (0,)
     assert filter_groups(torch.zeros(0), []).shape == (0,)
-    assert token_level_group_advantages(torch.ones(2), [0, 1], torch.zeros(2, 0)).shape == (2, 0)
+    assert token_level_group_advantages(torch.ones(2), [0, 1], torch.zeros(2, 0),
+        norm_adv_by_std=True, fallback_threshold=5.0).shape == (2, 0)
     assert overlong_penalty([], 10, 2).shape == (0,)

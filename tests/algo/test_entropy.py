@@ -15,6 +15,8 @@ from hapo_megatron.algo import (
     token_entropy,
 )
 from tests.algo import loops
+from hapo_megatron.algo.loss_config import PolicyLossConfig
+from hapo_megatron.config import AlgoConfig
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -33,15 +35,15 @@ def test_token_entropy_matches_loop(seed):
 def test_token_entropy_hand_cases_and_extremes():
     v = 8
     uniform = torch.zeros(v)
-    assert token_entropy(uniform).item() == pytest.approx(math.log(v), rel=1e-6)
+    assert token_entropy(uniform, temperature=1.0).item() == pytest.approx(math.log(v), rel=1e-6)
     masked = torch.tensor([0.0, 0.0, -math.inf, -math.inf])
-    assert token_entropy(masked).item() == pytest.approx(math.log(2), rel=1e-6)
+    assert token_entropy(masked, temperature=1.0).item() == pytest.approx(math.log(2), rel=1e-6)
     huge = torch.tensor([1e4, 0.0, -1e4, 1e4])
-    assert token_entropy(huge).item() == pytest.approx(math.log(2), rel=1e-6)
-    assert token_entropy(torch.tensor([1e4, 0.0, -1e4])).item() == pytest.approx(0.0, abs=1e-6)
-    assert token_entropy(torch.full((5,), -math.inf)).item() == 0.0
+    assert token_entropy(huge, temperature=1.0).item() == pytest.approx(math.log(2), rel=1e-6)
+    assert token_entropy(torch.tensor([1e4, 0.0, -1e4]), temperature=1.0).item() == pytest.approx(0.0, abs=1e-6)
+    assert token_entropy(torch.full((5,), -math.inf), temperature=1.0).item() == 0.0
     bf = torch.randn(3, 11).to(torch.bfloat16)
-    assert token_entropy(bf).dtype == torch.float32
+    assert token_entropy(bf, temperature=1.0).dtype == torch.float32
     # per-row temperature tensor == per-row float
     logits = torch.randn(3, 11)
     temps = torch.tensor([0.5, 1.0, 2.0])
@@ -54,7 +56,7 @@ def test_token_entropy_gradient_finite_with_masked_vocab():
     logits[:, :2] = -math.inf
     logits[0, 2:] = torch.tensor([1e4, 0.0, 0.0, 0.0])
     logits.requires_grad_(True)
-    token_entropy(logits).sum().backward()
+    token_entropy(logits, temperature=1.0).sum().backward()
     assert torch.isfinite(logits.grad).all()
     # check the gradient of the finite part against float64 autograd of a direct formula
     x = logits.detach()[1:, 2:].double().requires_grad_(True)
@@ -69,7 +71,7 @@ def test_token_entropy_bad_input():
     with pytest.raises(ValueError, match="temperature"):
         token_entropy(torch.randn(2, 3), temperature=torch.ones(3))
     with pytest.raises(ValueError, match="logits"):
-        token_entropy(torch.ones(2, 3, dtype=torch.long))
+        token_entropy(torch.ones(2, 3, dtype=torch.long), temperature=1.0)
 
 
 def test_nearest_rank_index_half_to_even():
@@ -122,9 +124,13 @@ def test_stats_and_h_hat_match_loop(seed):
         torch.testing.assert_close(h, hw, rtol=1e-5, atol=1e-6)
         assert h.abs().max() <= 1.0
     # dict / tuple / tensor-valued stats give the same answer
-    torch.testing.assert_close(normalize_entropy(ent, s.to_dict()), normalize_entropy(ent, s))
+    torch.testing.assert_close(normalize_entropy(ent, s.to_dict(),
+        h_hat_mode=PolicyLossConfig().h_hat_mode), normalize_entropy(ent, s,
+        h_hat_mode=PolicyLossConfig().h_hat_mode))
     tens = tuple(torch.tensor(v, dtype=torch.float64) for v in s.as_tuple())
-    torch.testing.assert_close(normalize_entropy(ent, tens), normalize_entropy(ent, s))
+    torch.testing.assert_close(normalize_entropy(ent, tens,
+        h_hat_mode=PolicyLossConfig().h_hat_mode), normalize_entropy(ent, s,
+        h_hat_mode=PolicyLossConfig().h_hat_mode))
 
 
 def test_stats_from_reductions_is_bit_identical():
@@ -140,17 +146,18 @@ def test_stats_from_reductions_is_bit_identical():
 
 
 def test_stats_single_token_and_all_equal():
-    s = compute_entropy_stats(torch.tensor([0.7]), torch.tensor([True]))
+    s = compute_entropy_stats(torch.tensor([0.7]), torch.tensor([True]), entropy_pivot=PolicyLossConfig().entropy_pivot)
     assert s.std == pytest.approx(1e-4) and s.pos_max == 1e-8 and s.neg_min == -1e-8
-    assert normalize_entropy(torch.tensor([0.7]), s).item() == 0.0
-    s = compute_entropy_stats(torch.full((3, 4), 1.3), torch.ones(3, 4))
-    assert normalize_entropy(torch.full((2,), 1.3), s).tolist() == [0.0, 0.0]
+    assert normalize_entropy(torch.tensor([0.7]), s, h_hat_mode=PolicyLossConfig().h_hat_mode).item() == 0.0
+    s = compute_entropy_stats(torch.full((3, 4), 1.3), torch.ones(3, 4), entropy_pivot=PolicyLossConfig().entropy_pivot)
+    assert normalize_entropy(torch.full((2,), 1.3), s, h_hat_mode=PolicyLossConfig().h_hat_mode).tolist() == [0.0, 0.0]
 
 
 def test_neutral_stats_and_json_roundtrip():
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        s = compute_entropy_stats(torch.rand(3, 4), torch.zeros(3, 4, dtype=torch.bool))
+        s = compute_entropy_stats(torch.rand(3, 4), torch.zeros(3, 4, dtype=torch.bool),
+            entropy_pivot=PolicyLossConfig().entropy_pivot)
     assert any("no valid token" in str(x.message) for x in w)
     assert s == EntropyStats.neutral() and s.is_neutral
     text = json.dumps(s.to_dict(), allow_nan=False)
@@ -158,7 +165,8 @@ def test_neutral_stats_and_json_roundtrip():
     ent = torch.tensor([0.0, 1e-3, 0.5, 3.0, 1e6])
     for mode in ("signed", "reference"):
         assert normalize_entropy(ent, s, mode).tolist() == [0.0] * 5
-    real = compute_entropy_stats(torch.rand(4, 5) + 0.1, torch.ones(4, 5))
+    real = compute_entropy_stats(torch.rand(4, 5) + 0.1, torch.ones(4, 5),
+        entropy_pivot=PolicyLossConfig().entropy_pivot)
     assert EntropyStats.from_dict(json.loads(json.dumps(real.to_dict(), allow_nan=False))) == real
 
 
@@ -166,9 +174,10 @@ def test_stats_bad_input():
     with pytest.raises(ValueError, match="entropy_pivot"):
         compute_entropy_stats(torch.rand(3), torch.ones(3), entropy_pivot=1.0)
     with pytest.raises(ValueError, match="mask"):
-        compute_entropy_stats(torch.rand(3), torch.ones(4))
+        compute_entropy_stats(torch.rand(3), torch.ones(4), entropy_pivot=PolicyLossConfig().entropy_pivot)
     with pytest.raises(ValueError, match="non-finite"):
-        compute_entropy_stats(torch.tensor([1.0, math.nan]), torch.ones(2))
+        compute_entropy_stats(torch.tensor([1.0, math.nan]), torch.ones(2),
+            entropy_pivot=PolicyLossConfig().entropy_pivot)
     with pytest.raises(ValueError, match="h_hat_mode"):
         normalize_entropy(torch.rand(3), EntropyStats.neutral(), "bogus")
     with pytest.raises(ValueError, match="std"):
@@ -183,12 +192,13 @@ def test_inputs_not_modified():
     ent = torch.rand(3, 5)
     mask = torch.ones(3, 5)
     e0, m0 = ent.clone(), mask.clone()
-    s = compute_entropy_stats(ent, mask)
-    normalize_entropy(ent, s)
+    s = compute_entropy_stats(ent, mask, entropy_pivot=PolicyLossConfig().entropy_pivot)
+    normalize_entropy(ent, s, h_hat_mode=PolicyLossConfig().h_hat_mode)
     logits = torch.randn(3, 7)
     l0 = logits.clone()
     token_entropy(logits, 0.7)
-    adaptive_temperature(logits, s, 0.7)
+    adaptive_temperature(logits, s, 0.7,
+        temperature_tau=AlgoConfig().temperature_tau, h_hat_mode=PolicyLossConfig().h_hat_mode)
     assert torch.equal(ent, e0) and torch.equal(mask, m0) and torch.equal(logits, l0)
 
 
@@ -199,7 +209,8 @@ def test_adaptive_temperature_matches_loop(seed, mode):
     logits = torch.randn(6, 20, generator=g) * (0.5 + seed)
     logits[0, :5] = -math.inf
     logits[1, 0] = 1e4
-    stats = compute_entropy_stats(token_entropy(torch.randn(50, 20, generator=g)), torch.ones(50))
+    stats = compute_entropy_stats(token_entropy(torch.randn(50, 20, generator=g), temperature=1.0), torch.ones(50),
+        entropy_pivot=PolicyLossConfig().entropy_pivot)
     tb, tau = 0.6 + 0.2 * seed, 0.05 + 0.1 * seed
     got = adaptive_temperature(logits, stats, tb, tau, mode)
     st = stats.as_tuple()
@@ -211,16 +222,19 @@ def test_adaptive_temperature_matches_loop(seed, mode):
 
 def test_adaptive_temperature_none_and_bad_input():
     logits = torch.randn(2, 3, 9)
-    t = adaptive_temperature(logits, None, 0.8)
+    t = adaptive_temperature(logits, None, 0.8,
+        temperature_tau=AlgoConfig().temperature_tau, h_hat_mode=PolicyLossConfig().h_hat_mode)
     assert t.shape == (2, 3) and torch.all(t == 0.8)
-    t = adaptive_temperature(logits, EntropyStats.neutral(), 0.8, 0.5)
+    t = adaptive_temperature(logits, EntropyStats.neutral(), 0.8, 0.5, h_hat_mode=PolicyLossConfig().h_hat_mode)
     assert torch.allclose(t, torch.full((2, 3), 0.8))
     rows = torch.tensor([[0.5, 1.0, 2.0], [1.0, 1.0, 1.0]])
-    torch.testing.assert_close(adaptive_temperature(logits, None, rows), rows)
+    torch.testing.assert_close(adaptive_temperature(logits, None, rows,
+        temperature_tau=AlgoConfig().temperature_tau, h_hat_mode=PolicyLossConfig().h_hat_mode), rows)
     for tau in (-0.1, 1.0, 2.0):
         with pytest.raises(ValueError, match="temperature_tau"):
-            adaptive_temperature(logits, None, 1.0, tau)
+            adaptive_temperature(logits, None, 1.0, tau, h_hat_mode=PolicyLossConfig().h_hat_mode)
     with pytest.raises(ValueError, match="base_temperature"):
-        adaptive_temperature(logits, None, 0.0)
+        adaptive_temperature(logits, None, 0.0,
+            temperature_tau=AlgoConfig().temperature_tau, h_hat_mode=PolicyLossConfig().h_hat_mode)
     with pytest.raises(ValueError, match="h_hat_mode"):
         adaptive_temperature(logits, None, 1.0, 0.05, "paper")

@@ -16,7 +16,7 @@ for name in ("megatron", "megatron.core", "transformers", "sglang", "vllm"):
     sys.modules[name] = None  # any import of these now raises ImportError
 import hapo_megatron.algo as algo
 import torch
-stats = algo.compute_entropy_stats(torch.rand(3, 4), torch.ones(3, 4))
+stats = algo.compute_entropy_stats(torch.rand(3, 4), torch.ones(3, 4), algo.PolicyLossConfig().entropy_pivot)
 algo.hapo_policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), torch.ones(2, 3),
                       cfg=algo.PolicyLossConfig(adaptive_clip=False, adaptive_advantage=False))
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("megatron", "transformers", "sglang", "vllm")

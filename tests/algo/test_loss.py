@@ -13,6 +13,7 @@ from hapo_megatron.algo import (
 )
 from tests.algo import loops
 from tests.algo.loss_call import policy_loss
+from hapo_megatron.algo.loss_config import PolicyLossConfig
 
 
 def _data(seed, b=3, t=5, spread=0.6):
@@ -341,7 +342,7 @@ def test_token_fields_match_spec_loop():
     adv = torch.randn(3, 11, generator=g, dtype=torch.float64)
     ratio = 0.5 + torch.rand(3, 11, generator=g, dtype=torch.float64)
     stats = compute_entropy_stats(ent, mask, entropy_pivot=0.8)
-    h_hat = normalize_entropy(ent, stats)
+    h_hat = normalize_entropy(ent, stats, h_hat_mode=PolicyLossConfig().h_hat_mode)
     old = torch.zeros(3, 11)
     *_, out = policy_loss(torch.log(ratio).float(), old, adv.float(), mask, h_hat.float(),
                                clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=1.4, adaptive_clip=True,

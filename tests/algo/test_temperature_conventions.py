@@ -12,6 +12,7 @@ import torch
 
 from hapo_megatron.algo import adaptive_temperature, compute_entropy_stats, token_entropy
 from tests.algo import loops
+from hapo_megatron.algo.loss_config import PolicyLossConfig
 
 
 def _sampler_h_hat(logits_row, stats, mode):
@@ -24,7 +25,9 @@ def _sampler_h_hat(logits_row, stats, mode):
 def _case(seed):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(8, 30, generator=g) * 2.0
-    stats = compute_entropy_stats(token_entropy(torch.randn(64, 30, generator=g) * 2.0), torch.ones(64))
+    stats = compute_entropy_stats(token_entropy(torch.randn(64, 30, generator=g) * 2.0,
+        temperature=1.0), torch.ones(64),
+        entropy_pivot=PolicyLossConfig().entropy_pivot)
     return logits, stats
 
 

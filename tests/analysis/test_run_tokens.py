@@ -7,6 +7,7 @@ import os
 import pytest
 
 from hapo_megatron.analysis import rollout_path, run_tokens, write_rollouts
+from hapo_megatron.algo.loss_config import PolicyLossConfig
 
 
 def record(step, ids, entropy, h_hat, **extra):
@@ -49,7 +50,8 @@ def test_token_diagnostics_writes_plots_and_numbers(tmp_path):
                                 "loss/adv_scale_low_entropy": 0.5}) + "\n")
     out = tmp_path / "out"
     result, paths = run_tokens.token_diagnostics({"hapo": [str(run)]}, str(out), roles="steps",
-                                                 tokenizer=str(tmp_path / "tok"))
+                                                 tokenizer=str(tmp_path / "tok"),
+                                                     pivot_q=PolicyLossConfig().entropy_pivot)
     roles = result["tokens"]["hapo"]["roles"]
     assert roles["result"]["share_above_pivot"] == 1.0 and roles["answer"]["share_above_pivot"] == 1.0
     assert roles["format"]["share_above_pivot"] == 0.0 and roles["end"]["share_of_tokens"] == pytest.approx(1 / n)

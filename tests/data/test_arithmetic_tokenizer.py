@@ -54,7 +54,7 @@ def test_bad_knobs():
 def test_write_and_load_both_formats(tmp_path):
     for ext in ("jsonl", "parquet"):
         path = write_arithmetic_dataset(str(tmp_path / f"a.{ext}"), 12, 2, max_operands=4)
-        assert load_prompt_rows(path) == generate_arithmetic_rows(12, 2, max_operands=4)
+        assert load_prompt_rows(path, prompt_key='prompt') == generate_arithmetic_rows(12, 2, max_operands=4)
 
 
 def test_solutions_get_full_reward():

@@ -50,7 +50,7 @@ def _prepare(name, out, tok, *extra):
 def _pairs(path):
     """(problem, answer) of every row of a written file, the template taken off (checked)."""
     out = []
-    for row in load_prompt_rows(path):
+    for row in load_prompt_rows(path, prompt_key='prompt'):
         [msg] = row["prompt"]
         assert msg["role"] == "user"
         assert msg["content"].startswith(DAPO_TEMPLATE_PREFIX) and msg["content"].endswith(DAPO_TEMPLATE_SUFFIX)
@@ -75,10 +75,11 @@ def test_each_set_converts_loads_and_verifies(name, tmp_path, tok, capsys):
     assert _prepare(name, out, tok, "--from", tiny.from_path(name, str(tmp_path))) == 0
     path = str(out / SOURCES[name].out_file)
     assert _pairs(path) == tiny.EXPECTED[name]
-    rows = load_prompt_rows(path)
+    rows = load_prompt_rows(path, prompt_key='prompt')
     assert {r["data_source"] for r in rows} == {SOURCES[name].data_source}
     from transformers import AutoTokenizer
-    dataset = PromptDataset(path, AutoTokenizer.from_pretrained(tok), max_prompt_length=1024)
+    dataset = PromptDataset(path, AutoTokenizer.from_pretrained(tok), max_prompt_length=1024,
+        prompt_key='prompt', apply_chat_template=True)
     assert len(dataset) == len(tiny.EXPECTED[name])
     for rec in dataset:
         assert compute_score(f"Some steps.\nAnswer: {rec.ground_truth}", rec.ground_truth).acc
@@ -108,7 +109,8 @@ def test_amc_keeps_2023_and_reads_the_float_answer(tmp_path, tok, capsys):
 def test_math_verify_equivalence_on_a_math500_answer(tmp_path, tok):
     """A ground truth kept as LaTeX (\\frac{1}{2}) still verifies an equivalent answer (0.5)."""
     assert _prepare("math-500", tmp_path / "out", tok, "--from", tiny.math_500(str(tmp_path))) == 0
-    truth = load_prompt_rows(str(tmp_path / "out" / "math500.parquet"))[0]["reward_model"]["ground_truth"]
+    truth = load_prompt_rows(str(tmp_path / "out" / "math500.parquet"),
+        prompt_key='prompt')[0]["reward_model"]["ground_truth"]
     assert truth == "\\frac{1}{2}"
     assert compute_score("So it is one half.\nAnswer: 0.5", truth).acc
 

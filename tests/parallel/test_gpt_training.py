@@ -18,6 +18,7 @@ import torch
 from tests.convert.dist_checks import hf_state, random_hf_model
 from tests.distributed import run_distributed
 from tests.float_bounds import near_loss_discontinuity
+from hapo_megatron.algo.loss_config import PolicyLossConfig
 
 ARCH = "llama"
 # Each layout regroups float32 sums (row-parallel matmuls over H = 32..64, the vocab-parallel
@@ -59,7 +60,7 @@ def _batch(vocab):
         advantages=torch.randn(NUM_SEQ, 1, generator=g).expand(NUM_SEQ, SEQ).contiguous(),
         old_entropy=torch.rand(NUM_SEQ, SEQ, generator=g) * 4,
     )
-    return batch, compute_entropy_stats(batch.old_entropy, mask)
+    return batch, compute_entropy_stats(batch.old_entropy, mask, entropy_pivot=PolicyLossConfig().entropy_pivot)
 
 
 def _loss_cfg():

@@ -64,14 +64,14 @@ def _data(seed=0):
         input_ids=labels.roll(1, 1), position_ids=torch.arange(S).expand(B, S), labels=labels, loss_mask=mask,
         old_logprobs=logp + 0.3 * torch.randn(B, S, generator=g),
         advantages=torch.randn(B, 1, generator=g).expand(B, S).contiguous(),
-        old_entropy=token_entropy(logits) * torch.exp(0.2 * torch.randn(B, S, generator=g)),
+        old_entropy=token_entropy(logits, temperature=1.0) * torch.exp(0.2 * torch.randn(B, S, generator=g)),
         ref_logprobs=logp + 0.1 * torch.randn(B, S, generator=g),
         rollout_logprobs=logp + 0.2 * torch.randn(B, S, generator=g),
     )
     temp_tok = 0.7 + 0.6 * torch.rand(B, S, generator=g)
     g2 = torch.Generator().manual_seed(seed + 1000)  # the other fields keep their values
     batch = batch.with_(proximal_logprobs=batch.rollout_logprobs + 0.25 * torch.randn(B, S, generator=g2))
-    stats = compute_entropy_stats(batch.old_entropy, mask)
+    stats = compute_entropy_stats(batch.old_entropy, mask, entropy_pivot=PolicyLossConfig().entropy_pivot)
     return logits, batch, stats, temp_tok
 
 
@@ -205,8 +205,8 @@ def test_microbatch_scope_uses_current_entropy_stats():
     logits, batch, _, _ = _data(1)
     cfg = PolicyLossConfig(entropy_stats_scope="microbatch", h_hat_entropy="current")
     loss_sum, n, metrics = hapo_loss_from_logits(logits, batch, cfg=cfg, stats=None)
-    ent = token_entropy(logits)
-    stats = compute_entropy_stats(ent, batch.loss_mask)
+    ent = token_entropy(logits, temperature=1.0)
+    stats = compute_entropy_stats(ent, batch.loss_mask, entropy_pivot=PolicyLossConfig().entropy_pivot)
     ref = PolicyLossConfig(entropy_stats_scope="global", h_hat_entropy="current")
     loss_sum2, n2, _ = hapo_loss_from_logits(logits, batch, cfg=ref, stats=stats)
     assert int(n) == int(n2) and torch.allclose(loss_sum, loss_sum2, rtol=1e-5)
@@ -214,7 +214,8 @@ def test_microbatch_scope_uses_current_entropy_stats():
     cfg_old = PolicyLossConfig(entropy_stats_scope="microbatch", h_hat_entropy="old")
     l3, _, _ = hapo_loss_from_logits(logits, batch, cfg=cfg_old, stats=None)
     l4, _, _ = hapo_loss_from_logits(logits, batch, cfg=PolicyLossConfig(),
-                                     stats=compute_entropy_stats(batch.old_entropy, batch.loss_mask))
+                                     stats=compute_entropy_stats(batch.old_entropy, batch.loss_mask,
+                                         entropy_pivot=PolicyLossConfig().entropy_pivot))
     assert torch.allclose(l3, l4)
 
 

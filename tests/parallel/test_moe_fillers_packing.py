@@ -57,7 +57,7 @@ def _micro_batches(seqs, g, *, pack: bool, fillers: str, sequence_parallel: bool
     (``"none"``), or with one more filler on every rank (``"extra"``)."""
     from hapo_megatron.training.batches.micro_batches import PadMultiples, collate_micro_batches, plan_micro_batches
     plan = plan_micro_batches([s.num_tokens for s in seqs], dp_size=g.dp_size, max_tokens_per_micro_batch=BUDGET,
-                              pack=pack)
+                              pack=pack, micro_batch_size=1)
     mine = plan[g.dp_rank]
     if fillers == "none":
         mine = [b for b in mine if b]
@@ -83,7 +83,8 @@ def _run(path, *, tp, ep, pack, fillers, coef):
     sp = tp > 1
     actor = MegatronActor(AutoConfig.from_pretrained(path), groups=g, total_optimizer_steps=2, init_hf_path=path,
                           optim=OptimConfig(lr=1e-2, lr_warmup_steps=0, weight_decay=0.0), sequence_parallel=sp,
-                          moe_aux_loss_coef=coef, use_distributed_optimizer=False)
+                          moe_aux_loss_coef=coef, use_distributed_optimizer=False,
+                              dtype='fp32', use_te=None, recompute_activations=False, fused_output_layer=False)
     mbs, counts, real_counts = _micro_batches(_sequences(), g, pack=pack, fillers=fillers, sequence_parallel=sp)
     out = {"counts": counts, "real_counts": real_counts, "num_micro_batches": len(mbs)}
     tokens = {}

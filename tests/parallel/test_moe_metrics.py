@@ -93,8 +93,11 @@ def _recompute_ranks(rank, world, tmpdir):
         g = initialize_parallel(tp=1, seed=1)
         actor = MegatronActor(AutoConfig.from_pretrained(path), groups=g, total_optimizer_steps=2,
                               init_hf_path=path, optim=OptimConfig(lr=1e-2, lr_warmup_steps=0, weight_decay=0.0),
-                              moe_aux_loss_coef=0.5, recompute_activations=recompute)
-        mbs = build_rank_micro_batches(_sequences(), dp_rank=0, dp_size=1)
+                              moe_aux_loss_coef=0.5, recompute_activations=recompute,
+                                  dtype='fp32', use_te=None, sequence_parallel=False, use_distributed_optimizer=True,
+                                  fused_output_layer=False)
+        mbs = build_rank_micro_batches(_sequences(), dp_rank=0, dp_size=1,
+            micro_batch_size=1, max_tokens_per_micro_batch=None)
         host_counts, handles = _per_call_host_counts(actor)
         actor.train_step(mbs, cross_entropy_loss_factory(g.tp))
         device_counts = actor.moe_monitor.counts.cpu().double()

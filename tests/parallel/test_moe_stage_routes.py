@@ -50,7 +50,9 @@ def _stage_ranks(rank, world, path):
 
     g = initialize_parallel(pp=2, seed=1)
     actor = MegatronActor(AutoConfig.from_pretrained(path), groups=g, total_optimizer_steps=2, init_hf_path=path,
-                          optim=OptimConfig(lr=1e-3, lr_warmup_steps=0), moe_aux_loss_coef=0.0, routing="replay")
+                          optim=OptimConfig(lr=1e-3, lr_warmup_steps=0), moe_aux_loss_coef=0.0, routing="replay",
+                              dtype='fp32', use_te=None, sequence_parallel=False, recompute_activations=False,
+                              use_distributed_optimizer=True, fused_output_layer=False)
     stage = stage_layer_range(LAYERS, g.pp_size, g.pp_rank)
     runs = {"whole": _sequences(), "stage": _sequences(stage),
             "own": [SequenceData(s.prompt_ids, s.response_ids, index=s.index) for s in _sequences()]}

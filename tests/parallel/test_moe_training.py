@@ -17,6 +17,7 @@ from tests.convert.dist_checks import hf_state
 from tests.convert.moe_checks import moe_model
 from tests.distributed import run_distributed
 from tests.parallel.test_gpt_training import LR, SEQ, STEPS, _batch, _loss_cfg
+from hapo_megatron.algo.loss_config import PolicyLossConfig
 
 # (tp, ep, etp, sequence parallel, fused output layer) on 2 ranks
 LAYOUTS = {"ep1-dp2": (1, 1, 1, False, False), "ep2": (1, 2, 1, False, True),
@@ -50,7 +51,7 @@ def _entropy_stats(ddp, micro, g, fused):
                                     forward_only=True)
     entropy = torch.cat([e for e, _ in entropies])
     mask = torch.cat([m for _, m in entropies])
-    return global_entropy_stats(entropy, mask, group=g.dp_cp).to_dict()
+    return global_entropy_stats(entropy, mask, group=g.dp_cp, entropy_pivot=PolicyLossConfig().entropy_pivot).to_dict()
 
 
 def _megatron_run(tp, ep, etp, sp, fused):
@@ -138,9 +139,12 @@ def _actor_run(tmpdir, coef):
     dist.barrier()
     actor = MegatronActor(AutoConfig.from_pretrained(path), groups=g, total_optimizer_steps=2, init_hf_path=path,
                           optim=OptimConfig(lr=1e-2, lr_warmup_steps=0, weight_decay=0.0),
-                          moe_aux_loss_coef=coef)
+                          moe_aux_loss_coef=coef,
+                              dtype='fp32', use_te=None, sequence_parallel=False, recompute_activations=False,
+                              use_distributed_optimizer=True, fused_output_layer=False)
     assert actor.config.moe_aux_loss_coeff == coef
-    mbs = build_rank_micro_batches(_sequences(), dp_rank=g.dp_rank, dp_size=g.dp_size)
+    mbs = build_rank_micro_batches(_sequences(), dp_rank=g.dp_rank, dp_size=g.dp_size,
+        micro_batch_size=1, max_tokens_per_micro_batch=None)
     actor.compute_logprobs_entropy(mbs)  # not counted: the metrics are the training steps'
     actor.train_step(mbs, cross_entropy_loss_factory(g.tp))
     metrics = actor.moe_step_metrics()
@@ -165,7 +169,8 @@ def _hf_reference():
     batch, stats = _batch(hf_cfg.vocab_size)
     with torch.no_grad():
         _, entropy = logprobs_entropy_from_logits(hf(batch.input_ids).logits, batch.labels)
-    entropy_stats = global_entropy_stats(entropy, batch.loss_mask).to_dict()
+    entropy_stats = global_entropy_stats(entropy, batch.loss_mask,
+        entropy_pivot=PolicyLossConfig().entropy_pivot).to_dict()
     cfg, losses = _loss_cfg(), []
     for _ in range(STEPS):
         hf.zero_grad()

@@ -133,10 +133,12 @@ def _actor_run(tmpdir, tp, ep, sp, recompute, routing):
     actor = MegatronActor(AutoConfig.from_pretrained(path), groups=g, total_optimizer_steps=2, init_hf_path=path,
                           optim=OptimConfig(lr=LR, lr_warmup_steps=0, weight_decay=0.0, adam_eps=1.0, clip_grad=0.0),
                           moe_aux_loss_coef=0.0, sequence_parallel=sp, recompute_activations=recompute,
-                          routing=routing)
+                          routing=routing,
+                              dtype='fp32', use_te=None, use_distributed_optimizer=True, fused_output_layer=False)
     before = dict(actor.export_hf_weights())
     mbs = build_rank_micro_batches(_sequences(), dp_rank=g.dp_rank, dp_size=g.dp_size, micro_batch_size=2,
-                                   pad_multiple=tp if sp else 1)  # 2 rows: the token order matters
+                                   pad_multiple=tp if sp else 1,
+                                       max_tokens_per_micro_batch=None)  # 2 rows: the token order matters
     with actor.counting_routing_mismatch():
         lps = actor.compute_logprobs_entropy(mbs)
     counts = actor.take_routing_mismatch()

@@ -10,6 +10,7 @@ from hapo_megatron.algo import EntropyStats, compute_entropy_stats, stats_from_r
 from hapo_megatron.parallel.context_parallel import split_for_cp
 from hapo_megatron.parallel.stats import exact_global_sum, global_entropy_stats, global_token_count
 from tests.distributed import run_distributed
+from hapo_megatron.algo.loss_config import PolicyLossConfig
 
 NUM_DRAWS = 24
 B, T = 6, 16  # T divisible by 2 * cp for cp <= 2
@@ -105,7 +106,8 @@ def _stats_worker(rank, world_size):
     dist.all_reduce = counting
     try:
         ent, mask, _ = _draw(0)
-        global_entropy_stats(ent[rank:rank + 1], mask[rank:rank + 1], group=dist.group.WORLD)
+        global_entropy_stats(ent[rank:rank + 1], mask[rank:rank + 1], group=dist.group.WORLD,
+            entropy_pivot=PolicyLossConfig().entropy_pivot)
     finally:
         dist.all_reduce = orig
     out["num_collectives"] = len(calls)
@@ -113,7 +115,8 @@ def _stats_worker(rank, world_size):
     # no valid token anywhere: neutral on every rank, with a warning
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        s = global_entropy_stats(torch.rand(3), torch.zeros(3, dtype=torch.bool), group=dist.group.WORLD)
+        s = global_entropy_stats(torch.rand(3), torch.zeros(3, dtype=torch.bool), group=dist.group.WORLD,
+            entropy_pivot=PolicyLossConfig().entropy_pivot)
     out["neutral"] = (s.is_neutral, any("no valid token" in str(x.message) for x in w))
     out["count"] = global_token_count(torch.ones(rank + 1, 2), group=dist.group.WORLD)
     out["exact_sum"] = exact_global_sum(torch.tensor([1e16, 1.0, -1e16, 3.0][rank:rank + 1],
@@ -159,13 +162,15 @@ def test_dp_cp_splits_match_single_process():
 
 def test_neutral_and_bad_input():
     with pytest.warns(UserWarning, match="no valid token"):
-        assert global_entropy_stats(torch.rand(4), torch.zeros(4)).is_neutral
+        assert global_entropy_stats(torch.rand(4), torch.zeros(4),
+            entropy_pivot=PolicyLossConfig().entropy_pivot).is_neutral
     with pytest.raises(ValueError, match="mask"):
-        global_entropy_stats(torch.rand(4), torch.ones(3))
+        global_entropy_stats(torch.rand(4), torch.ones(3), entropy_pivot=PolicyLossConfig().entropy_pivot)
     with pytest.raises(ValueError, match="entropy_pivot"):
         global_entropy_stats(torch.rand(4), torch.ones(4), entropy_pivot=1.0)
     with pytest.raises(ValueError, match="non-finite"):
-        global_entropy_stats(torch.tensor([1.0, float("nan")]), torch.ones(2))
+        global_entropy_stats(torch.tensor([1.0, float("nan")]), torch.ones(2),
+            entropy_pivot=PolicyLossConfig().entropy_pivot)
 
 
 def test_hand_computed():

@@ -129,7 +129,7 @@ def test_server_weight_bytes_counts_fp8_weights_and_scales():
     """Hand-computed: a 256 x 384 FP8 weight is 98304 B + 2 x 3 scales x 4 B; a norm of 256 stays
     2 B per entry."""
     shapes = {"model.layers.0.self_attn.o_proj.weight": (256, 384), "model.layers.0.input_layernorm.weight": (256,)}
-    assert server_weight_bytes(shapes) == 2 * (256 * 384 + 256)
+    assert server_weight_bytes(shapes, quantization='none') == 2 * (256 * 384 + 256)
     assert server_weight_bytes(shapes, quantization="fp8") == 256 * 384 + 6 * 4 + 2 * 256
     with pytest.raises(ValueError, match="quantization"):
         server_weight_bytes(shapes, quantization="int4")

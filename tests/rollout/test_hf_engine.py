@@ -40,7 +40,7 @@ def stats(engine):
     ids = torch.randint(0, VOCAB, (8, 12), generator=g)
     with torch.no_grad():
         logits = engine.model(input_ids=ids).logits
-    ent = token_entropy(logits)
+    ent = token_entropy(logits, temperature=1.0)
     return compute_entropy_stats(ent, torch.ones_like(ent, dtype=torch.bool), 0.8)
 
 

@@ -29,11 +29,13 @@ def _actor_checks(rank, world, data, ckpt_dir):
     path = os.path.join(data, "model")
     hf_config = AutoConfig.from_pretrained(path)
     actor = MegatronActor(hf_config, groups=g, optim=OptimConfig(lr=1e-2, lr_warmup_steps=0, weight_decay=0.0),
-                          total_optimizer_steps=10, init_hf_path=path)
+                          total_optimizer_steps=10, init_hf_path=path,
+                              dtype='fp32', use_te=None, sequence_parallel=False, recompute_activations=False,
+                              use_distributed_optimizer=True, fused_output_layer=False, moe_aux_loss_coef=None)
     gen = torch.Generator().manual_seed(0)
     seqs = [SequenceData(torch.randint(4, 80, (5 + i,), generator=gen).tolist(),
                          torch.randint(4, 80, (3 + 2 * i,), generator=gen).tolist(), index=i) for i in range(3)]
-    mbs = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batch_size=2)
+    mbs = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batch_size=2, max_tokens_per_micro_batch=None)
     old = actor.compute_logprobs_entropy(mbs, temperature=1.0)
     actor.fused_output_layer = True  # the same pass from hidden states (no logits)
     fused = actor.compute_logprobs_entropy(mbs, temperature=0.8)
@@ -76,7 +78,7 @@ def _actor_checks(rank, world, data, ckpt_dir):
     from hapo_megatron.parallel.loss import make_loss_func
     for i, s in enumerate(seqs):
         s.advantage = 1.0 if i % 2 == 0 else -1.0
-    mbs = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batch_size=4)
+    mbs = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batch_size=4, max_tokens_per_micro_batch=None)
     (lp, ent), = actor.compute_logprobs_entropy(mbs, temperature=1.0)
     mbs = [mbs[0].with_(old_logprobs=lp, old_entropy=ent)]
     lc = AlgoConfig().loss

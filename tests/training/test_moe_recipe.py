@@ -27,7 +27,7 @@ def cfg() -> HapoConfig:
 @pytest.fixture(scope="module")
 def hf_config():
     from hapo_megatron.training.sources import load_hf_config
-    return load_hf_config(HF_CONFIG)
+    return load_hf_config(HF_CONFIG, max_position_embeddings=None)
 
 
 def test_config_loads_and_validates(cfg):

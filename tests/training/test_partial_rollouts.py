@@ -177,7 +177,7 @@ def test_no_group_dropped_no_prompt_lost(scripted):
         assert (counts == N).all()  # whole groups
     # the prompts: trained + pool + queue = what the sampler drew, in order
     from hapo_megatron.data.sampler import PromptSampler
-    drawn = PromptSampler(rt.train_ds, B, seed=1)
+    drawn = PromptSampler(rt.train_ds, B, seed=1, shuffle=True)
     used = sorted(trained + left)
     prompts = {int(g): prompt_index(r["kept"].prompt_ids[i]) for r in got
                for i, g in enumerate(r["kept"].group_ids)}

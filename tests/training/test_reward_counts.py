@@ -61,7 +61,8 @@ def _runtime(engine, truths, *, n, filter_groups=False, **reward):
         sampling_seed=lambda step, i: 0,
         tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: "".join(map(chr, ids)), eos_token_id=None),
         reward_fn=get_reward_fn(cfg.reward.reward_fn), scorer=RewardScorer(cfg.reward),
-        rl=SimpleNamespace(dyn=DynamicSampler(enabled=filter_groups, max_num_gen_batches=3), sampler=sampler,
+        rl=SimpleNamespace(dyn=DynamicSampler(enabled=filter_groups, max_num_gen_batches=3,
+            metric='acc'), sampler=sampler,
                            rollout_entropy_stats=None))
 
 

@@ -152,7 +152,7 @@ def role_rank0(d: dict, out_dir: str, cap: int, chunk: int, gen_s: float, dps: l
         actor=SimpleNamespace(routing="off"),  # a dense model: no experts to return
         tokenizer=SimpleNamespace(decode=lambda ids, **_: decode(ids), eos_token_id=None),
         reward_fn=get_reward_fn("math"), scorer=scorer,
-        rl=SimpleNamespace(dyn=DynamicSampler(enabled=True, max_num_gen_batches=1),
+        rl=SimpleNamespace(dyn=DynamicSampler(enabled=True, max_num_gen_batches=1, metric='acc'),
                            sampler=SimpleNamespace(next_batch=lambda: recs, state_dict=lambda: {}),
                            rollout_entropy_stats=None))
     try:

@@ -61,9 +61,9 @@ def build_rt(url: Optional[str], *, over_sampling: float, batch: int, n: int, ma
         f"trainer.seed={seed}", f"reward.reward_fn={REWARD}", "reward.num_workers=0", *extra])
     ds = [SimpleNamespace(prompt_ids=[1, 3 + i % 29, 3 + i // 29], ground_truth=str(i), data_source="bench",
                           extra_info=None, index=i) for i in range(prompts)]
-    sampler = PromptSampler(ds, cfg.rollout.generate_batch_size or batch, seed=seed)
+    sampler = PromptSampler(ds, cfg.rollout.generate_batch_size or batch, seed=seed, shuffle=True)
     rl = RLState(sampler=sampler, dyn=DynamicSampler(enabled=cfg.algo.filter_groups,
-                                                     metric=cfg.algo.filter_groups_metric))
+                                                     metric=cfg.algo.filter_groups_metric, max_num_gen_batches=16))
     if engine is None:
         sg = cfg.rollout.sglang
         sg.server_urls, sg.max_retries, sg.request_timeout_s = [url], 0, 600.0

@@ -71,7 +71,9 @@ def _tiny_actor(path: str):
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     g = initialize_parallel(tp=1, pp=1, seed=1)
     return MegatronActor(cfg, groups=g, optim=OptimConfig(lr=1e-6, lr_warmup_steps=0), total_optimizer_steps=10,
-                         init_hf_path=path), g, cfg
+                         init_hf_path=path,
+                             dtype='fp32', use_te=None, sequence_parallel=False, recompute_activations=False,
+                             use_distributed_optimizer=True, fused_output_layer=False, moe_aux_loss_coef=None), g, cfg
 
 
 def time_update(plan_rank: list[list[int]], lengths, *, pack: bool, actor, groups, vocab: int, budget: int,
@@ -90,7 +92,8 @@ def time_update(plan_rank: list[list[int]], lengths, *, pack: bool, actor, group
             p = min(prompt_len, lengths[i] - 1)
             ids = torch.randint(4, vocab, (lengths[i],), generator=g).tolist()
             seqs.append(SequenceData(ids[:p], ids[p:], advantage=1.0, index=len(seqs)))
-    mbs = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, max_tokens_per_micro_batch=budget, pack=pack)
+    mbs = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, max_tokens_per_micro_batch=budget, pack=pack,
+        micro_batch_size=1)
     mbs = [mb.with_(old_logprobs=-mb.loss_mask, old_entropy=mb.loss_mask) for mb in mbs]
     cfg, stats = PolicyLossConfig(), EntropyStats(pivot=0.0, std=1.0, pos_max=1.0, neg_min=-1.0)
     t0 = time.perf_counter()

@@ -70,10 +70,13 @@ def actor_logprobs(path: str, hf_config, groups, samples, routing: str):
     from hapo_megatron.training.batches.micro_batches import SequenceData, build_rank_micro_batches
 
     actor = MegatronActor(hf_config, groups=groups, optim=OptimConfig(lr=1e-6, lr_warmup_steps=0),
-                          total_optimizer_steps=1, init_hf_path=path, moe_aux_loss_coef=0.0, routing=routing)
+                          total_optimizer_steps=1, init_hf_path=path, moe_aux_loss_coef=0.0, routing=routing,
+                              dtype='fp32', use_te=None, sequence_parallel=False, recompute_activations=False,
+                              use_distributed_optimizer=True, fused_output_layer=False)
     seqs = [SequenceData([int(t) for t in s.prompt_ids], [int(t) for t in s.response_ids],
                          routed_experts=s.routed_experts, index=i) for i, s in enumerate(samples)]
-    mbs = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batch_size=len(seqs))
+    mbs = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batch_size=len(seqs),
+        max_tokens_per_micro_batch=None)
     with actor.counting_routing_mismatch():
         results = actor.compute_logprobs_entropy(mbs)
     out = {}

@@ -62,7 +62,8 @@ def main() -> None:
     for i in range(2):
         port = launcher.free_port()
         cmd = launcher.server_command(model, port=port, device="cpu", dtype="float32", max_total_tokens=4096,
-                                      extra_args=extra)
+                                      extra_args=extra,
+                                          mem_fraction_static=0.7, quantization='none', kv_cache_dtype='auto')
         if args.standin:  # the keyed launcher runs the module named in its -c program
             cmd[2] = cmd[2].replace("sglang.launch_server", "standin_sglang_server")
         handles.append(launcher.start_process(cmd, f"http://127.0.0.1:{port}", log_path=os.path.join(root, f"s{i}.log"),

@@ -93,7 +93,7 @@ class SGLangHTTP:
         api_key: sent with every request as ``Authorization: Bearer ...`` (``rollout/sglang/api_key.py``).
     """
 
-    def __init__(self, *, timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 1.0,
+    def __init__(self, *, timeout_s: float, max_retries: int, backoff_s: float = 1.0,
                  max_backoff_s: float = 30.0, session: Any = None,
                  sleep: Callable[[float], None] = time.sleep, api_key: Optional[str] = None) -> None:
         if timeout_s <= 0:

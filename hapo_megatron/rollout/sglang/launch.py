@@ -65,11 +65,11 @@ def resolve_device(device: str = "auto") -> str:
 
 
 def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp_size: int = 1,
-                   base_gpu_id: int = 0, mem_fraction_static: float = 0.7, dtype: str = "bfloat16",
+                   base_gpu_id: int = 0, mem_fraction_static: float, dtype: str = "bfloat16",
                    enable_memory_saver: bool = False, skip_tokenizer_init: bool = True,
                    extra_args: Sequence[str] = (), python: str = sys.executable, device: str = "cuda",
-                   max_total_tokens: int = CPU_MAX_TOTAL_TOKENS, api_key: bool = True, quantization: str = "none",
-                   kv_cache_dtype: str = "auto") -> list[str]:
+                   max_total_tokens: int = CPU_MAX_TOTAL_TOKENS, api_key: bool = True, quantization: str,
+                   kv_cache_dtype: str) -> list[str]:
     """The ``python -m sglang.launch_server`` command line of one rollout server.
 
     Always passes ``--enable-custom-logit-processor`` (the adaptive-temperature processor), which
@@ -138,11 +138,11 @@ def server_env(*, cpu: bool, base: Optional[dict] = None) -> dict:
 
 
 def launch_server(model_path: str, *, port: int, host: str, log_path: str, api_key: Optional[str],
-                  tp_size: int = 1, base_gpu_id: int = 0, mem_fraction_static: float = 0.7,
-                  dtype: torch.dtype | str = "bfloat16", colocate: bool = False,
+                  tp_size: int = 1, base_gpu_id: int = 0, mem_fraction_static: float,
+                  dtype: torch.dtype | str = "bfloat16", colocate: bool,
                   extra_args: Sequence[str] = (), device: str = "cuda",
-                  url_host: Optional[str] = None, quantization: str = "none",
-                  kv_cache_dtype: str = "auto") -> ServerHandle:
+                  url_host: Optional[str] = None, quantization: str,
+                  kv_cache_dtype: str) -> ServerHandle:
     """Start one rollout server (:func:`server_command` run by :func:`start_process` in
     :func:`server_env`), bound to ``host`` and reached at ``url_host`` (default ``host``). With
     ``api_key`` the server requires that key; without one it runs keyless."""

@@ -150,8 +150,8 @@ class NodeServersEngine:
 
 
 def _launch_own(slots, *, ctx, host: str, model_path: str, cfg, dtype, device: str, log_dir: str,
-                timeout_s: float, http: SGLangHTTP, api_key: Optional[str], quantization: str = "none",
-                kv_cache_dtype: str = "auto") -> tuple[list[ServerHandle], Optional[str]]:
+                timeout_s: float, http: SGLangHTTP, api_key: Optional[str], quantization: str,
+                kv_cache_dtype: str) -> tuple[list[ServerHandle], Optional[str]]:
     """Start this node's servers and wait for them; ``(handles, error or None)`` (all stopped on error).
     FP8 servers start from this node's own block-FP8 copy of ``model_path`` (docs/fp8.md)."""
     handles: list[ServerHandle] = []
@@ -188,7 +188,7 @@ def _unreachable(handles: Sequence[ServerHandle], http: SGLangHTTP, timeout_s: f
 def start_node_servers(cfg: Any, *, model_path: str, tokenizer: Any = None, dtype: Any = torch.bfloat16,
                        device: str = "auto", log_dir: Optional[str] = None, disk_sync_dir: Optional[str] = None,
                        launch_timeout_s: float = 900.0, api_key: Optional[str] = None,
-                       key_file: Optional[str] = None, quantization: str = "none", kv_cache_dtype: str = "auto",
+                       key_file: Optional[str] = None, quantization: str, kv_cache_dtype: str,
                        **engine_kwargs: Any) -> Optional[NodeServersEngine]:
     """Place ``cfg``'s servers (an ``SGLangConfig``) on every node and connect them; collective.
 

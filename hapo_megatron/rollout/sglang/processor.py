@@ -95,7 +95,7 @@ class AdaptiveTemperatureProcessor(_ProcessorBase):
 
     @classmethod
     def custom_params(cls, stats: Optional[EntropyStats], base_temperature: float,
-                      temperature_tau: float, h_hat_mode: str = "signed") -> dict:
+                      temperature_tau: float, h_hat_mode: str) -> dict:
         """A request's ``custom_params`` (JSON-safe). ``stats=None`` or a greedy request
         (``base_temperature == 0``) gives ``{}``: the processor leaves that row untouched."""
         tb, tau = float(base_temperature), float(temperature_tau)

@@ -31,32 +31,37 @@ import time
 from typing import Optional, Sequence
 
 from hapo_megatron.config.base import KV_CACHE_DTYPES, ROLLOUT_QUANTIZATIONS
+from hapo_megatron.config.sections import RolloutConfig, SGLangConfig
 from hapo_megatron.rollout.sglang import fp8_serving
 from hapo_megatron.rollout.sglang import launch
 from hapo_megatron.rollout.sglang.api_key import API_KEY_ENV, KEY_FILE_NAME, resolve_api_key
 from hapo_megatron.rollout.sglang.client import SGLangHTTP
 
 
+_SGLANG = SGLangConfig()  # the launch flags' defaults are the config's (rollout.sglang.*)
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m hapo_megatron.rollout.sglang.serve",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", required=True)
-    p.add_argument("--num-servers", type=int, default=1)
-    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--num-servers", type=int, default=_SGLANG.num_servers)
+    p.add_argument("--tp-size", type=int, default=_SGLANG.server_tp_size)
     p.add_argument("--base-gpu-id", type=int, default=0)
-    p.add_argument("--port-base", type=int, default=30000)
+    p.add_argument("--port-base", type=int, default=_SGLANG.port_base)
     p.add_argument("--host", default=None,
                    help="bind address (default: this node's address on the interface toward other nodes; "
                         "127.0.0.1 for a trainer on the same node; never 0.0.0.0 unless asked)")
     p.add_argument("--advertise-host", default=None, help="host in the printed URLs (default: the bind address)")
-    p.add_argument("--mem-fraction-static", type=float, default=0.7)
+    p.add_argument("--mem-fraction-static", type=float, default=_SGLANG.mem_fraction_static)
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                    help="cpu: SGLang's CPU engine (float32, import-only stand-ins); auto: cuda when visible")
     p.add_argument("--colocate", action="store_true", help="enable release/resume of GPU memory")
-    p.add_argument("--quantization", default="none", choices=ROLLOUT_QUANTIZATIONS,
+    p.add_argument("--quantization", default=RolloutConfig().quantization, choices=ROLLOUT_QUANTIZATIONS,
                    help="fp8: block-FP8 weights (the trainer sets rollout.quantization=fp8; docs/fp8.md)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="the servers' KV-cache dtype")
+    p.add_argument("--kv-cache-dtype", default=RolloutConfig().kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="the servers' KV-cache dtype")
     p.add_argument("--log-dir", default="sglang_logs")
     p.add_argument("--url-file", default=None, help="also write the URLs to this file")
     p.add_argument("--api-key-file", default=None,
@@ -89,7 +94,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     key = resolve_api_key(key_file, create=True)
     if not os.environ.get(API_KEY_ENV):
         print(f"API key of these servers: in {key_file}", file=sys.stderr, flush=True)
-    http = SGLangHTTP(timeout_s=30, api_key=key)
+    http = SGLangHTTP(timeout_s=30, max_retries=_SGLANG.max_retries, api_key=key)
     servers = []
     device = launch.resolve_device(a.device)
     model_path = serving_model_path(a, device)

@@ -54,7 +54,8 @@ class AsyncRollout:
         self._queue: deque[int] = deque(pending or ())  # drawn (or from a checkpoint), not admitted
         self._score_lock = threading.Lock()
         self._stop = threading.Event()
-        self._filter = DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric)
+        self._filter = DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
+                                      max_num_gen_batches=cfg.algo.max_num_gen_batches)
         self._pool = ThreadPoolExecutor(max_workers=(self.k + 1) * self.batch_groups,
                                         thread_name_prefix="hapo-rollout")
         self._thread = threading.Thread(target=self._run, name="hapo-rollout-producer", daemon=True)

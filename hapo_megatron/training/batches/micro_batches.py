@@ -91,8 +91,8 @@ def balance_partitions(lengths: Sequence[int], num_parts: int, *, equal_size: bo
     return [sorted(p) for p in parts]
 
 
-def split_micro_batches(seqs: Sequence[SequenceData], *, micro_batch_size: int = 1,
-                        max_tokens_per_micro_batch: int | None = None) -> list[list[SequenceData]]:
+def split_micro_batches(seqs: Sequence[SequenceData], *, micro_batch_size: int,
+                        max_tokens_per_micro_batch: int | None) -> list[list[SequenceData]]:
     """Group one rank's sequences into micro-batches (order kept).
 
     With ``max_tokens_per_micro_batch`` the grouping is by padded token count
@@ -139,8 +139,8 @@ def _fits(bins: list[list[int]], lengths: Sequence[int], budget: int) -> bool:
     return all(len(b) == 1 or sum(int(lengths[i]) for i in b) <= budget for b in bins)
 
 
-def plan_micro_batches(lengths: Sequence[int], *, dp_size: int, micro_batch_size: int = 1,
-                       max_tokens_per_micro_batch: int | None = None,
+def plan_micro_batches(lengths: Sequence[int], *, dp_size: int, micro_batch_size: int,
+                       max_tokens_per_micro_batch: int | None,
                        pack: bool = False) -> list[list[list[int]]]:
     """Sequence indices of every data-parallel rank's micro-batches: ``plan[rank][mb]``.
 
@@ -360,7 +360,7 @@ def dummy_sequence(template: SequenceData) -> SequenceData:
 
 
 def build_rank_micro_batches(seqs: Sequence[SequenceData], *, dp_rank: int, dp_size: int,
-                             micro_batch_size: int = 1, max_tokens_per_micro_batch: int | None = None,
+                             micro_batch_size: int, max_tokens_per_micro_batch: int | None,
                              pad_multiple: int = 1, pack: bool = False, seq_multiple: int = 1,
                              row_multiple: int = 1) -> list[MicroBatch]:
     """This data-parallel rank's micro-batches for one (mini-)batch of sequences: padded

@@ -117,7 +117,7 @@ class RolloutBatch(SequenceFields):
 
 def score_samples(samples: Sequence[Sequence[Any]], records: Sequence[Any], *,
                   reward_fn: Callable[..., Any], decode: Callable[[list[int]], str],
-                  score_format: str = "pm1", group_offset: int = 0,
+                  score_format: str, group_offset: int = 0,
                   reward_kwargs: dict | None = None) -> RolloutBatch:
     """Score the engine's ``samples[prompt][k]`` (`Sample`) against ``records[prompt]`` (`PromptRecord`)
     in this thread.
@@ -182,7 +182,7 @@ class DynamicSampler:
     `state_dict` exists so a checkpoint records it anyway.
     """
 
-    def __init__(self, *, enabled: bool, metric: str = "acc", max_num_gen_batches: int = 16):
+    def __init__(self, *, enabled: bool, metric: str, max_num_gen_batches: int):
         if metric not in ("acc", "score"):
             raise ValueError(f"filter_groups_metric must be 'acc' or 'score', got {metric!r}")
         self.enabled, self.metric, self.max_num_gen_batches = enabled, metric, max_num_gen_batches
@@ -241,8 +241,8 @@ class DynamicSampler:
 
 
 def sequence_advantages(rewards: Sequence[float], lengths: Sequence[int], group_ids: Sequence[int], *,
-                        adv_estimator: str = "hapo", norm_adv_by_std: bool = True,
-                        fallback_threshold: float = 5.0) -> tuple[torch.Tensor, dict[str, float]]:
+                        adv_estimator: str, norm_adv_by_std: bool,
+                        fallback_threshold: float) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-sequence advantage ``[B]`` (constant over a response's tokens; 0 for empty responses),
     O(B) from the response lengths (`algo.response_advantages`).
 

@@ -278,7 +278,7 @@ class CheckpointManager:
     ``layout`` is this run's parallel layout, recorded in every checkpoint.
     """
 
-    def __init__(self, root: str, *, keep_last_k: int = 3, rank: int = 0,
+    def __init__(self, root: str, *, keep_last_k: Optional[int], rank: int = 0,
                  barrier: Callable[[], None] | None = None, layout: Layout = Layout(),
                  world_size: int = 1, gather: Callable[[Any], list] | None = None):
         if keep_last_k is not None and keep_last_k < 1:

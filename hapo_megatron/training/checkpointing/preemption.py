@@ -77,8 +77,8 @@ class StopRequest:
     then be gloo; `cpu_group_over_world` gives one). ``clock``: monotonic seconds (tests).
     """
 
-    def __init__(self, *, signals=("SIGTERM", "SIGINT", "SIGUSR1"), grace_s: float = 600.0,
-                 exit_after_minutes: Optional[float] = None, group=None,
+    def __init__(self, *, signals, grace_s: float,
+                 exit_after_minutes: Optional[float], group=None,
                  clock: Callable[[], float] = time.monotonic,
                  log: Callable[[str], None] = lambda msg: sys.stderr.write(msg + "\n")):  # ranks share a pipe
         self.signals = parse_signal_names(signals)

@@ -152,8 +152,8 @@ def output_layer_bytes(shape: ModelShape, s: float, t: int, sequence_parallel: b
     return final_norm + slices + 4 * s * h + (ACT_BYTES * s * h if sp else 0)
 
 
-def activation_bytes(shape: ModelShape, *, tokens: float, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
-                     recompute: bool = False, fused_output_layer: bool = False,
+def activation_bytes(shape: ModelShape, *, tokens: float, tp: int = 1, pp: int = 1, sequence_parallel: bool,
+                     recompute: bool, fused_output_layer: bool,
                      logprob_chunk: int = 1024) -> float:
     """The activation peak of the busiest pipeline stage under 1F1B: the first stage with PP
     micro-batches in flight, or the last with one and the output layer (module docstring)."""
@@ -176,9 +176,9 @@ def activation_bytes(shape: ModelShape, *, tokens: float, tp: int = 1, pp: int =
 
 def plan_memory(shape: ModelShape, *, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1, ep: int = 1,
                 etp: Optional[int] = None, param_bytes: int = 2,
-                distributed_optimizer: bool = True, sequence_parallel: bool = False, tokens_per_micro_batch: int,
-                recompute: bool = False, sglang_fraction: float = 0.0, server_tp: int = 1, colocated: bool = False,
-                offload: bool = False, device_bytes: int, fused_output_layer: bool = False,
+                distributed_optimizer: bool, sequence_parallel: bool, tokens_per_micro_batch: int,
+                recompute: bool, sglang_fraction: float = 0.0, server_tp: int = 1, colocated: bool = False,
+                offload: bool = False, device_bytes: int, fused_output_layer: bool,
                 logprob_chunk: int = 1024, reference_model: bool = False, routed_tokens: int = 0,
                 peer_contexts: int = 0, server_weight_bytes: Optional[int] = None) -> MemoryPlan:
     """The per-GPU plan (see the module docstring for every formula). ``routed_tokens``: tokens of

@@ -47,7 +47,7 @@ def launch_server_process(model_dir: str, log_path: str, api_key: str,
     device = launcher.resolve_device("auto")
     cmd = launcher.server_command(model_dir, port=port, device=device, dtype="float32",
                                   mem_fraction_static=0.3, max_total_tokens=4096,
-                                  extra_args=extra_args)
+                                  extra_args=extra_args, quantization='none', kv_cache_dtype='auto')
     return launcher.start_process(cmd, f"http://127.0.0.1:{port}", log_path=log_path,
                                   env=launcher.server_env(cpu=device == "cpu"), api_key=api_key)
 

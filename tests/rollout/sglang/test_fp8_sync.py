@@ -81,9 +81,11 @@ def test_config_fields_defaults_and_refusals():
 # ------------------------------------------------------------------------------- server flags
 def test_server_command_flags():
     """`--quantization fp8` / `--kv-cache-dtype` only when set (mutation: flags never added)."""
-    plain = server_command("/m", port=1, device="cuda")
+    plain = server_command("/m", port=1, device="cuda",
+        mem_fraction_static=0.7, quantization='none', kv_cache_dtype='auto')
     assert "--quantization" not in plain and "--kv-cache-dtype" not in plain
-    cmd = server_command("/m", port=1, device="cuda", quantization="fp8", kv_cache_dtype="fp8_e4m3")
+    cmd = server_command("/m", port=1, device="cuda", quantization="fp8", kv_cache_dtype="fp8_e4m3",
+        mem_fraction_static=0.7)
     assert cmd[cmd.index("--quantization") + 1] == "fp8" and cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
 
 

@@ -175,7 +175,7 @@ def test_timeout_is_not_retried_on_the_same_server_only_with_retry_timeouts_fals
         http.request(ServerHandle(URLS[0]), "/generate", {})
     assert len(sess.posts("/generate")) == 1 + 3
     sess = FakeSession(down={URLS[0]})
-    http = SGLangHTTP(session=sess, sleep=lambda s: None, max_retries=2)
+    http = SGLangHTTP(session=sess, sleep=lambda s: None, max_retries=2, timeout_s=600.0)
     with pytest.raises(ServerUnreachableError) as e:  # refused connections are retried as before
         http.request(ServerHandle(URLS[0]), "/generate", {}, retry_timeouts=False)
     assert not e.value.timed_out and len(sess.posts("/generate")) == 3

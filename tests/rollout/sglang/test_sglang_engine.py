@@ -112,7 +112,7 @@ def test_generate_bad_input():
 def test_retries_with_backoff_then_success():
     sleeps = []
     sess = FakeSession(failures={"/generate": [503, requests.ConnectionError("reset"), 502]})
-    http = SGLangHTTP(max_retries=3, backoff_s=0.5, session=sess, sleep=sleeps.append)
+    http = SGLangHTTP(max_retries=3, backoff_s=0.5, session=sess, sleep=sleeps.append, timeout_s=600.0)
     ans = http.request(ServerHandle(URLS[0]), "/generate",
                        {"input_ids": [[1]], "sampling_params": [{"max_new_tokens": 1}]})
     assert len(ans) == 1 and sleeps == [0.5, 1.0, 2.0]
@@ -121,7 +121,7 @@ def test_retries_with_backoff_then_success():
 def test_retries_exhausted_and_non_retryable():
     sleeps = []
     sess = FakeSession(failures={"/generate": [503] * 10, "/update_weights_from_disk": [400]})
-    http = SGLangHTTP(max_retries=2, backoff_s=1.0, session=sess, sleep=sleeps.append)
+    http = SGLangHTTP(max_retries=2, backoff_s=1.0, session=sess, sleep=sleeps.append, timeout_s=600.0)
     with pytest.raises(SGLangError, match="after 3 attempt"):
         http.request(ServerHandle(URLS[0]), "/generate", {})
     assert len(sess.posts("/generate")) == 3 and sleeps == [1.0, 2.0]
@@ -134,7 +134,7 @@ def test_dead_launched_server_raises_with_log_tail(tmp_path):
     log = tmp_path / "server.log"
     log.write_text("CUDA out of memory while loading weights\n")
     dead = ServerHandle("http://a:1", process=FakeProcess(returncode=-9), log_path=str(log))
-    http = SGLangHTTP(session=FakeSession(), sleep=lambda s: None)
+    http = SGLangHTTP(session=FakeSession(), sleep=lambda s: None, timeout_s=600.0, max_retries=3)
     with pytest.raises(ServerDiedError, match="exited with code -9(.|\n)*CUDA out of memory"):
         http.request(dead, "/generate", {})
     with pytest.raises(ServerDiedError, match="start-up"):
@@ -163,7 +163,7 @@ def test_wait_healthy_times_out():
     def sleep(s):
         now[0] += s
 
-    http = SGLangHTTP(session=FakeSession(dead={URLS[0]}), sleep=sleep)
+    http = SGLangHTTP(session=FakeSession(dead={URLS[0]}), sleep=sleep, timeout_s=600.0, max_retries=3)
     with pytest.raises(SGLangError, match="not healthy after 10 s"):
         http.wait_healthy(ServerHandle(URLS[0]), timeout_s=10, poll_s=3, clock=lambda: now[0])
 
@@ -307,7 +307,8 @@ def test_the_section_reaches_the_engine_and_weight_sync_resolution():
 
 def test_launch_commands():
     cmd = server_command("/models/q", port=30001, tp_size=2, base_gpu_id=4, mem_fraction_static=0.6,
-                         dtype=sglang_dtype(torch.bfloat16), enable_memory_saver=True, extra_args=["--x", 1])
+                         dtype=sglang_dtype(torch.bfloat16), enable_memory_saver=True, extra_args=["--x", 1],
+                             quantization='none', kv_cache_dtype='auto')
     s = " ".join(cmd)
     for part in ("--model-path /models/q", "--port 30001", "--tp-size 2",
                  "--base-gpu-id 4", "--mem-fraction-static 0.6", "--dtype bfloat16",
@@ -316,8 +317,10 @@ def test_launch_commands():
     assert cmd[-2:] == ["--x", "1"]
     # keyed (default): sglang.launch_server run with the key flags added from the environment
     assert cmd[1] == "-c" and "'sglang.launch_server'" in cmd[2] and "'--admin-api-key'" in cmd[2]
-    assert "-m sglang.launch_server --model-path /m" in " ".join(server_command("/m", port=1, api_key=False))
-    assert "--enable-memory-saver" not in server_command("/m", port=1)
+    assert "-m sglang.launch_server --model-path /m" in " ".join(server_command("/m", port=1, api_key=False,
+        mem_fraction_static=0.7, quantization='none', kv_cache_dtype='auto'))
+    assert "--enable-memory-saver" not in server_command("/m", port=1,
+        mem_fraction_static=0.7, quantization='none', kv_cache_dtype='auto')
     assert sglang_dtype("bf16") == "bfloat16" and sglang_dtype(torch.float32) == "float32"
     with pytest.raises(ValueError):
         sglang_dtype(torch.int8)
@@ -424,7 +427,9 @@ def test_launched_servers_bind_loopback_on_one_node(monkeypatch, tmp_path):
         assert env["SGLANG_USE_CPU_ENGINE"] == "1" and "--device" in cmd and "torch_native" in cmd
         assert "--sleep-on-idle" in cmd  # an idle CPU scheduler would busy-poll a core of the trainer's
         assert "RANK" not in env and "MASTER_PORT" not in env
-    assert server_command("/m", port=1)[server_command("/m", port=1).index("--host") + 1] == "127.0.0.1"
+    assert server_command("/m", port=1,
+        mem_fraction_static=0.7, quantization='none', kv_cache_dtype='auto')[server_command("/m", port=1,
+        mem_fraction_static=0.7, quantization='none', kv_cache_dtype='auto').index("--host") + 1] == "127.0.0.1"
 
 
 def test_generate_hands_each_call_to_on_samples():

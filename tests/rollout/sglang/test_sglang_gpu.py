@@ -11,6 +11,7 @@ Checks against an independent HF-transformers recomputation (float32, full forwa
 import pytest
 import torch
 from tests.rollout.sglang.engines import sglang_engine
+from hapo_megatron.algo.loss_config import PolicyLossConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -59,8 +60,9 @@ def test_generate_with_and_without_adaptive_processor(engine, tiny_models):
     model = tiny_models[1]
     prompts = [[5, 6, 7, 8], [100, 200, 300]]
     with torch.no_grad():
-        ent = token_entropy(model(input_ids=torch.randint(3, VOCAB, (4, 16), device="cuda")).logits)
-    stats = compute_entropy_stats(ent, torch.ones_like(ent, dtype=torch.bool))
+        ent = token_entropy(model(input_ids=torch.randint(3, VOCAB, (4, 16), device="cuda")).logits, temperature=1.0)
+    stats = compute_entropy_stats(ent, torch.ones_like(ent, dtype=torch.bool),
+        entropy_pivot=PolicyLossConfig().entropy_pivot)
     plain = SamplingParams(n=4, temperature=1.0, max_new_tokens=12, ignore_eos=True)
     adaptive = plain.with_(adaptive=True, entropy_stats=stats, temperature_tau=0.9)
     err_adapt_vs_base = []
@@ -69,7 +71,8 @@ def test_generate_with_and_without_adaptive_processor(engine, tiny_models):
             for s in group:
                 assert len(s.response_ids) == 12 and s.temperatures.tolist() == []
                 logits = recompute(model, s.prompt_ids, s.response_ids)
-                temp = adaptive_temperature(logits, stats if params.adaptive else None, 1.0, 0.9)
+                temp = adaptive_temperature(logits, stats if params.adaptive else None, 1.0, 0.9,
+                    h_hat_mode=PolicyLossConfig().h_hat_mode)
                 want = torch.log_softmax(logits / temp[:, None], -1).gather(
                     -1, torch.tensor(s.response_ids, dtype=torch.long, device="cuda")[:, None])
                 got = torch.tensor(s.rollout_logprobs, device="cuda")

@@ -9,6 +9,7 @@ import torch
 
 from hapo_megatron.algo import EntropyStats, adaptive_temperature, compute_entropy_stats, token_entropy
 from hapo_megatron.rollout.sglang.processor import PARAM_KEY, SGLANG_AVAILABLE, AdaptiveTemperatureProcessor
+from hapo_megatron.algo.loss_config import PolicyLossConfig
 
 P = AdaptiveTemperatureProcessor
 
@@ -82,24 +83,26 @@ def test_all_rows_without_stats_returns_input_and_bf16_dtype_kept():
     assert P()(logits, [None, {}, {}, {"x": 1}]) is logits
     lb = logits.to(torch.bfloat16)
     st = stats_for(logits, 1.0)
-    out = P()(lb.clone(), [P.custom_params(st, 1.0, 0.05)] * 4)
+    out = P()(lb.clone(), [P.custom_params(st, 1.0, 0.05, h_hat_mode=PolicyLossConfig().h_hat_mode)] * 4)
     assert out.dtype == torch.bfloat16
 
 
 def test_custom_params_contract():
     st = EntropyStats(pivot=1.2, std=0.3, pos_max=2.0, neg_min=-3.0)
-    cp = P.custom_params(st, 1.0, 0.05)
+    cp = P.custom_params(st, 1.0, 0.05, h_hat_mode=PolicyLossConfig().h_hat_mode)
     assert list(cp) == [PARAM_KEY]
     entry = cp[PARAM_KEY]
     assert entry == {"pivot": 1.2, "std": 0.3, "pos_max": 2.0, "neg_min": -3.0,
                      "base_temperature": 1.0, "temperature_tau": 0.05, "h_hat_mode": "signed"}
     assert all(isinstance(v, (int, float, str)) for v in entry.values())  # JSON scalars only
-    neutral = P.custom_params(EntropyStats.neutral(), 1.0, 0.05)
+    neutral = P.custom_params(EntropyStats.neutral(), 1.0, 0.05, h_hat_mode=PolicyLossConfig().h_hat_mode)
     json.dumps(neutral, allow_nan=False)  # inf travels as strings
-    assert P.custom_params(None, 1.0, 0.05) == {} and P.custom_params(st, 0.0, 0.05) == {}
-    assert P.custom_params(st.to_dict(), 1.0, 0.05) == cp
+    assert P.custom_params(None, 1.0, 0.05,
+        h_hat_mode=PolicyLossConfig().h_hat_mode) == {} and P.custom_params(st, 0.0, 0.05,
+        h_hat_mode=PolicyLossConfig().h_hat_mode) == {}
+    assert P.custom_params(st.to_dict(), 1.0, 0.05, h_hat_mode=PolicyLossConfig().h_hat_mode) == cp
     for bad in (dict(base_temperature=-1.0), dict(temperature_tau=1.0), dict(h_hat_mode="x")):
-        kw = dict(stats=st, base_temperature=1.0, temperature_tau=0.05)
+        kw = dict(stats=st, base_temperature=1.0, temperature_tau=0.05, h_hat_mode=PolicyLossConfig().h_hat_mode)
         kw.update(bad)
         with pytest.raises(ValueError):
             P.custom_params(**kw)
@@ -116,7 +119,7 @@ def test_to_str_from_str_round_trip():
     obj = P.from_str(s)
     assert isinstance(obj, P)
     logits = make_logits(rows=3)
-    params = [P.custom_params(stats_for(logits, 1.0), 1.0, 0.2)] * 3
+    params = [P.custom_params(stats_for(logits, 1.0), 1.0, 0.2, h_hat_mode=PolicyLossConfig().h_hat_mode)] * 3
     assert torch.equal(obj(logits.clone(), params), P()(logits.clone(), params))
 
 

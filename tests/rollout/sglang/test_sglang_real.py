@@ -112,12 +112,14 @@ def _train_and_sync_worker(rank, world, url, api_key, model_dir, sync_dir):
     g = initialize_parallel(tp=2, seed=3)
     actor = MegatronActor(AutoConfig.from_pretrained(model_dir), groups=g,
                           optim=OptimConfig(lr=3e-2, lr_warmup_steps=0, weight_decay=0.0),
-                          total_optimizer_steps=20, init_hf_path=model_dir)
+                          total_optimizer_steps=20, init_hf_path=model_dir,
+                              dtype='fp32', use_te=None, sequence_parallel=False, recompute_activations=False,
+                              use_distributed_optimizer=True, fused_output_layer=False, moe_aux_loss_coef=None)
     out = {}
     for k, mode in enumerate(("tensor", "disk")):
         target = [40 + 3 * k + i for i in range(8)]  # a continuation the trained model should prefer
         seqs = [SequenceData(p, target, index=i) for i, p in enumerate(PROMPTS)]
-        mbs = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batch_size=4)
+        mbs = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batch_size=4, max_tokens_per_micro_batch=None)
         for _ in range(4):
             actor.train_step(mbs, cross_entropy_loss_factory(g.tp))
         eng = make_engine(url, api_key, weight_sync=mode, model_path=model_dir, disk_sync_dir=sync_dir) \

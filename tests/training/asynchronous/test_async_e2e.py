@@ -65,7 +65,7 @@ def _stopped_job(data, run_dir, rec_dir):
     server = start_process([sys.executable, STANDIN, "--host", "127.0.0.1", "--port", str(port)],
                            f"http://127.0.0.1:{port}", log_path=os.path.join(rec_dir, "server.log"), env=env)
     try:
-        SGLangHTTP(timeout_s=30).wait_healthy(server, 120.0)
+        SGLangHTTP(timeout_s=30, max_retries=3).wait_healthy(server, 120.0)
         recs = _job(data, run_dir, [server.url], STEPS, run_kwargs=dict(
             module="tests.training.preempt_hook", returncode=EXIT_STOPPED, torchrun=False,
             env={"HAPO_TEST_HOLD_STAGE": "async_take", "HAPO_TEST_HOLD_STEP": str(STOP_STEP),

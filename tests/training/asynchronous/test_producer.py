@@ -76,7 +76,7 @@ def _rt(k=1, *, filter_groups=False, constant=(), step=0, sampler_state=None):
         f"data.train_batch_size={B}", f"trainer.ppo_mini_batch_size={B}", f"rollout.n={N}",
         f"algo.filter_groups={str(filter_groups).lower()}", "rollout.max_response_length=8"])
     ds = [SimpleNamespace(prompt_ids=[1, i + 10], data_source="t", index=i) for i in range(PROMPTS)]
-    sampler = PromptSampler(ds, B, seed=3)
+    sampler = PromptSampler(ds, B, seed=3, shuffle=True)
     if sampler_state is not None:
         sampler.load_state_dict(sampler_state)
     return SimpleNamespace(cfg=cfg, train_ds=ds, engine=FakeEngine(), scorer=FakeScorer(constant),
@@ -105,7 +105,7 @@ def _train(ar, rt, steps):
 
 def _sampler_order(n):
     ds = list(range(PROMPTS))
-    s = PromptSampler(ds, B, seed=3)
+    s = PromptSampler(ds, B, seed=3, shuffle=True)
     return [i for _ in range(n // B) for i in s.next_indices()]
 
 

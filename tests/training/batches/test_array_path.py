@@ -140,7 +140,7 @@ def test_random_batches_old_list_path_equals_array_path(seed):
     assert m_new.pop("rollout/temperature_mean") == pytest.approx(m_old.pop("rollout/temperature_mean"), rel=1e-12)
     assert m_new == m_old
     # dynamic sampling: the same groups, in order, with the same rows
-    dyn = DynamicSampler(enabled=True, metric="acc")
+    dyn = DynamicSampler(enabled=True, metric="acc", max_num_gen_batches=16)
     dyn.add(new)
     kept_new, kept_old = dyn.take(100), ref.filter_groups(old)
     for f in ref.FIELDS:  # per-token fields: as float32 / int32 arrays

@@ -20,19 +20,21 @@ from hapo_megatron.training.batches.micro_batches import (SequenceData, collate,
 def test_padded_plan_hand_case_gets_a_filler():
     # balance_partitions (equal sizes): r0 = {0, 2} (20 tokens), r1 = {1, 3, 4} (18); by padded tokens
     # (rows x longest <= 20): r0 one micro-batch [0, 2], r1 [1, 3] then [4] -> r0 gets one filler
-    plan = plan_micro_batches([10, 10, 10, 4, 4], dp_size=2, max_tokens_per_micro_batch=20)
+    plan = plan_micro_batches([10, 10, 10, 4, 4], dp_size=2, max_tokens_per_micro_batch=20, micro_batch_size=1)
     assert plan == [[[0, 2], []], [[1, 3], [4]]]
 
 
 def test_packed_plan_hand_case_keeps_the_empty_bin_as_a_filler():
     # ranks by tokens: r0 = {0} (58), r1 = the five short ones (48); k = ceil(58 / 30) = 2 rows each;
     # r0 has one sequence for 2 bins: its empty bin was dropped, now it is a filler
-    plan = plan_micro_batches([58, 10, 10, 10, 10, 8], dp_size=2, max_tokens_per_micro_batch=30, pack=True)
+    plan = plan_micro_batches([58, 10, 10, 10, 10, 8], dp_size=2, max_tokens_per_micro_batch=30, pack=True,
+        micro_batch_size=1)
     assert plan == [[[0], []], [[1, 3, 5], [2, 4]]]
 
 
 def test_rank_without_sequences_and_empty_plan():
-    assert plan_micro_batches([5], dp_size=3, micro_batch_size=1) == [[[0]], [[]], [[]]]
+    assert plan_micro_batches([5], dp_size=3, micro_batch_size=1,
+        max_tokens_per_micro_batch=None) == [[[0]], [[]], [[]]]
     assert equalize_micro_batch_counts([[], []]) == [[[]], [[]]]
 
 
@@ -42,7 +44,7 @@ def test_random_plans_have_equal_counts_and_cover_every_sequence_once(seed, pack
     rnd = random.Random(seed)
     lengths = [rnd.randint(2, 60) for _ in range(rnd.randint(1, 30))]
     dp, budget = rnd.randint(1, 4), rnd.randint(60, 150)
-    plan = plan_micro_batches(lengths, dp_size=dp, max_tokens_per_micro_batch=budget, pack=pack)
+    plan = plan_micro_batches(lengths, dp_size=dp, max_tokens_per_micro_batch=budget, pack=pack, micro_batch_size=1)
     assert len({len(rank) for rank in plan}) == 1 and len(plan[0]) >= 1
     assert sorted(i for rank in plan for b in rank for i in b) == list(range(len(lengths)))
     for rank in plan:  # fillers only after a rank's real micro-batches

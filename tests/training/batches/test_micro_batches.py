@@ -94,8 +94,8 @@ def test_collate_hand_case_and_padding():
 
 def test_micro_batches_by_count_and_tokens():
     seqs = [SequenceData([1] * n, [2], index=i) for i, n in enumerate([3, 5, 2, 7, 1])]
-    assert [len(g) for g in split_micro_batches(seqs, micro_batch_size=2)] == [2, 2, 1]
-    groups = split_micro_batches(seqs, max_tokens_per_micro_batch=12)
+    assert [len(g) for g in split_micro_batches(seqs, micro_batch_size=2, max_tokens_per_micro_batch=None)] == [2, 2, 1]
+    groups = split_micro_batches(seqs, max_tokens_per_micro_batch=12, micro_batch_size=1)
     for g in groups:
         assert len(g) == 1 or len(g) * max(x.num_tokens for x in g) <= 12
     assert [x.index for g in groups for x in g] == list(range(5))
@@ -106,11 +106,12 @@ def test_rank_micro_batches_cover_every_sequence_once():
     seqs = [SequenceData([1] * rng.randint(1, 5), [2] * rng.randint(1, 9), index=i) for i in range(11)]
     seen = []
     for r in range(3):
-        for mb in build_rank_micro_batches(seqs, dp_rank=r, dp_size=3, micro_batch_size=2):
+        for mb in build_rank_micro_batches(seqs, dp_rank=r, dp_size=3, micro_batch_size=2,
+            max_tokens_per_micro_batch=None):
             seen += [i for i in mb.seq_index.tolist() if i >= 0]
     assert sorted(seen) == list(range(11))
     # more ranks than sequences: the extra rank gets an all-masked dummy
-    mbs = build_rank_micro_batches(seqs[:1], dp_rank=1, dp_size=2)
+    mbs = build_rank_micro_batches(seqs[:1], dp_rank=1, dp_size=2, micro_batch_size=1, max_tokens_per_micro_batch=None)
     assert mbs[0].seq_index.tolist() == [-1] and mbs[0].loss_mask.sum() == 0
 
 

@@ -30,7 +30,7 @@ def _seqs(n, seed=0, max_len=30):
 def test_plan_hand_case():
     lengths = [10, 9, 5, 4, 3, 1]
     # ranks by tokens, longest first into the lightest: r0 = 10+4+3, r1 = 9+5+1; then 2 rows each
-    assert plan_micro_batches(lengths, dp_size=2, max_tokens_per_micro_batch=10, pack=True) == \
+    assert plan_micro_batches(lengths, dp_size=2, max_tokens_per_micro_batch=10, pack=True, micro_batch_size=1) == \
         [[[0], [3, 4]], [[1], [2, 5]]]
     assert pack_bins([0, 1, 2, 3], [4, 4, 3, 3], 2) == [[0, 2], [1, 3]]
 
@@ -40,8 +40,9 @@ def test_plan_covers_every_sequence_once_within_budget_and_balanced(seed):
     rnd = random.Random(seed)
     lengths = [rnd.randint(1, 60) for _ in range(rnd.randint(1, 40))]
     dp, budget = rnd.randint(1, 4), rnd.randint(30, 150)
-    plan = plan_micro_batches(lengths, dp_size=dp, max_tokens_per_micro_batch=budget, pack=True)
-    assert plan == plan_micro_batches(list(lengths), dp_size=dp, max_tokens_per_micro_batch=budget, pack=True)
+    plan = plan_micro_batches(lengths, dp_size=dp, max_tokens_per_micro_batch=budget, pack=True, micro_batch_size=1)
+    assert plan == plan_micro_batches(list(lengths), dp_size=dp, max_tokens_per_micro_batch=budget, pack=True,
+        micro_batch_size=1)
     assert sorted(i for rank in plan for b in rank for i in b) == list(range(len(lengths)))
     loads = [[sum(lengths[i] for i in b) for b in rank] for rank in plan]
     # over the budget only alone (a sequence longer than the budget)
@@ -57,15 +58,15 @@ def test_plan_covers_every_sequence_once_within_budget_and_balanced(seed):
 
 
 def test_plan_oversize_sequence_gets_its_own_row_and_padded_plan_unchanged():
-    plan = plan_micro_batches([50, 3, 4], dp_size=1, max_tokens_per_micro_batch=10, pack=True)
+    plan = plan_micro_batches([50, 3, 4], dp_size=1, max_tokens_per_micro_batch=10, pack=True, micro_batch_size=1)
     assert [50] in [[[50, 3, 4][i] for i in b] for b in plan[0]]
     seqs = _seqs(9)
-    old = build_rank_micro_batches(seqs, dp_rank=1, dp_size=2, micro_batch_size=2)
+    old = build_rank_micro_batches(seqs, dp_rank=1, dp_size=2, micro_batch_size=2, max_tokens_per_micro_batch=None)
     assert [mb.seq_index.tolist() for mb in old] == \
         [[seqs[i].index for i in b] for b in plan_micro_batches([s.num_tokens for s in seqs], dp_size=2,
-                                                                micro_batch_size=2)[1]]
+                                                                micro_batch_size=2, max_tokens_per_micro_batch=None)[1]]
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
-        plan_micro_batches([3], dp_size=1, pack=True)
+        plan_micro_batches([3], dp_size=1, pack=True, micro_batch_size=1, max_tokens_per_micro_batch=None)
 
 
 @pytest.mark.parametrize("seq_m,row_m", [(1, 1), (4, 4), (4, 8), (1, 2)])
@@ -196,16 +197,16 @@ def test_block_causal_mask_hand_case():
 
 def test_token_efficiency_hand_case():
     lengths = [6, 2, 3]
-    padded = plan_micro_batches(lengths, dp_size=1, micro_batch_size=3)
+    padded = plan_micro_batches(lengths, dp_size=1, micro_batch_size=3, max_tokens_per_micro_batch=None)
     eff = token_efficiency(padded, lengths, pack=False, pad_multiple=4)
     assert eff["computed_tokens"] == 3 * 8 and eff["real_tokens"] == 11
-    packed = plan_micro_batches(lengths, dp_size=1, max_tokens_per_micro_batch=11, pack=True)
+    packed = plan_micro_batches(lengths, dp_size=1, max_tokens_per_micro_batch=11, pack=True, micro_batch_size=1)
     eff = token_efficiency(packed, lengths, pack=True, seq_multiple=2, row_multiple=4)
     assert eff["computed_tokens"] == 12 and eff["token_efficiency"] == 11 / 12
     # the figures are those of the micro-batches really built
     seqs = [SequenceData([1] * (n - 1), [2], index=i) for i, n in enumerate(lengths)]
     built = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, max_tokens_per_micro_batch=11, pack=True,
-                                     seq_multiple=2, row_multiple=4)
+                                     seq_multiple=2, row_multiple=4, micro_batch_size=1)
     assert sum(mb.input_ids.numel() for mb in built) == 12
 
 

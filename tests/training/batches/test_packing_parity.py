@@ -76,7 +76,8 @@ def _run_layout(actor, g, seqs, pack: bool, ref_model):
 
     pads = PadMultiples.of(tp_size=g.tp_size, cp_size=g.cp_size, sequence_parallel=False)
     mbs = build_rank_micro_batches(seqs, dp_rank=g.dp_rank, dp_size=g.dp_size, max_tokens_per_micro_batch=BUDGET,
-                                   pack=pack, seq_multiple=pads.seq_multiple, row_multiple=pads.row_multiple)
+                                   pack=pack, seq_multiple=pads.seq_multiple, row_multiple=pads.row_multiple,
+                                       micro_batch_size=1)
     assert all(mb.is_packed == pack for mb in mbs)
     last, contribute = g.is_pipeline_last, g.is_pipeline_last and g.tp_rank == 0
     out = {"num_micro_batches": len(mbs)}
@@ -146,7 +147,9 @@ def _parity_ranks(rank, world, path):
     g = initialize_parallel(tp=TP, pp=PP, seed=3)
     assert (g.tp_size, g.pp_size, g.dp_size) == (TP, PP, DP)
     actor = MegatronActor(AutoConfig.from_pretrained(path), groups=g, total_optimizer_steps=10, init_hf_path=path,
-                          optim=OptimConfig(lr=1e-2, lr_warmup_steps=0, weight_decay=0.0))
+                          optim=OptimConfig(lr=1e-2, lr_warmup_steps=0, weight_decay=0.0),
+                              dtype='fp32', use_te=None, sequence_parallel=False, recompute_activations=False,
+                              use_distributed_optimizer=True, fused_output_layer=False, moe_aux_loss_coef=None)
     ref_model = actor.make_reference()
     seqs = _sequences()
     padded = _run_layout(actor, g, seqs, False, ref_model)

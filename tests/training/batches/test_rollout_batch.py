@@ -46,7 +46,7 @@ def _batch(rng, groups, n):
         samples.append([_Sample([1, 2], [rng.randint(3, 6) for _ in range(rng.randint(1, 5))], [], [])
                         for _ in range(n)])
     decode = lambda ids: str(ids[0] - 3)  # noqa: E731
-    return score_samples(samples, recs, reward_fn=_reward, decode=decode)
+    return score_samples(samples, recs, reward_fn=_reward, decode=decode, score_format='pm1')
 
 
 def _loop_tlga(rewards, lengths, groups, eps=1e-6, thr=5.0):
@@ -74,7 +74,7 @@ def test_score_samples_group_major():
     assert b.select([1, 0]).response_ids == [b.response_ids[1], b.response_ids[0]]
     assert RolloutBatch.from_dict(b.to_dict()) == b
     with pytest.raises(ValueError, match="records"):
-        score_samples([[]], [], reward_fn=_reward, decode=str)
+        score_samples([[]], [], reward_fn=_reward, decode=str, score_format='pm1')
 
 
 def test_shape_rewards_overlong():
@@ -96,20 +96,23 @@ def test_sequence_advantages_match_loop():
         lengths = [rng.randint(0, 6) for _ in groups]
         if sum(lengths) == 0:
             continue
-        adv, m = sequence_advantages(rewards, lengths, groups, adv_estimator="hapo")
+        adv, m = sequence_advantages(rewards, lengths, groups, adv_estimator="hapo",
+            norm_adv_by_std=True, fallback_threshold=5.0)
         assert adv.tolist() == pytest.approx(_loop_tlga(rewards, lengths, groups), abs=1e-4)
         assert 0.0 <= m["adv/tlga_fallback_rate"] <= 1.0
 
 
 def test_sequence_advantages_grpo_and_hand_case():
-    adv, _ = sequence_advantages([1.0, -1.0, -1.0, -1.0], [2, 4, 4, 4], [0, 0, 0, 0], adv_estimator="grpo")
+    adv, _ = sequence_advantages([1.0, -1.0, -1.0, -1.0], [2, 4, 4, 4], [0, 0, 0, 0], adv_estimator="grpo",
+        norm_adv_by_std=True, fallback_threshold=5.0)
     m, s = -0.5, math.sqrt(3 / 3)  # unbiased std of [1,-1,-1,-1] = 1
     assert adv.tolist() == pytest.approx([(1 - m) / (s + 1e-6)] + [(-1 - m) / (s + 1e-6)] * 3, abs=1e-5)
     # TLGA: length-weighted mean = (2 - 12) / 14
-    adv, _ = sequence_advantages([1.0, -1.0, -1.0, -1.0], [2, 4, 4, 4], [0, 0, 0, 0])
+    adv, _ = sequence_advantages([1.0, -1.0, -1.0, -1.0], [2, 4, 4, 4], [0, 0, 0, 0],
+        adv_estimator='hapo', norm_adv_by_std=True, fallback_threshold=5.0)
     assert adv.tolist() == pytest.approx(_loop_tlga([1.0, -1.0, -1.0, -1.0], [2, 4, 4, 4], [0] * 4), abs=1e-5)
     with pytest.raises(ValueError, match="adv_estimator"):
-        sequence_advantages([1.0], [1], [0], adv_estimator="ppo")
+        sequence_advantages([1.0], [1], [0], adv_estimator="ppo", norm_adv_by_std=True, fallback_threshold=5.0)
 
 
 def test_dynamic_sampler_refill():
@@ -138,13 +141,13 @@ def test_dynamic_sampler_refill():
     assert sorted(set(out.group_ids)) == [1, 3]
     assert ds.metrics()["rollout/kept_group_frac"] == pytest.approx(3 / 5)
     state = ds.state_dict()
-    ds2 = DynamicSampler(enabled=True)
+    ds2 = DynamicSampler(enabled=True, metric='acc', max_num_gen_batches=16)
     ds2.load_state_dict(state)
     assert ds2.num_gen_batches == 2
-    off = DynamicSampler(enabled=False)
+    off = DynamicSampler(enabled=False, metric='acc', max_num_gen_batches=16)
     off.add(gen([[1, 1]], 0))
     assert off.num_groups == 1
-    ds3 = DynamicSampler(enabled=True, max_num_gen_batches=1)
+    ds3 = DynamicSampler(enabled=True, max_num_gen_batches=1, metric='acc')
     ds3.add(gen([[1, 1]], 0))
     assert not ds3.needs_more(5)  # gives up after max_num_gen_batches
 
@@ -152,7 +155,8 @@ def test_dynamic_sampler_refill():
 def test_to_sequences_and_metrics():
     rng = random.Random(2)
     b = _batch(rng, 2, 3)
-    adv, _ = sequence_advantages(b.rewards, b.response_lengths, b.group_ids)
+    adv, _ = sequence_advantages(b.rewards, b.response_lengths, b.group_ids,
+        adv_estimator='hapo', norm_adv_by_std=True, fallback_threshold=5.0)
     seqs = to_sequences(b, adv)
     assert [s.index for s in seqs] == list(range(6)) and seqs[2].advantage == pytest.approx(float(adv[2]))
     m = rollout_metrics(b, max_response_length=4)

@@ -62,7 +62,7 @@ def test_half_written_checkpoint_is_ignored_with_warning(tmp_path):
 
 def test_stale_latest_pointer_falls_back_to_newest_complete(tmp_path):
     root = str(tmp_path / "ckpt")
-    mgr = CheckpointManager(root)
+    mgr = CheckpointManager(root, keep_last_k=3)
     mgr.save(1, rl_state={})
     mgr.save(2, rl_state={})
     with open(os.path.join(root, "latest"), "w") as f:
@@ -80,7 +80,7 @@ def test_resolve_resume(tmp_path):
     os.makedirs(tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         resolve_resume(str(tmp_path / "empty"), root)
-    path = CheckpointManager(root).save(4, rl_state={"a": 1})
+    path = CheckpointManager(root, keep_last_k=3).save(4, rl_state={"a": 1})
     assert resolve_resume(path, "/elsewhere") == path
     assert resolve_resume(root, "/elsewhere") == path
     assert json.load(open(os.path.join(path, "rl_state.json")))["a"] == 1
@@ -107,7 +107,7 @@ def test_keep_last_k_validated(tmp_path):
 
 def test_layout_recorded_and_described(tmp_path):
     tp2 = Layout(tp=2, dp=2)
-    path = CheckpointManager(str(tmp_path), layout=tp2).save(1, rl_state={})
+    path = CheckpointManager(str(tmp_path), layout=tp2, keep_last_k=3).save(1, rl_state={})
     meta = json.load(open(os.path.join(path, LAYOUT_FILE)))
     assert meta == {"layout": {"tp": 2, "pp": 1, "cp": 1, "dp": 2}, "optimizer_format": OPTIMIZER_FORMAT}
     info = read_checkpoint_info(path)
@@ -125,14 +125,14 @@ def _draws():
 
 @pytest.mark.parametrize("resume_layout,restored", [(Layout(tp=2), True), (Layout(dp=2), False)])
 def test_rng_restored_only_under_the_saved_layout(tmp_path, resume_layout, restored):
-    path = CheckpointManager(str(tmp_path), layout=Layout(tp=2)).save(1, rl_state={})
+    path = CheckpointManager(str(tmp_path), layout=Layout(tp=2), keep_last_k=3).save(1, rl_state={})
     expected = _draws()  # what the saving rank 0 would have drawn next
     torch.manual_seed(123)
     random.seed(123)
     fresh = _draws()
     torch.manual_seed(123)
     random.seed(123)
-    CheckpointManager(str(tmp_path), layout=resume_layout).load(path)
+    CheckpointManager(str(tmp_path), layout=resume_layout, keep_last_k=3).load(path)
     got = _draws()
     want = expected if restored else fresh
     assert torch.equal(got[0], want[0]) and got[1] == want[1]
@@ -141,7 +141,7 @@ def test_rng_restored_only_under_the_saved_layout(tmp_path, resume_layout, resto
 def _legacy_checkpoint(root, world_size):
     """A checkpoint as written before the layout record: no layout.json (nor manifest.json, which
     came later), one RNG file per rank."""
-    path = CheckpointManager(root).save(2, rl_state={"cursor": 1})
+    path = CheckpointManager(root, keep_last_k=3).save(2, rl_state={"cursor": 1})
     os.remove(os.path.join(path, LAYOUT_FILE))
     os.remove(os.path.join(path, MANIFEST))
     for r in range(1, world_size):
@@ -154,26 +154,27 @@ def test_old_format_checkpoint_loads_on_its_layout_only(tmp_path):
     info = read_checkpoint_info(path)
     assert info.legacy and info.world_size == 2 and info.optimizer_format == LEGACY_OPTIMIZER_FORMAT
     formats = []
-    state = CheckpointManager(str(tmp_path), layout=Layout(tp=2)).load(
+    state = CheckpointManager(str(tmp_path), layout=Layout(tp=2), keep_last_k=3).load(
         path, load_model=lambda d, fmt: formats.append(fmt))
     assert state["cursor"] == 1 and formats == [LEGACY_OPTIMIZER_FORMAT]
     # another world size: refused before any load, with the way out
     with pytest.raises(LayoutChangeError, match="resume once with the original number of processes"):
-        CheckpointManager(str(tmp_path), layout=Layout()).load(path, load_model=lambda d, fmt: formats.append(fmt))
+        CheckpointManager(str(tmp_path), layout=Layout(),
+            keep_last_k=3).load(path, load_model=lambda d, fmt: formats.append(fmt))
     assert len(formats) == 1
     # same world size, other split: the load's own failure comes back explained
     def shape_mismatch(d, fmt):
         raise RuntimeError("Global shape mismatch for loaded ...")
     with pytest.raises(LayoutChangeError, match="Global shape mismatch") as err:
-        CheckpointManager(str(tmp_path), layout=Layout(dp=2)).load(path, load_model=shape_mismatch)
+        CheckpointManager(str(tmp_path), layout=Layout(dp=2), keep_last_k=3).load(path, load_model=shape_mismatch)
     assert isinstance(err.value.__cause__, RuntimeError)
     assert "old format" in resume_message(path, info, Layout())
 
 
 def test_new_format_load_errors_are_not_rewritten(tmp_path):
-    path = CheckpointManager(str(tmp_path)).save(1, rl_state={})
+    path = CheckpointManager(str(tmp_path), keep_last_k=3).save(1, rl_state={})
 
     def broken(d, fmt):
         raise RuntimeError("disk on fire")
     with pytest.raises(RuntimeError, match="disk on fire"):
-        CheckpointManager(str(tmp_path), layout=Layout(tp=2)).load(path, load_model=broken)
+        CheckpointManager(str(tmp_path), layout=Layout(tp=2), keep_last_k=3).load(path, load_model=broken)

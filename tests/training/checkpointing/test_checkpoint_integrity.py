@@ -29,7 +29,8 @@ def _load_into(box):
 
 
 def test_manifest_records_every_file_with_size_and_crc32(tmp_path):
-    path = CheckpointManager(str(tmp_path)).save(3, rl_state={"a": 1}, save_model=_save_model(torch.ones(3)))
+    path = CheckpointManager(str(tmp_path),
+        keep_last_k=3).save(3, rl_state={"a": 1}, save_model=_save_model(torch.ones(3)))
     files = json.load(open(os.path.join(path, MANIFEST)))["files"]
     on_disk = sorted(os.path.relpath(os.path.join(r, n), path) for r, _, ns in os.walk(path) for n in ns)
     assert sorted(files) == [f for f in on_disk if f not in ("COMPLETE", MANIFEST)]
@@ -46,14 +47,14 @@ def test_share_splits_the_files_once_over_the_ranks(tmp_path):
     assert sorted(f for p in parts for f in p) == sorted(sizes)
     assert max(sum(sizes[f] for f in p) for p in parts) == 50  # the biggest file alone
     # what 2 ranks checksum together is what 1 rank checksums alone
-    path = CheckpointManager(str(tmp_path)).save(1, rl_state={}, save_model=_save_model(torch.ones(3)))
+    path = CheckpointManager(str(tmp_path), keep_last_k=3).save(1, rl_state={}, save_model=_save_model(torch.ones(3)))
     two = [checksum_share(path, r, 2) for r in range(2)]
     assert two[0] and two[1] and not set(two[0]) & set(two[1])
     assert {**two[0], **two[1]} == checksum_share(path, 0, 1)
 
 
 def test_truncated_or_flipped_file_fails_verification_naming_it(tmp_path):
-    mgr = CheckpointManager(str(tmp_path))
+    mgr = CheckpointManager(str(tmp_path), keep_last_k=3)
     path = mgr.save(1, rl_state={}, save_model=_save_model(torch.ones(3)))
     shard = os.path.join(path, "model", "big.bin")
     with open(shard, "r+b") as f:  # a flipped byte in the middle, same size
@@ -70,7 +71,7 @@ def test_truncated_or_flipped_file_fails_verification_naming_it(tmp_path):
 
 
 def test_a_file_that_does_not_load_is_named(tmp_path):
-    mgr = CheckpointManager(str(tmp_path))
+    mgr = CheckpointManager(str(tmp_path), keep_last_k=3)
     path = mgr.save(1, rl_state={}, save_model=_save_model(torch.ones(3)))
     os.remove(os.path.join(path, MANIFEST))  # unverifiable (as before manifests): loading decides
     with open(os.path.join(path, "rl_state.json"), "w") as f:
@@ -100,7 +101,7 @@ def test_auto_resume_skips_damaged_checkpoints_and_says_why(tmp_path):
 
 
 def test_auto_resume_with_no_loadable_checkpoint_stops_instead_of_starting_fresh(tmp_path):
-    mgr = CheckpointManager(str(tmp_path))
+    mgr = CheckpointManager(str(tmp_path), keep_last_k=3)
     path = mgr.save(2, rl_state={}, save_model=_save_model(torch.ones(3)))
     os.remove(os.path.join(path, "model", "w.pt"))
     with pytest.raises(CheckpointLoadError,
@@ -115,7 +116,7 @@ def test_a_stop_mid_step_saves_the_snapshot_state_and_rng(tmp_path):
 
     from hapo_megatron.training.checkpointing.checkpoint import capture_rng_state
     from hapo_megatron.training.runtime import Runtime, StepSnapshot
-    mgr = CheckpointManager(str(tmp_path))
+    mgr = CheckpointManager(str(tmp_path), keep_last_k=3)
     snapshot = StepSnapshot({"step": 1, "cursor": 7}, capture_rng_state())
     after_snapshot = torch.rand(4)
     torch.rand(100)  # the abandoned rollout moves the stream on

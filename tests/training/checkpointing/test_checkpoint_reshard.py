@@ -51,7 +51,9 @@ def _build(data: str, *, tp: int = 1, pp: int = 1):
     path = os.path.join(data, "model")
     optim = OptimConfig(lr=1e-2, lr_warmup_steps=0, weight_decay=0.01, adam_eps=ADAM_EPS)
     return g, MegatronActor(AutoConfig.from_pretrained(path), groups=g, optim=optim,
-                            total_optimizer_steps=10, init_hf_path=path)
+                            total_optimizer_steps=10, init_hf_path=path,
+                                dtype='fp32', use_te=None, sequence_parallel=False, recompute_activations=False,
+                                use_distributed_optimizer=True, fused_output_layer=False, moe_aux_loss_coef=None)
 
 
 def _batches(g):
@@ -61,7 +63,8 @@ def _batches(g):
     gen = torch.Generator().manual_seed(0)
     seqs = [SequenceData(torch.randint(4, 80, (4 + i,), generator=gen).tolist(),
                          torch.randint(4, 80, (3 + i,), generator=gen).tolist(), index=i) for i in range(6)]
-    return build_rank_micro_batches(seqs, dp_rank=g.dp_rank, dp_size=g.dp_size, micro_batch_size=2)
+    return build_rank_micro_batches(seqs, dp_rank=g.dp_rank, dp_size=g.dp_size, micro_batch_size=2,
+        max_tokens_per_micro_batch=None)
 
 
 def _train(g, actor, steps: int) -> list[tuple[float, float]]:
@@ -133,7 +136,8 @@ def _manager(root: str, g):
     import torch.distributed as dist
 
     from hapo_megatron.training.checkpointing.checkpoint import CheckpointManager, Layout
-    return CheckpointManager(root, rank=dist.get_rank(), barrier=dist.barrier, layout=Layout.from_groups(g))
+    return CheckpointManager(root, rank=dist.get_rank(), barrier=dist.barrier, layout=Layout.from_groups(g),
+        keep_last_k=3)
 
 
 def _save_at_tp2(rank, world, data, root, legacy_root):

@@ -50,7 +50,9 @@ def _build(hf_path: str, *, tp: int = 1, ep: int = 1, etp: int = 1, sp: bool = F
     g = initialize_parallel(tp=tp, ep=ep, etp=etp, seed=5)
     optim = OptimConfig(lr=1e-2, lr_warmup_steps=0, weight_decay=0.01, adam_eps=ADAM_EPS)
     return g, MegatronActor(AutoConfig.from_pretrained(hf_path), groups=g, optim=optim, sequence_parallel=sp,
-                            total_optimizer_steps=10, init_hf_path=hf_path, moe_aux_loss_coef=0.0)
+                            total_optimizer_steps=10, init_hf_path=hf_path, moe_aux_loss_coef=0.0,
+                                dtype='fp32', use_te=None, recompute_activations=False, use_distributed_optimizer=True,
+                                fused_output_layer=False)
 
 
 def _batches(g):
@@ -62,7 +64,7 @@ def _batches(g):
                          torch.randint(4, 150, (3 + i,), generator=gen).tolist(), index=i) for i in range(6)]
     # sequence parallelism splits the padded length over TP (padding is masked out of the loss)
     return build_rank_micro_batches(seqs, dp_rank=g.dp_rank, dp_size=g.dp_size, micro_batch_size=2,
-                                    pad_multiple=g.tp_size)
+                                    pad_multiple=g.tp_size, max_tokens_per_micro_batch=None)
 
 
 def _train(g, actor, steps: int) -> list[tuple[float, float]]:
@@ -129,7 +131,7 @@ def _manager(root: str, g):
 
     from hapo_megatron.training.checkpointing.checkpoint import CheckpointManager, Layout
     return CheckpointManager(root, rank=dist.get_rank(), barrier=dist.barrier, layout=Layout.from_groups(g),
-                             world_size=dist.get_world_size(), gather=_all_gather)
+                             world_size=dist.get_world_size(), gather=_all_gather, keep_last_k=3)
 
 
 def _all_gather(obj):

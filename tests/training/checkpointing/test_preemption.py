@@ -18,7 +18,8 @@ from tests.training.tiny_setup import ROOT
 def _agree(rank, world):
     from hapo_megatron.training.checkpointing.preemption import StopRequest
     now = [0.0]
-    stop = StopRequest(signals=["SIGUSR1"], grace_s=10_000, clock=lambda: now[0], log=lambda _: None).install()
+    stop = StopRequest(signals=["SIGUSR1"], grace_s=10_000, clock=lambda: now[0], log=lambda _: None,
+        exit_after_minutes=None).install()
     try:
         nothing = stop.agreed()
         if rank == 1:
@@ -56,7 +57,8 @@ def test_a_repeat_is_the_same_request_and_a_second_signal_aborts_at_once():
         import os, signal
         from hapo_megatron.training.checkpointing.preemption import REPEAT_WINDOW_S, StopRequest
         now = [100.0]
-        stop = StopRequest(signals=["SIGTERM", "SIGINT"], grace_s=10_000, clock=lambda: now[0]).install()
+        stop = StopRequest(signals=["SIGTERM", "SIGINT"], grace_s=10_000, exit_after_minutes=None,
+        clock=lambda: now[0]).install()
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.received == signal.SIGTERM, stop.received
         now[0] += REPEAT_WINDOW_S * 0.5
@@ -77,7 +79,7 @@ def test_the_grace_watchdog_ends_a_process_that_does_not_exit():
     proc = _python("""
         import os, signal, threading
         from hapo_megatron.training.checkpointing.preemption import StopRequest
-        StopRequest(signals=["SIGUSR1"], grace_s=0.2).install()
+        StopRequest(signals=["SIGUSR1"], grace_s=0.2, exit_after_minutes=None).install()
         os.kill(os.getpid(), signal.SIGUSR1)
         threading.Event().wait()  # stuck (as in a collective that never returns)
     """)

@@ -31,8 +31,8 @@ OLD_LAYOUT = {
 
 
 def _state():
-    return RLState(sampler=PromptSampler(list(range(20)), 4, seed=9),
-                   dyn=DynamicSampler(enabled=True, max_num_gen_batches=3))
+    return RLState(sampler=PromptSampler(list(range(20)), 4, seed=9, shuffle=True),
+                   dyn=DynamicSampler(enabled=True, max_num_gen_batches=3, metric='acc'))
 
 
 class _Actor:

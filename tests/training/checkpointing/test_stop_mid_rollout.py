@@ -43,7 +43,7 @@ def test_signal_during_a_held_generation_round_saves_the_last_step(tiny, tmp_pat
     train_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                  "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     try:
-        SGLangHTTP(timeout_s=30).wait_healthy(server, 120.0)
+        SGLangHTTP(timeout_s=30, max_retries=3).wait_healthy(server, 120.0)
         proc = subprocess.Popen(cmd, cwd=ROOT, env=train_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
         pid_file.write_text(str(proc.pid))

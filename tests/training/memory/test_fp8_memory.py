@@ -30,7 +30,7 @@ def test_shape_count_agrees_with_the_per_name_count(arch):
     shapes = get_adapter(cfg).hf_shapes()
     shape = shape_from_hf_config(cfg)
     assert fp8_server_weight_bytes(shape, param_count(shape)) == server_weight_bytes(shapes, quantization="fp8")
-    assert 2 * param_count(shape_from_hf_config(cfg)) == server_weight_bytes(shapes)
+    assert 2 * param_count(shape_from_hf_config(cfg)) == server_weight_bytes(shapes, quantization='none')
 
 
 def test_plan_counts_the_servers_fp8_weights():
@@ -52,5 +52,7 @@ def test_plan_counts_the_servers_fp8_weights():
     assert fp8.sglang_weights == fp8_server_weight_bytes(shape, param_count(shape)) // 2
     assert fp8.phases["weight sync"] - plain.phases["weight sync"] == fp8.sglang_weights - plain.sglang_weights < 0
     explicit = plan_memory(SHAPE, tokens_per_micro_batch=1, colocated=True, device_bytes=GiB,
-                           server_weight_bytes=1000, server_tp=2)
+                           server_weight_bytes=1000, server_tp=2,
+                               distributed_optimizer=True, sequence_parallel=False, recompute=False,
+                               fused_output_layer=False)
     assert explicit.sglang_weights == 500

@@ -61,11 +61,13 @@ def _actor_round_trip(rank, world, data):
 
     def make():
         return MegatronActor(hf_config, groups=g, optim=OptimConfig(lr=1e-2, lr_warmup_steps=0),
-                             total_optimizer_steps=10, init_hf_path=path)
+                             total_optimizer_steps=10, init_hf_path=path,
+                                 dtype='fp32', use_te=None, sequence_parallel=False, recompute_activations=False,
+                                 use_distributed_optimizer=True, fused_output_layer=False, moe_aux_loss_coef=None)
     gen = torch.Generator().manual_seed(0)
     seqs = [SequenceData(torch.randint(4, 80, (5 + i,), generator=gen).tolist(),
                          torch.randint(4, 80, (3 + i,), generator=gen).tolist(), index=i) for i in range(3)]
-    mbs = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batch_size=2)
+    mbs = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batch_size=2, max_tokens_per_micro_batch=None)
     loss = cross_entropy_loss_factory(g.tp)
     a, b = make(), make()
     for actor in (a, b):

@@ -12,6 +12,9 @@ from hapo_megatron.training.memory.plan import (CONTEXT_BYTES, PEER_CONTEXT_BYTE
 # embeddings 2*10*8 = 160, final norm 8 -> 2*592 + 160 + 8 = 1352.
 TINY = ModelShape(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10)
 
+#: the plan's config knobs, as plan_memory defaulted them before they became required
+PLAN_KNOBS = dict(distributed_optimizer=True, sequence_parallel=False, recompute=False, fused_output_layer=False)
+
 
 def test_param_count_by_hand():
     assert param_count(TINY) == 1352
@@ -28,7 +31,8 @@ def test_moe_experts_by_hand():
     assert param_count(moe) == 1352 + 32 and expert_param_count(moe) == 384
     # tp=2, ep=2, etp=1, dp=2 (4 GPUs), bf16: dense (1384-384)/2 = 500, experts 384/2 = 192 per GPU;
     # optimizer 12 bytes each, dense over dp=2, experts over tp*dp/(etp*ep) = 2 expert-DP ranks
-    p = plan_memory(moe, tp=2, dp=2, ep=2, etp=1, param_bytes=2, tokens_per_micro_batch=6, device_bytes=10**9)
+    p = plan_memory(moe, tp=2, dp=2, ep=2, etp=1, param_bytes=2, tokens_per_micro_batch=6, device_bytes=10**9,
+        distributed_optimizer=True, sequence_parallel=False, recompute=False, fused_output_layer=False)
     assert (p.params, p.grads, p.optimizer) == (2 * 692, 4 * 692, 12 * 500 // 2 + 12 * 192 // 2)
     qwen3_30b_a3b = ModelShape(hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, intermediate=6144,
                                vocab=151936, qk_norm=True, experts=128, moe_intermediate=768, moe_layers=48)
@@ -37,7 +41,8 @@ def test_moe_experts_by_hand():
 
 def test_static_state_and_activations_by_hand():
     # tp=2, dp=2, cp=1, bf16: n = 676 params per GPU; 2n params, 4n fp32 grads, 12n/2 optimizer
-    p = plan_memory(TINY, tp=2, dp=2, param_bytes=2, tokens_per_micro_batch=6, device_bytes=10**9)
+    p = plan_memory(TINY, tp=2, dp=2, param_bytes=2, tokens_per_micro_batch=6, device_bytes=10**9,
+        distributed_optimizer=True, sequence_parallel=False, recompute=False, fused_output_layer=False)
     assert (p.params, p.grads, p.optimizer) == (1352, 2704, 4056)
     # no SP: per layer s*h*(10 + (8 + 4F/h)/t) = 6*8*(10 + 16/2) = 864; 2 layers; output layer:
     # final norm 2*6*8 = 96 + fp32 logits and grad 2*4*6*10/2 = 240
@@ -46,11 +51,11 @@ def test_static_state_and_activations_by_hand():
     # recompute with SP (tp=2): inputs 2*(2*6*8/2) = 96, one layer 6*8*(18 + 8)/2 = 624, output
     # layer 2*6*8/2 = 48 + 240
     r = plan_memory(TINY, tp=2, dp=2, sequence_parallel=True, recompute=True, tokens_per_micro_batch=6,
-                    device_bytes=10**9)
+                    device_bytes=10**9, distributed_optimizer=True, fused_output_layer=False)
     assert r.activations == 96 + 624 + 48 + 240
     # fp32 training: no separate main params (8 bytes/param of Adam moments), no sharding
     f = plan_memory(TINY, param_bytes=4, distributed_optimizer=False, dp=4, tokens_per_micro_batch=1,
-                    device_bytes=10**9)
+                    device_bytes=10**9, sequence_parallel=False, recompute=False, fused_output_layer=False)
     assert (f.params, f.grads, f.optimizer) == (4 * 1352, 4 * 1352, 8 * 1352)
 
 
@@ -73,10 +78,12 @@ def test_moe_layer_keeps_top_k_copies_by_hand():
     assert layer_activation_bytes(moe, 1, 1, False, moe=True) == 8 * 32
     assert layer_activation_bytes(moe, 1, 1, False, moe=False) == 8 * 26
     # one MoE + one dense layer, s=3, no TP: 3*8*(32 + 26) + output 2*3*8 + 2*4*3*10
-    p = plan_memory(moe, tokens_per_micro_batch=3, device_bytes=10**9)
+    p = plan_memory(moe, tokens_per_micro_batch=3, device_bytes=10**9,
+        distributed_optimizer=True, sequence_parallel=False, recompute=False, fused_output_layer=False)
     assert p.activations == 3 * 8 * 58 + 48 + 240
     # recompute keeps the inputs 2 * (2*3*8) and recomputes the larger (MoE) layer
-    r = plan_memory(moe, tokens_per_micro_batch=3, recompute=True, device_bytes=10**9)
+    r = plan_memory(moe, tokens_per_micro_batch=3, recompute=True, device_bytes=10**9,
+        distributed_optimizer=True, sequence_parallel=False, fused_output_layer=False)
     assert r.activations == 96 + 3 * 8 * 32 + 48 + 240
 
 
@@ -90,7 +97,8 @@ def test_fused_output_layer_counts_its_slices_not_the_logits():
     assert output_layer_bytes(TINY, 6, 2, True, fused=True, logprob_chunk=4) == 48 + 200 + 192 + 96
     assert output_layer_bytes(TINY, 6, 2, False, fused=False, logprob_chunk=4) == 96 + 240
     assert output_layer_bytes(TINY, 2, 1, False, fused=True, logprob_chunk=4) == 32 + 10 * 2 * 10 + 64  # s < chunk
-    p = plan_memory(TINY, tp=2, tokens_per_micro_batch=6, fused_output_layer=True, logprob_chunk=4, device_bytes=10**9)
+    p = plan_memory(TINY, tp=2, tokens_per_micro_batch=6, fused_output_layer=True, logprob_chunk=4, device_bytes=10**9,
+        distributed_optimizer=True, sequence_parallel=False, recompute=False)
     assert p.activations == 2 * 864 + 96 + 200 + 192
 
 
@@ -98,23 +106,28 @@ def test_first_pipeline_stage_keeps_pp_micro_batches():
     """1F1B: the first stage holds PP micro-batches of its layers, the last one micro-batch plus the
     output layer. TINY at t=1, s=6: a layer is 6*8*26 = 1248; PP2 gives one layer per stage: first
     stage 2 x 1248 = 2496 > last stage 1248 + 96 + 480 = 1824."""
-    p = plan_memory(TINY, pp=2, tokens_per_micro_batch=6, device_bytes=10**9)
+    p = plan_memory(TINY, pp=2, tokens_per_micro_batch=6, device_bytes=10**9,
+        distributed_optimizer=True, sequence_parallel=False, recompute=False, fused_output_layer=False)
     assert p.activations == 2 * 1248
-    assert activation_bytes(TINY, tokens=6, pp=2, fused_output_layer=False) == 2496
+    assert activation_bytes(TINY, tokens=6, pp=2, fused_output_layer=False,
+        sequence_parallel=False, recompute=False) == 2496
     # a huge vocabulary makes the last stage the busiest
     wide = ModelShape(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=1000)
-    assert activation_bytes(wide, tokens=6, pp=2) == 1248 + 96 + 2 * 4 * 6 * 1000
+    assert activation_bytes(wide, tokens=6, pp=2,
+        sequence_parallel=False, recompute=False, fused_output_layer=False) == 1248 + 96 + 2 * 4 * 6 * 1000
     # with recompute: first stage two micro-batches' inputs (2*6*8 each) + one layer = 1440 < last
     # stage 96 + 1248 + 576 = 1920; with 8 layers at PP8 (one per stage) the first stage wins:
     # 8 x 96 + 1248 = 2016 against the last stage's 1920
-    assert activation_bytes(TINY, tokens=6, pp=2, recompute=True) == 96 + 1248 + 576
+    assert activation_bytes(TINY, tokens=6, pp=2, recompute=True,
+        sequence_parallel=False, fused_output_layer=False) == 96 + 1248 + 576
     deep = ModelShape(hidden=8, layers=8, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10)
-    assert activation_bytes(deep, tokens=6, pp=8, recompute=True) == 8 * 96 + 1248
+    assert activation_bytes(deep, tokens=6, pp=8, recompute=True,
+        sequence_parallel=False, fused_output_layer=False) == 8 * 96 + 1248
 
 
 def test_kl_reference_model_is_counted_and_stays_on_the_device():
     kw = dict(tp=2, dp=2, tokens_per_micro_batch=6, device_bytes=80 * GiB, sglang_fraction=0.5, colocated=True,
-              offload=True)
+              offload=True, **PLAN_KNOBS)
     base, ref = plan_memory(TINY, **kw), plan_memory(TINY, reference_model=True, **kw)
     assert ref.reference == 1352 == ref.params  # 676 params per GPU in bf16
     assert ref.static == base.static + 1352
@@ -129,19 +142,24 @@ def test_routing_replay_tensors_of_the_step():
     top-2 x 1 byte = 400; at PP=2 the stage holds 1 layer (200); 300 experts need int16 (800)."""
     moe = ModelShape(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10, experts=4,
                      moe_intermediate=6, moe_layers=1, moe_topk=2)
-    base = plan_memory(moe, tokens_per_micro_batch=3, device_bytes=10**9)
-    p = plan_memory(moe, tokens_per_micro_batch=3, routed_tokens=100, device_bytes=10**9)
+    base = plan_memory(moe, tokens_per_micro_batch=3, device_bytes=10**9,
+        distributed_optimizer=True, sequence_parallel=False, recompute=False, fused_output_layer=False)
+    p = plan_memory(moe, tokens_per_micro_batch=3, routed_tokens=100, device_bytes=10**9,
+        distributed_optimizer=True, sequence_parallel=False, recompute=False, fused_output_layer=False)
     assert p.routes == 400 and p.activations == base.activations + 400
-    assert plan_memory(moe, pp=2, tokens_per_micro_batch=3, routed_tokens=100, device_bytes=10**9).routes == 200
+    assert plan_memory(moe, pp=2, tokens_per_micro_batch=3, routed_tokens=100, device_bytes=10**9,
+        distributed_optimizer=True, sequence_parallel=False, recompute=False, fused_output_layer=False).routes == 200
     wide = ModelShape(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10, experts=300,
                       moe_intermediate=6, moe_layers=1, moe_topk=2)
-    assert plan_memory(wide, tokens_per_micro_batch=3, routed_tokens=100, device_bytes=10**9).routes == 800
+    assert plan_memory(wide, tokens_per_micro_batch=3, routed_tokens=100, device_bytes=10**9,
+        distributed_optimizer=True, sequence_parallel=False, recompute=False, fused_output_layer=False).routes == 800
     assert "routes" in format_plan(p)
 
 
 def test_colocated_phases_and_warnings():
     dev = 80 * GiB
-    kw = dict(tp=1, dp=1, tokens_per_micro_batch=4, sglang_fraction=0.5, server_tp=1, colocated=True, device_bytes=dev)
+    kw = dict(tp=1, dp=1, tokens_per_micro_batch=4, sglang_fraction=0.5, server_tp=1, colocated=True, device_bytes=dev,
+              **PLAN_KNOBS)
     p = plan_memory(TINY, offload=False, **kw)
     static = 2 * 1352 + 4 * 1352 + 12 * 1352
     assert p.sglang_pool == 40 * GiB and p.sglang_weights == 2 * 1352 and p.overhead == 2 * CONTEXT_BYTES
@@ -160,7 +178,8 @@ def test_colocated_phases_and_warnings():
 def test_pool_smaller_than_the_weights_is_flagged():
     shape = ModelShape(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256)
     p = plan_memory(shape, tokens_per_micro_batch=1, sglang_fraction=0.1, server_tp=1, colocated=True,
-                    offload=True, tp=8, dp=1, device_bytes=80 * GiB)
+                    offload=True, tp=8, dp=1, device_bytes=80 * GiB,
+                        distributed_optimizer=True, sequence_parallel=False, recompute=False, fused_output_layer=False)
     assert any("no room for a KV cache" in w for w in p.warnings)
 
 
@@ -190,7 +209,7 @@ def test_tensor_sync_contexts_on_the_leaders_gpu():
     """Colocated tensor sync: each server worker on another GPU of the node opens a CUDA context on
     the node leader's GPU (PEER_CONTEXT_BYTES each), in every phase: 7 of them = 3.5 GiB."""
     kw = dict(tp=1, dp=1, tokens_per_micro_batch=4, sglang_fraction=0.5, server_tp=1, colocated=True,
-              device_bytes=80 * GiB)
+              device_bytes=80 * GiB, **PLAN_KNOBS)
     base, p = plan_memory(TINY, **kw), plan_memory(TINY, peer_contexts=7, **kw)
     assert PEER_CONTEXT_BYTES == GiB // 2 and p.peer_contexts == 7 * GiB // 2
     assert p.overhead == 2 * CONTEXT_BYTES + 7 * GiB // 2

@@ -68,7 +68,7 @@ def test_accumulation_matches_direct_loop_over_every_update():
         ent, tmp, ups = per_seq[i]
         assert len(ent) == len(s.response_ids)
         for t, tok in enumerate(s.response_ids):
-            hh = float(normalize_entropy(ent[t:t + 1], STATS))
+            hh = float(normalize_entropy(ent[t:t + 1], STATS, h_hat_mode=PolicyLossConfig().h_hat_mode))
             cls = 0 if hh > 0 else 1
             n += 1; ent_sum += float(ent[t]); high += hh > 0
             temps.append(float(tmp[t]))
