@@ -67,16 +67,11 @@ NOT_YET_REMOVED = {
     ("parallel/loss.py", "hapo_loss_from_logits", "temperature"),
     ("parallel/loss.py", "make_logprob_func", "temperature"),
     ("parallel/vocab_parallel.py", "vocab_parallel_logprobs_entropy", "temperature"),
-    ("rewards/math.py", "compute_score", "score_format"),
     ("rollout/engine.py", "SamplingParams", "temperature"),
     ("rollout/engine.py", "SamplingParams", "top_p"),
     ("rollout/engine.py", "SamplingParams", "top_k"),
     ("rollout/engine.py", "SamplingParams", "temperature_tau"),
     ("rollout/engine.py", "SamplingParams", "h_hat_mode"),
-    ("rollout/hf_engine.py", "sampling_logprobs", "top_k"),
-    ("rollout/hf_engine.py", "sampling_logprobs", "top_p"),
-    ("rollout/sglang/engine.py", "__init__", "quantization"),
-    ("rollout/sglang/engine.py", "__init__", "kv_cache_dtype"),
     ("training/actor.py", "compute_logprobs_entropy", "temperature"),
 }
 
