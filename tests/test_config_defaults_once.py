@@ -61,18 +61,12 @@ NOT_YET_REMOVED = {
     ("models/routing_replay.py", "routes_for_router", "sequence_parallel"),
     ("models/routing_replay.py", "queue_routes", "sequence_parallel"),
     ("parallel/linear.py", "HiddenStates", "sequence_parallel"),
-    ("parallel/linear.py", "linear_logprobs_entropy", "temperature"),
     ("parallel/linear.py", "linear_logprobs_entropy", "sequence_parallel"),
-    ("parallel/loss.py", "logprobs_entropy_from_logits", "temperature"),
-    ("parallel/loss.py", "hapo_loss_from_logits", "temperature"),
-    ("parallel/loss.py", "make_logprob_func", "temperature"),
-    ("parallel/vocab_parallel.py", "vocab_parallel_logprobs_entropy", "temperature"),
     ("rollout/engine.py", "SamplingParams", "temperature"),
     ("rollout/engine.py", "SamplingParams", "top_p"),
     ("rollout/engine.py", "SamplingParams", "top_k"),
     ("rollout/engine.py", "SamplingParams", "temperature_tau"),
     ("rollout/engine.py", "SamplingParams", "h_hat_mode"),
-    ("training/actor.py", "compute_logprobs_entropy", "temperature"),
 }
 
 

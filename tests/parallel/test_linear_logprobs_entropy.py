@@ -138,11 +138,11 @@ def test_hidden_states_layout_and_bad_input():
     torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
     h2 = hidden.reshape(-1, H)
     with pytest.raises(ValueError, match="targets"):
-        linear_logprobs_entropy(h2, weight, labels.reshape(-1)[:-1])
+        linear_logprobs_entropy(h2, weight, labels.reshape(-1)[:-1], temperature=1.0)
     with pytest.raises(ValueError, match=r"\[N, H\]"):
-        linear_logprobs_entropy(h2, weight[:, :-1], labels.reshape(-1))
+        linear_logprobs_entropy(h2, weight[:, :-1], labels.reshape(-1), temperature=1.0)
     with pytest.raises(ValueError, match="chunk_size"):
-        linear_logprobs_entropy(h2, weight, labels.reshape(-1), chunk_size=0)
+        linear_logprobs_entropy(h2, weight, labels.reshape(-1), chunk_size=0, temperature=1.0)
     with pytest.raises(ValueError, match="temperature"):
         linear_logprobs_entropy(h2, weight, labels.reshape(-1), temperature=-1.0)
 

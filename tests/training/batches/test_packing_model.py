@@ -42,8 +42,8 @@ def _packed_vs_alone(rank, world, arch):
         hidden = forward_hidden_states(model, packed.input_ids, packed.position_ids, None,
                                        packed_seq_params=packed_seq_params_of(packed))
         assert isinstance(hidden, HiddenStates)
-        lp_fused, _ = logprobs_entropy_from_logits(hidden, packed.labels, tp_group=g.tp)
-        lp_row, _ = logprobs_entropy_from_logits(row, packed.labels, tp_group=g.tp)
+        lp_fused, _ = logprobs_entropy_from_logits(hidden, packed.labels, tp_group=g.tp, temperature=1.0)
+        lp_row, _ = logprobs_entropy_from_logits(row, packed.labels, tp_group=g.tp, temperature=1.0)
         cu = packed.cu_seqlens.tolist()
         diffs, fused_diffs, spread = [], [], []
         for i, s in enumerate(seqs):
@@ -52,7 +52,7 @@ def _packed_vs_alone(rank, world, arch):
             n = s.num_tokens
             got = row[0, cu[i]:cu[i] + n]
             diffs.append(float((got - ref[:n]).abs().max()))
-            ref_lp, _ = logprobs_entropy_from_logits(ref.unsqueeze(0), alone.labels, tp_group=g.tp)
+            ref_lp, _ = logprobs_entropy_from_logits(ref.unsqueeze(0), alone.labels, tp_group=g.tp, temperature=1.0)
             fused_diffs.append(float((lp_fused[0, cu[i]:cu[i] + n - 1] - ref_lp[0, :n - 1]).abs().max()))
             fused_diffs.append(float((lp_row[0, cu[i]:cu[i] + n - 1] - ref_lp[0, :n - 1]).abs().max()))
             spread.append(float(ref[:n].abs().max()))
