@@ -74,7 +74,7 @@ class HiddenStates:
 
     hidden: torch.Tensor
     weight: torch.Tensor
-    sequence_parallel: bool = False
+    sequence_parallel: bool
     vocab_size: Optional[int] = None
 
 
@@ -274,7 +274,7 @@ def linear_logprobs_entropy(
     temperature: Union[float, torch.Tensor],
     chunk_size: Optional[int] = None,
     entropy_grad: bool = False,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool,
     vocab_size: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of `targets` and entropy of `softmax(hidden @ weight^T / temperature)` over a

@@ -85,7 +85,7 @@ def _megatron_run(arch, tp, pp, fused, sp):
     g = initialize_parallel(tp=tp, pp=pp, seed=1)
     _check_groups(g, tp, pp)
     hf_cfg, hf = _hf_model(arch)
-    model = build_gpt_model(hf_cfg, sequence_parallel=sp)
+    model = build_gpt_model(hf_cfg, sequence_parallel=sp, use_te=None)
     load_hf_weights_into_mcore(model, hf.state_dict(), hf_cfg, tp_rank=g.tp_rank, tp_size=tp,
                                pp_rank=g.pp_rank, pp_size=pp)
     model.config.calculate_per_token_loss = True

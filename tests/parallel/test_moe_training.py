@@ -68,7 +68,7 @@ def _megatron_run(tp, ep, etp, sp, fused):
     g = initialize_parallel(tp=tp, ep=ep, etp=etp, seed=1)
     assert (g.ep_size, g.etp_size) == (ep, etp)
     hf_cfg, hf = moe_model()
-    model = build_gpt_model(hf_cfg, sequence_parallel=sp, moe_aux_loss_coeff=0.0)
+    model = build_gpt_model(hf_cfg, sequence_parallel=sp, moe_aux_loss_coeff=0.0, use_te=None)
     load_hf_weights_into_mcore(model, hf_state(hf_cfg, hf), hf_cfg, tp_rank=g.tp_rank, tp_size=tp,
                                etp_rank=g.etp_rank, etp_size=etp)
     model.config.calculate_per_token_loss = True

@@ -46,7 +46,7 @@ def _loss_fn(variant, chunk_size):
     """`fn(hidden, weight, targets) -> (logprobs, entropy)` for one variant."""
     def fused(h, w, t):
         from hapo_megatron.parallel import linear_logprobs_entropy
-        return linear_logprobs_entropy(h, w, t, chunk_size=chunk_size, temperature=1.0)
+        return linear_logprobs_entropy(h, w, t, chunk_size=chunk_size, temperature=1.0, sequence_parallel=False)
 
     def logits(h, w, t):
         from hapo_megatron.parallel import vocab_parallel_logprobs_entropy
