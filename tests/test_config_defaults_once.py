@@ -49,35 +49,11 @@ NOT_THE_KNOB = {
 #: copies not yet removed (to do): (file, function or class, parameter). The test fails
 #: when one of them is gone too, so that this list only shrinks.
 NOT_YET_REMOVED = {
-    ("models/gpt.py", "transformer_config_from_hf", "sequence_parallel"),
-    ("models/gpt.py", "transformer_config_from_hf", "use_te"),
-    ("models/gpt.py", "layer_spec_for", "use_te"),
-    ("models/gpt.py", "build_gpt_model", "use_te"),
-    ("models/gpt.py", "build_gpt_model", "sequence_parallel"),
-    ("models/moe.py", "_reduced_totals", "sequence_parallel"),
-    ("models/moe.py", "step_metrics", "sequence_parallel"),
-    ("models/routing_replay.py", "install_route_replay", "recompute"),
-    ("models/routing_replay.py", "__init__", "recompute"),
-    ("models/routing_replay.py", "routes_for_router", "sequence_parallel"),
-    ("models/routing_replay.py", "queue_routes", "sequence_parallel"),
-    ("parallel/linear.py", "HiddenStates", "sequence_parallel"),
-    ("parallel/linear.py", "linear_logprobs_entropy", "temperature"),
-    ("parallel/linear.py", "linear_logprobs_entropy", "sequence_parallel"),
-    ("parallel/loss.py", "logprobs_entropy_from_logits", "temperature"),
-    ("parallel/loss.py", "hapo_loss_from_logits", "temperature"),
-    ("parallel/loss.py", "make_logprob_func", "temperature"),
-    ("parallel/vocab_parallel.py", "vocab_parallel_logprobs_entropy", "temperature"),
-    ("rewards/math.py", "compute_score", "score_format"),
     ("rollout/engine.py", "SamplingParams", "temperature"),
     ("rollout/engine.py", "SamplingParams", "top_p"),
     ("rollout/engine.py", "SamplingParams", "top_k"),
     ("rollout/engine.py", "SamplingParams", "temperature_tau"),
     ("rollout/engine.py", "SamplingParams", "h_hat_mode"),
-    ("rollout/hf_engine.py", "sampling_logprobs", "top_k"),
-    ("rollout/hf_engine.py", "sampling_logprobs", "top_p"),
-    ("rollout/sglang/engine.py", "__init__", "quantization"),
-    ("rollout/sglang/engine.py", "__init__", "kv_cache_dtype"),
-    ("training/actor.py", "compute_logprobs_entropy", "temperature"),
 }
 
 

@@ -165,7 +165,8 @@ def test_evaluate_with_fake_engine_and_real_reward():
     }
     data = ListDataset([("1+1", "2", "arith"), ("2*3", "6", "arith"), ("half", "1/2", "frac")])
     engine = FakeEngine(answers)
-    m = evaluate(engine, data, reward, _sampling(4), k_values=[1, 2, 4], batch_size=2)
+    m = evaluate(engine, data, reward, _sampling(4), k_values=[1, 2, 4], batch_size=2,
+                 reward_kwargs={"score_format": "pm1"})
     assert [c[0] for c in engine.calls] == [2, 1]
     # arith: accs [1,0,1,1] and [1,0,0,0]; frac: 0.5 == 1/2 by math equivalence -> [1,1,0,0].
     assert m["eval/arith/avg@4"] == pytest.approx((0.75 + 0.25) / 2)

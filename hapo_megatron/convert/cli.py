@@ -105,7 +105,9 @@ def _build(hf_config, dtype: torch.dtype, parallel_output: bool = True):
     from hapo_megatron.models import build_gpt_model
 
     # Weights are overwritten right away: skip the random init (minutes for an 8B model).
-    return build_gpt_model(hf_config, dtype=dtype, parallel_output=parallel_output, perform_initialization=False)
+    # No run config here: Transformer Engine layers when usable, no sequence parallelism.
+    return build_gpt_model(hf_config, dtype=dtype, parallel_output=parallel_output, perform_initialization=False,
+                           use_te=None, sequence_parallel=False)
 
 
 def _progress(total: int, desc: str):

@@ -48,7 +48,7 @@ def check_logprob_entropy(tokens: int | None = None, vocab: int | None = None) -
     dtype, device = (torch.bfloat16, "cuda") if cuda else (torch.float32, "cpu")
     logits, targets = _inputs(tokens, vocab, dtype, device)
     chunk = 1024
-    lp, ent = vocab_parallel_logprobs_entropy(logits, targets, chunk_size=chunk)
+    lp, ent = vocab_parallel_logprobs_entropy(logits, targets, chunk_size=chunk, temperature=1.0)
     ref_lp, ref_ent = reference_logprob_entropy(logits, targets)
     err = max(float((lp.double() - ref_lp).abs().max()), float((ent.double() - ref_ent).abs().max()))
     fig = f"{tokens} tokens x {vocab} vocab {str(dtype).split('.')[-1]} on {device}: max |err| {err:.1e}"
@@ -58,7 +58,7 @@ def check_logprob_entropy(tokens: int | None = None, vocab: int | None = None) -
                            "(python -m pytest tests/parallel/test_vocab_parallel.py reproduces on CPU)")
     if not cuda:
         return CheckResult("logprob+entropy", PASS, fig)
-    seconds = _time_forward(lambda: vocab_parallel_logprobs_entropy(logits, targets, chunk_size=chunk))
+    seconds = _time_forward(lambda: vocab_parallel_logprobs_entropy(logits, targets, chunk_size=chunk, temperature=1.0))
     achieved = logits.numel() * logits.element_size() / seconds  # the logits are read at least once
     peak = peak_bandwidth(torch.cuda.get_device_properties(0))
     frac = f", {achieved / peak:.0%} of peak {peak / 1e12:.2f} TB/s" if peak else ", peak unknown"

@@ -22,7 +22,7 @@ def _tiny_gpt_pair():
     state = AutoModelForCausalLM.from_config(hf_config).state_dict()
     models = {}
     for use_te in (True, False):
-        m = build_gpt_model(hf_config, dtype=torch.bfloat16, use_te=use_te).cuda()
+        m = build_gpt_model(hf_config, dtype=torch.bfloat16, use_te=use_te, sequence_parallel=False).cuda()
         load_hf_weights_into_mcore(m, state, hf_config, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
         models[use_te] = m
     return hf_config, models

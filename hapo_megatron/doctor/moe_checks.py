@@ -23,7 +23,7 @@ FIX = ("the fused path disagrees with the unfused one: report the versions (hapo
 def _build(hf_config, state, fused: dict):
     from hapo_megatron.convert import load_hf_weights_into_mcore
     from hapo_megatron.models import build_gpt_model
-    m = build_gpt_model(hf_config, dtype=torch.bfloat16, use_te=True, **fused).cuda()
+    m = build_gpt_model(hf_config, dtype=torch.bfloat16, use_te=True, sequence_parallel=False, **fused).cuda()
     load_hf_weights_into_mcore(m, state, hf_config, tp_rank=0, tp_size=1)
     return m
 

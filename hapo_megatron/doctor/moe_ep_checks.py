@@ -92,7 +92,7 @@ def _rank_body(rank: int, tmpdir: str, packed_rows: bool = True) -> dict:
                                       max_tokens_per_micro_batch=None)
     packed = build_rank_micro_batches(seqs, dp_rank=g.dp_rank, dp_size=g.dp_size, pack=True, micro_batch_size=1,
                                       max_tokens_per_micro_batch=ROW_TOKENS, seq_multiple=8, row_multiple=8)
-    sums = torch.tensor([sum(float(lp.double().sum()) for lp, _ in actor.compute_logprobs_entropy(mbs))
+    sums = torch.tensor([sum(float(lp.double().sum()) for lp, _ in actor.compute_logprobs_entropy(mbs, temperature=1.0))
                          for mbs in (padded, packed if packed_rows else padded)], dtype=torch.float64,
                         device=actor.device)
     dist.all_reduce(sums, group=g.dp)

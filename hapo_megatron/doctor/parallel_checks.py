@@ -18,7 +18,8 @@ def _tp2(rank: int, device: str) -> float:
     full = torch.randn(64, 1000, generator=g, dtype=torch.float64)
     targets = torch.randint(0, 1000, (64,), generator=g)
     shard = full[:, rank * 500:(rank + 1) * 500].float().to(device).requires_grad_()
-    lp, ent = vocab_parallel_logprobs_entropy(shard, targets.to(device), tp_group=torch.distributed.group.WORLD)
+    lp, ent = vocab_parallel_logprobs_entropy(shard, targets.to(device), tp_group=torch.distributed.group.WORLD,
+                                              temperature=1.0)
     lp.sum().backward()
     ref = full.clone().requires_grad_()
     ref_lp = torch.log_softmax(ref, -1)

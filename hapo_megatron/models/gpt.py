@@ -70,8 +70,8 @@ _ARG_NAMES = {"tp": "tp", "pp": "pp", "ep": "ep", "etp": "etp", "cp": "cp"}  # c
 
 
 def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                               etp: int | None = None, sequence_parallel: bool = False,
-                               dtype: torch.dtype = torch.float32, use_te: bool | None = None, **kw):
+                               etp: int | None = None, sequence_parallel: bool,
+                               dtype: torch.dtype = torch.float32, use_te: bool | None, **kw):
     """The Megatron TransformerConfig equivalent of `hf_config`; `kw` overrides any field.
 
     Dropout is 0 (RL fine-tuning), RMSNorm, SwiGLU without linear biases, q/k/v biases for Qwen2,
@@ -130,7 +130,7 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, cp: int =
     return TransformerConfig(**fields)
 
 
-def layer_spec_for(hf_config, use_te: bool | None = None):
+def layer_spec_for(hf_config, use_te: bool | None):
     """Transformer Engine layer spec when TE is usable, Megatron's local spec otherwise (with
     `PackedDotProductAttention`, so packed rows run on CPU too)."""
     from megatron.core.models.gpt import gpt_layer_specs
@@ -198,16 +198,18 @@ def _parallel_sizes(groups: Optional[ParallelGroups]) -> tuple[dict, bool, bool]
 
 
 def build_gpt_model(hf_config, *, pre_process: bool | None = None, post_process: bool | None = None,
-                    dtype: torch.dtype = torch.float32, use_te: bool | None = None,
+                    dtype: torch.dtype = torch.float32, use_te: bool | None,
                     parallel_output: bool = True, vp_stage: int | None = None, config=None,
                     make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
-                    sequence_parallel: bool = False, groups: Optional[ParallelGroups] = None, **config_kw):
+                    sequence_parallel: bool, groups: Optional[ParallelGroups] = None, **config_kw):
     """A GPTModel for `hf_config` on this rank of ``groups`` (`ParallelGroups`; None: the
     initialised ones, `parallel.groups.get_parallel_groups`).
 
     pre_process/post_process default to "this rank is the first/last pipeline stage". `config`
     is a ready TransformerConfig; otherwise one is built with the initialised TP/PP/CP sizes,
     `dtype`, `sequence_parallel` and `config_kw`. The model carries `hf_vocab_size` (unpadded).
+    `use_te`: Transformer Engine layers (None: when usable; `model.use_te`); `sequence_parallel`:
+    `parallel.sequence_parallel` (unused when `config` is given).
     """
     from megatron.core.models.gpt import GPTModel
 

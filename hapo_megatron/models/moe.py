@@ -95,7 +95,7 @@ class ExpertLoadMonitor:
         self.handles = []
 
     def _reduced_totals(self, *, tp_group=None, pp_group=None, dp_group=None,
-                        sequence_parallel: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        sequence_parallel: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(counts ``[L, E]``, router calls ``[L]``, summed aux losses ``[L]``), float64 on
         `device`, summed over the groups (collective over every group given); resets."""
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
@@ -118,7 +118,7 @@ class ExpertLoadMonitor:
         return stats[:n].view(self.num_layers, self.num_experts), stats[n:], aux
 
     def step_metrics(self, *, tp_group=None, pp_group=None, dp_group=None,
-                     sequence_parallel: bool = False) -> dict[str, float]:
+                     sequence_parallel: bool) -> dict[str, float]:
         """`actor/moe_aux_loss`: the router load-balancing loss (before its coefficient), mean over
         MoE layers, micro-batches and data-parallel ranks; `actor/moe_expert_load_{max,min}`: the
         most / least loaded expert's share of routed tokens over the uniform share 1/E, and

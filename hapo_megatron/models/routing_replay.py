@@ -41,7 +41,7 @@ class RouteReplay:
     under no_grad, its recomputation under enable_grad.
     """
 
-    def __init__(self, *, replay: bool, recompute: bool = False) -> None:
+    def __init__(self, *, replay: bool, recompute: bool) -> None:
         self.replay, self.recompute = bool(replay), bool(recompute)
         self.forward_targets: deque = deque()
         self.recompute_targets: deque = deque()
@@ -95,7 +95,7 @@ def moe_routers(model_chunks) -> list:
     return sorted(routers, key=lambda r: int(r.layer_number))
 
 
-def install_route_replay(model_chunks, *, replay: bool, recompute: bool = False) -> list:
+def install_route_replay(model_chunks, *, replay: bool, recompute: bool) -> list:
     """A `RouteReplay` on every MoE router of ``model_chunks`` (replaces what Megatron put there);
     returns the routers. Refuses routers whose top-k bypasses the replay hook (fused TE routing)."""
     import inspect
@@ -115,7 +115,7 @@ def install_route_replay(model_chunks, *, replay: bool, recompute: bool = False)
 
 
 def routes_for_router(routes: torch.Tensor, layer: int, top_k: int, *, tp_rank: int = 0, tp_size: int = 1,
-                      sequence_parallel: bool = False, first_layer: int = 0) -> torch.Tensor:
+                      sequence_parallel: bool, first_layer: int = 0) -> torch.Tensor:
     """Layer ``layer``'s (0-based) ``[tokens, top_k]`` int64 routes in the order its router sees
     this rank's tokens, from a micro-batch's ``[b, s, L * top_k]`` routes of the layers from
     ``first_layer`` on (a pipeline stage's, `training.batches.route_share`)."""
@@ -134,7 +134,7 @@ def routes_for_router(routes: torch.Tensor, layer: int, top_k: int, *, tp_rank: 
 
 
 def queue_routes(routers: Iterable, routes: Optional[torch.Tensor], *, training: bool, tp_rank: int = 0,
-                 tp_size: int = 1, sequence_parallel: bool = False, first_layer: int = 0) -> None:
+                 tp_size: int = 1, sequence_parallel: bool, first_layer: int = 0) -> None:
     """Queue one micro-batch's routes (of the layers from ``first_layer`` on) on every router
     (None: each router its own top-k)."""
     for r in routers:

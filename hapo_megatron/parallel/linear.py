@@ -74,7 +74,7 @@ class HiddenStates:
 
     hidden: torch.Tensor
     weight: torch.Tensor
-    sequence_parallel: bool = False
+    sequence_parallel: bool
     vocab_size: Optional[int] = None
 
 
@@ -271,10 +271,10 @@ def linear_logprobs_entropy(
     targets: torch.Tensor,
     *,
     tp_group=None,
-    temperature: Union[float, torch.Tensor] = 1.0,
+    temperature: Union[float, torch.Tensor],
     chunk_size: Optional[int] = None,
     entropy_grad: bool = False,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool,
     vocab_size: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of `targets` and entropy of `softmax(hidden @ weight^T / temperature)` over a
@@ -323,7 +323,7 @@ def logprobs_entropy_from_hidden(states: HiddenStates, labels: torch.Tensor, **k
     if h.dim() != 3:
         raise ValueError(f"HiddenStates.hidden must be [s, b, H], got shape {tuple(h.shape)}")
     b, s = labels.shape
-    temp = kw.pop("temperature", 1.0)
+    temp = kw.pop("temperature")
     if torch.is_tensor(temp) and temp.dim() == 2:
         temp = temp.t().reshape(-1)
     lp, ent = linear_logprobs_entropy(h.reshape(-1, h.shape[-1]), states.weight, labels.t().reshape(-1),

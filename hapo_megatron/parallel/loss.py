@@ -67,7 +67,7 @@ Output = Union[torch.Tensor, HiddenStates]
 
 
 def logprobs_entropy_from_logits(logits: Output, labels: torch.Tensor, *, tp_group=None,
-                                 temperature: Union[float, torch.Tensor] = 1.0,
+                                 temperature: Union[float, torch.Tensor],
                                  chunk_size: Optional[int] = DEFAULT_LOGPROB_CHUNK,
                                  entropy_grad: bool = False):
     """Per-token `(logprobs, entropy)` `[b, s]` float32 from GPTModel logits `[b, s, V/tp]`, or
@@ -145,7 +145,7 @@ TokenSink = Callable[[PolicyTokenFields], None]
 
 def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: PolicyLossConfig,
                           stats: Optional[EntropyStats], tp_group=None, cp_group=None,
-                          temperature: Union[float, torch.Tensor] = 1.0,
+                          temperature: Union[float, torch.Tensor],
                           on_token_fields: Optional[TokenSink] = None,
                           loss_scale_factor: Optional[float] = None,
                           logprob_chunk_size: Optional[int] = DEFAULT_LOGPROB_CHUNK):
@@ -236,7 +236,7 @@ def make_loss_func(batch: MicroBatch, **kw) -> Callable[[torch.Tensor], tuple]:
     return loss_func
 
 
-def make_logprob_func(labels: torch.Tensor, *, tp_group=None, temperature=1.0,
+def make_logprob_func(labels: torch.Tensor, *, tp_group=None, temperature,
                       chunk_size: Optional[int] = DEFAULT_LOGPROB_CHUNK) -> Callable[[torch.Tensor], tuple]:
     """`loss_func` for a `forward_only=True` pass collecting `(logprobs, entropy)` `[b, s]`.
 

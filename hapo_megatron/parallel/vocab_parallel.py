@@ -215,7 +215,7 @@ def vocab_parallel_logprobs_entropy(
     targets: torch.Tensor,
     *,
     tp_group=None,
-    temperature: Union[float, torch.Tensor] = 1.0,
+    temperature: Union[float, torch.Tensor],
     chunk_size: Optional[int] = None,
     entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:

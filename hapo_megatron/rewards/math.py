@@ -204,7 +204,7 @@ def answers_equivalent(pred: str, ground_truth: str, *, timeout_s: float = VERIF
     return equivalence(pred, ground_truth, timeout_s=timeout_s)[0]
 
 
-def compute_score(solution_str: str, ground_truth, *, score_format: str = "pm1",
+def compute_score(solution_str: str, ground_truth, *, score_format: str,
                   verify_timeout_s: float = VERIFY_TIMEOUT_S, **_: object) -> RewardResult:
     """Score one response against the ground truth, in bounded time (module doc).
 

@@ -52,14 +52,15 @@ def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def sampling_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: int = -1,
-                      top_p: float = 1.0) -> torch.Tensor:
+def sampling_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: int,
+                      top_p: float) -> torch.Tensor:
     """Log-probs ``[B, V]`` (float32) of the final sampling distribution:
     ``log_softmax(top_p(top_k(logits / temperature)))``.
 
     Args:
         logits: ``[B, V]`` raw logits.
         temperature: ``[B]`` positive temperatures.
+        top_k, top_p: the sampling's (``-1`` / ``1.0``: off).
     """
     z = logits.float() / temperature.float().unsqueeze(-1)
     z = apply_top_p(apply_top_k(z, top_k), top_p)

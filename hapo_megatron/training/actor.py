@@ -260,7 +260,7 @@ class MegatronActor:
         parallelism every TP rank counts the same ones, which scales both sums alike."""
         return take_mismatch_counts(self.routers)
 
-    def compute_logprobs_entropy(self, micro_batches: list[MicroBatch], *, temperature: float | str = 1.0,
+    def compute_logprobs_entropy(self, micro_batches: list[MicroBatch], *, temperature: float | str,
                                  chunk_size: Optional[int] = None,
                                  model: Optional[list] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Forward-only pass: ``(logprobs, entropy)`` of each micro-batch, ``[b, s]`` float32 on

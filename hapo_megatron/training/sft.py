@@ -42,8 +42,9 @@ def cross_entropy_loss_factory(tp_group):
 
     def make_loss(mb: MicroBatch):
         def loss_func(output):  # logits, or HiddenStates with the fused output layer
+            # the data's likelihood under the plain softmax: no sampling temperature
             lp, _ = logprobs_entropy_from_logits(output, mb.labels, tp_group=tp_group,
-                                                 chunk_size=DEFAULT_LOGPROB_CHUNK)
+                                                 chunk_size=DEFAULT_LOGPROB_CHUNK, temperature=1.0)
             mask = mb.loss_mask.to(lp.dtype)
             loss = -(lp * mask).sum()
             return loss, mask.sum().to(torch.int), {"sft/loss_sum": loss.detach().double(),

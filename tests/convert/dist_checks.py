@@ -80,7 +80,7 @@ def check_layout(tp: int, pp: int, tmpdir: str, save_arch: str | None = None) ->
     for arch in ARCHS:
         cfg, hf = random_hf_model(arch)
         ref_state = hf_state(cfg, hf)
-        model = build_gpt_model(cfg)
+        model = build_gpt_model(cfg, use_te=None, sequence_parallel=False)
         source = ref_state
         if tp > 1 and arch == "qwen2":  # also exercise the lazy safetensors reader
             path = f"{tmpdir}/hf_{arch}"
@@ -105,7 +105,7 @@ def check_layout(tp: int, pp: int, tmpdir: str, save_arch: str | None = None) ->
         assert not not_equal, f"{arch} tp{tp} pp{pp}: exported tensors differ: {not_equal}"
         result[arch] = {"logit_diff": diff, "names": names}
         if (tp, arch) == (2, "qwen3"):  # bf16 params: loading casts, exporting gives the cast HF tensors
-            model16 = build_gpt_model(cfg, dtype=torch.bfloat16)
+            model16 = build_gpt_model(cfg, dtype=torch.bfloat16, use_te=None, sequence_parallel=False)
             load_hf_weights_into_mcore(model16, ref_state, cfg, tp_rank=g.tp_rank, tp_size=tp)
             for name, t in export_hf_weights(model16, cfg, tp_group=g.tp, pp_group=g.pp):
                 assert t.dtype == torch.bfloat16 and torch.equal(t, ref_state[name].bfloat16()), name
@@ -129,7 +129,7 @@ def check_reload(tp: int, pp: int, tmpdir: str, arch: str) -> bool:
 
     g = initialize_parallel(tp=tp, pp=pp)
     cfg, hf = random_hf_model(arch)
-    model = build_gpt_model(cfg)
+    model = build_gpt_model(cfg, use_te=None, sequence_parallel=False)
     load_megatron_checkpoint([model], f"{tmpdir}/mcore_{arch}")
     ref_state = hf_state(cfg, hf)
     for name, tensor in export_hf_weights(model, cfg, tp_group=g.tp, pp_group=g.pp):
@@ -151,7 +151,7 @@ def train_step(tp: int, pp: int) -> dict:
 
     g = initialize_parallel(tp=tp, pp=pp)
     cfg, hf = random_hf_model("qwen2")  # tied: PP2 needs the embedding-group gradient sync
-    model = build_gpt_model(cfg)
+    model = build_gpt_model(cfg, use_te=None, sequence_parallel=False)
     load_hf_weights_into_mcore(model, hf_state(cfg, hf), cfg, tp_rank=g.tp_rank, tp_size=tp)
     model.config.finalize_model_grads_func = finalize_model_grads
     ddp = _ddp(model)

@@ -43,7 +43,7 @@ def check_layout(name: str, tmpdir: str, save: bool = False) -> dict:
     g = initialize_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
     cfg, hf = moe_model()
     ref = hf_state(cfg, hf)
-    model = build_gpt_model(cfg).eval()
+    model = build_gpt_model(cfg, use_te=None, sequence_parallel=False).eval()
     load_hf_weights_into_mcore(model, ref, cfg, tp_rank=g.tp_rank, tp_size=g.tp_size, etp_rank=g.etp_rank,
                                etp_size=g.etp_size)
     ids = input_ids(cfg)
@@ -81,7 +81,7 @@ def check_reload(name: str, saved: str, tmpdir: str) -> bool:
     tp, ep, etp, pp = LAYOUTS[name]
     g = initialize_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
     cfg, hf = moe_model()
-    model = build_gpt_model(cfg)
+    model = build_gpt_model(cfg, use_te=None, sequence_parallel=False)
     load_megatron_checkpoint([model], f"{tmpdir}/mcore_{saved}")
     ref = hf_state(cfg, hf)
     for tensor_name, tensor in export_hf_weights(model, cfg, tp_group=g.tp, pp_group=g.pp, ep_group=g.ep,

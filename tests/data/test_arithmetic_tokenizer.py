@@ -62,8 +62,8 @@ def test_solutions_get_full_reward():
 
     for row in generate_arithmetic_rows(20, 1):
         gt = row["reward_model"]["ground_truth"]
-        assert compute_score(row["extra_info"]["solution"], gt).acc
-        assert not compute_score(f"Answer: {int(gt) + 1}", gt).acc
+        assert compute_score(row["extra_info"]["solution"], gt, score_format="pm1").acc
+        assert not compute_score(f"Answer: {int(gt) + 1}", gt, score_format="pm1").acc
 
 
 def test_char_tokenizer_round_trip_and_template(tmp_path, monkeypatch):

@@ -82,8 +82,8 @@ def test_each_set_converts_loads_and_verifies(name, tmp_path, tok, capsys):
         prompt_key='prompt', apply_chat_template=True)
     assert len(dataset) == len(tiny.EXPECTED[name])
     for rec in dataset:
-        assert compute_score(f"Some steps.\nAnswer: {rec.ground_truth}", rec.ground_truth).acc
-        assert not compute_score("Some steps.\nAnswer: 123456789", rec.ground_truth).acc
+        assert compute_score(f"Some steps.\nAnswer: {rec.ground_truth}", rec.ground_truth, score_format="pm1").acc
+        assert not compute_score("Some steps.\nAnswer: 123456789", rec.ground_truth, score_format="pm1").acc
     err = capsys.readouterr().err
     read = {"dapo-math-17k": 7, "amc-2023": 3}.get(name, 3)
     assert f"{name}: {read} rows read" in err
@@ -112,7 +112,7 @@ def test_math_verify_equivalence_on_a_math500_answer(tmp_path, tok):
     truth = load_prompt_rows(str(tmp_path / "out" / "math500.parquet"),
         prompt_key='prompt')[0]["reward_model"]["ground_truth"]
     assert truth == "\\frac{1}{2}"
-    assert compute_score("So it is one half.\nAnswer: 0.5", truth).acc
+    assert compute_score("So it is one half.\nAnswer: 0.5", truth, score_format="pm1").acc
 
 
 MALFORMED = {"dapo-math-17k": (4, "reward_model.*'ground_truth' must be a string or number, got None"),

@@ -39,7 +39,7 @@ def test_clean_solutions_are_correct_and_verified(knobs):
         assert lo - 1 <= len(steps) == row["extra_info"]["num_steps"] <= hi - 1
         for a, op, b, r in steps:  # every running value in range, every line right
             assert r == (a + b if op == "+" else a - b) and 0 <= r <= knobs.get("max_value", 19)
-        assert compute_score(sol, str(truth)).acc
+        assert compute_score(sol, str(truth), score_format="pm1").acc
     if not knobs:  # defaults: 1 to 4 steps, so variable length, tens of tokens
         lengths = {len(r["extra_info"]["solution"]) for r in rows}
         assert min(lengths) < 25 and max(lengths) > 45
@@ -61,7 +61,7 @@ def test_noisy_targets_carry_their_errors_consistently():
             wrong_steps += err != 0
             total_steps += 1
         assert sol.endswith(f"Answer: {steps[-1][3]}")
-        ok = compute_score(sol, row["reward_model"]["ground_truth"]).acc
+        ok = compute_score(sol, row["reward_model"]["ground_truth"], score_format="pm1").acc
         wrong_answers += not ok
         assert ok == (steps[-1][3] == int(row["reward_model"]["ground_truth"]))
     assert 0.17 < wrong_steps / total_steps < 0.23 and wrong_answers > 0.2 * len(rows)

@@ -11,9 +11,10 @@ FUSED = ("moe_grouped_gemm", "moe_permute_fusion", "apply_rope_fusion")
 
 
 def test_cpu_keeps_the_unfused_paths():
-    tc = transformer_config_from_hf(tiny_hf_config("qwen3_moe"), use_te=False)
+    tc = transformer_config_from_hf(tiny_hf_config("qwen3_moe"), use_te=False, sequence_parallel=False)
     assert [getattr(tc, f) for f in FUSED] == [False, False, False]
-    tc = transformer_config_from_hf(tiny_hf_config("qwen3_moe"))  # use_te=None: TE unusable on CPU
+    # use_te=None: TE when usable, and it is not on CPU
+    tc = transformer_config_from_hf(tiny_hf_config("qwen3_moe"), use_te=None, sequence_parallel=False)
     assert [getattr(tc, f) for f in FUSED] == [False, False, False]
 
 
@@ -23,9 +24,9 @@ def test_transformer_engine_turns_the_fused_paths_on(monkeypatch):
     import megatron.core.transformer as mt
 
     monkeypatch.setattr(mt, "TransformerConfig", lambda **kw: SimpleNamespace(**kw))
-    moe = transformer_config_from_hf(tiny_hf_config("qwen3_moe"), use_te=True)
+    moe = transformer_config_from_hf(tiny_hf_config("qwen3_moe"), use_te=True, sequence_parallel=False)
     assert [getattr(moe, f) for f in FUSED] == [True, True, True]
-    dense = transformer_config_from_hf(tiny_hf_config("qwen3"), use_te=True)
+    dense = transformer_config_from_hf(tiny_hf_config("qwen3"), use_te=True, sequence_parallel=False)
     assert dense.apply_rope_fusion is True and not hasattr(dense, "moe_grouped_gemm")
-    off = transformer_config_from_hf(tiny_hf_config("qwen3_moe"), use_te=False)
+    off = transformer_config_from_hf(tiny_hf_config("qwen3_moe"), use_te=False, sequence_parallel=False)
     assert [getattr(off, f) for f in FUSED] == [False, False, False]

@@ -37,7 +37,7 @@ def test_tiny_configs():
     ("llama", False, False, 16), ("qwen2", True, False, 16), ("qwen3", False, True, 24)])
 def test_transformer_config_from_hf(arch, bias, qk_norm, kv_channels):
     hf = tiny_hf_config(arch, rms_norm_eps=1e-5)
-    cfg = transformer_config_from_hf(hf, tp=2, dtype=torch.bfloat16, use_te=False)
+    cfg = transformer_config_from_hf(hf, tp=2, dtype=torch.bfloat16, use_te=False, sequence_parallel=False)
     assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size) == (2, 64, 128)
     assert (cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels) == (4, 2, kv_channels)
     assert cfg.add_qkv_bias is bias and cfg.qk_layernorm is qk_norm and cfg.add_bias_linear is False
@@ -45,12 +45,13 @@ def test_transformer_config_from_hf(arch, bias, qk_norm, kv_channels):
     assert cfg.activation_func is torch.nn.functional.silu
     assert cfg.params_dtype == torch.bfloat16 and cfg.bf16 and not cfg.fp16
     assert cfg.tensor_model_parallel_size == 2 and cfg.hidden_dropout == 0.0 == cfg.attention_dropout
-    assert transformer_config_from_hf(hf, calculate_per_token_loss=True).calculate_per_token_loss
+    assert transformer_config_from_hf(hf, calculate_per_token_loss=True, use_te=None,
+                                      sequence_parallel=False).calculate_per_token_loss
 
 
 def test_transformer_config_rejects_what_megatron_cannot_represent():
     with pytest.raises(ValueError, match="pp=3"):
-        transformer_config_from_hf(tiny_hf_config("llama"), pp=3)
+        transformer_config_from_hf(tiny_hf_config("llama"), pp=3, use_te=None, sequence_parallel=False)
     with pytest.raises(ValueError, match="hidden_act"):
         validate_hf_config(tiny_hf_config("llama", hidden_act="gelu"))
     with pytest.raises(ValueError, match="mlp_bias"):

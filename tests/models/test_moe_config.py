@@ -19,16 +19,17 @@ def test_router_and_expert_fields_follow_the_hf_config():
     assert f["moe_router_pre_softmax"] is False and f["moe_router_score_function"] == "softmax"
     assert moe_config_fields(tiny_hf_config("qwen3_moe", norm_topk_prob=False))["moe_router_pre_softmax"] is True
     assert moe_config_fields(tiny_hf_config("qwen3_moe"))["moe_layer_freq"] == 1
-    tc = transformer_config_from_hf(cfg, ep=2, etp=1, use_te=False, moe_aux_loss_coeff=0.0)
+    tc = transformer_config_from_hf(cfg, ep=2, etp=1, use_te=False, moe_aux_loss_coeff=0.0, sequence_parallel=False)
     assert (tc.expert_model_parallel_size, tc.expert_tensor_parallel_size, tc.moe_aux_loss_coeff) == (2, 1, 0.0)
     assert moe_overrides(cfg, 0.3) == {"moe_aux_loss_coeff": 0.3} and moe_overrides(cfg, None) == {}
     assert moe_overrides(tiny_hf_config("llama"), 0.3) == {}
     with pytest.raises(ValueError, match="ep=3 must divide the model's num_experts=8"):
-        transformer_config_from_hf(cfg, ep=3, use_te=False)
+        transformer_config_from_hf(cfg, ep=3, use_te=False, sequence_parallel=False)
     with pytest.raises(ValueError, match="expert parallelism needs a MoE model"):
-        transformer_config_from_hf(tiny_hf_config("qwen3"), ep=2, use_te=False)
+        transformer_config_from_hf(tiny_hf_config("qwen3"), ep=2, use_te=False, sequence_parallel=False)
     with pytest.raises(ValueError, match="num_experts_per_tok"):
-        transformer_config_from_hf(tiny_hf_config("qwen3_moe", num_experts_per_tok=5), use_te=False)
+        transformer_config_from_hf(tiny_hf_config("qwen3_moe", num_experts_per_tok=5), use_te=False,
+                                   sequence_parallel=False)
 
 
 def test_parallel_config_fields():

@@ -85,7 +85,7 @@ def _megatron_run(arch, tp, pp, fused, sp):
     g = initialize_parallel(tp=tp, pp=pp, seed=1)
     _check_groups(g, tp, pp)
     hf_cfg, hf = _hf_model(arch)
-    model = build_gpt_model(hf_cfg, sequence_parallel=sp)
+    model = build_gpt_model(hf_cfg, sequence_parallel=sp, use_te=None)
     load_hf_weights_into_mcore(model, hf.state_dict(), hf_cfg, tp_rank=g.tp_rank, tp_size=tp,
                                pp_rank=g.pp_rank, pp_size=pp)
     model.config.calculate_per_token_loss = True
@@ -105,7 +105,7 @@ def _megatron_run(arch, tp, pp, fused, sp):
         pos = torch.arange(SEQ).unsqueeze(0)
         out = (forward_hidden_states if fused else (lambda m, *a: m(*a)))(module, mb.input_ids, pos, None)
         assert isinstance(out, HiddenStates) == (fused and g.is_pipeline_last)
-        return out, make_loss_func(mb, cfg=cfg, stats=stats, tp_group=g.tp)
+        return out, make_loss_func(mb, cfg=cfg, stats=stats, tp_group=g.tp, temperature=1.0)
 
     losses = []
     for _ in range(STEPS):
@@ -164,7 +164,7 @@ def _hf_reference(arch):
         hf.zero_grad()
         fields = []
         loss_sum, n, _ = hapo_loss_from_logits(hf(batch.input_ids).logits, batch, cfg=cfg, stats=stats,
-                                               on_token_fields=fields.append)
+                                               on_token_fields=fields.append, temperature=1.0)
         near_edges += int(near_loss_discontinuity(fields[0].ratio, h_hat, batch.loss_mask, cfg, RATIO_REL).sum())
         (loss_sum / n).backward()
         losses.append((loss_sum / n).item())

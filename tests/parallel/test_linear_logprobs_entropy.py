@@ -132,19 +132,20 @@ def test_hidden_states_layout_and_bad_input():
     weight = torch.randn(V, H, generator=g)
     labels = torch.randint(0, V, (b, s), generator=g)
     temp = torch.rand(b, s, generator=g) + 0.5
-    lp, ent = logprobs_entropy_from_hidden(HiddenStates(hidden, weight), labels, temperature=temp, chunk_size=4)
+    states = HiddenStates(hidden, weight, sequence_parallel=False)
+    lp, ent = logprobs_entropy_from_hidden(states, labels, temperature=temp, chunk_size=4)
     ref_lp, ref_ent = vocab_parallel_logprobs_entropy(hidden.transpose(0, 1) @ weight.t(), labels, temperature=temp)
     torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
     h2 = hidden.reshape(-1, H)
     with pytest.raises(ValueError, match="targets"):
-        linear_logprobs_entropy(h2, weight, labels.reshape(-1)[:-1])
+        linear_logprobs_entropy(h2, weight, labels.reshape(-1)[:-1], temperature=1.0, sequence_parallel=False)
     with pytest.raises(ValueError, match=r"\[N, H\]"):
-        linear_logprobs_entropy(h2, weight[:, :-1], labels.reshape(-1))
+        linear_logprobs_entropy(h2, weight[:, :-1], labels.reshape(-1), temperature=1.0, sequence_parallel=False)
     with pytest.raises(ValueError, match="chunk_size"):
-        linear_logprobs_entropy(h2, weight, labels.reshape(-1), chunk_size=0)
+        linear_logprobs_entropy(h2, weight, labels.reshape(-1), chunk_size=0, temperature=1.0, sequence_parallel=False)
     with pytest.raises(ValueError, match="temperature"):
-        linear_logprobs_entropy(h2, weight, labels.reshape(-1), temperature=-1.0)
+        linear_logprobs_entropy(h2, weight, labels.reshape(-1), temperature=-1.0, sequence_parallel=False)
 
 
 def test_padding_constant_matches_the_model():

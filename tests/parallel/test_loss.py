@@ -204,18 +204,18 @@ def test_layout_invariance_all_agg_modes():
 def test_microbatch_scope_uses_current_entropy_stats():
     logits, batch, _, _ = _data(1)
     cfg = PolicyLossConfig(entropy_stats_scope="microbatch", h_hat_entropy="current")
-    loss_sum, n, metrics = hapo_loss_from_logits(logits, batch, cfg=cfg, stats=None)
+    loss_sum, n, metrics = hapo_loss_from_logits(logits, batch, cfg=cfg, stats=None, temperature=1.0)
     ent = token_entropy(logits, temperature=1.0)
     stats = compute_entropy_stats(ent, batch.loss_mask, entropy_pivot=PolicyLossConfig().entropy_pivot)
     ref = PolicyLossConfig(entropy_stats_scope="global", h_hat_entropy="current")
-    loss_sum2, n2, _ = hapo_loss_from_logits(logits, batch, cfg=ref, stats=stats)
+    loss_sum2, n2, _ = hapo_loss_from_logits(logits, batch, cfg=ref, stats=stats, temperature=1.0)
     assert int(n) == int(n2) and torch.allclose(loss_sum, loss_sum2, rtol=1e-5)
     # h_hat_entropy="old" with microbatch scope: stats of the old entropies of the micro-batch
     cfg_old = PolicyLossConfig(entropy_stats_scope="microbatch", h_hat_entropy="old")
-    l3, _, _ = hapo_loss_from_logits(logits, batch, cfg=cfg_old, stats=None)
+    l3, _, _ = hapo_loss_from_logits(logits, batch, cfg=cfg_old, stats=None, temperature=1.0)
     l4, _, _ = hapo_loss_from_logits(logits, batch, cfg=PolicyLossConfig(),
                                      stats=compute_entropy_stats(batch.old_entropy, batch.loss_mask,
-                                         entropy_pivot=PolicyLossConfig().entropy_pivot))
+                                         entropy_pivot=PolicyLossConfig().entropy_pivot), temperature=1.0)
     assert torch.allclose(l3, l4)
 
 
@@ -224,17 +224,18 @@ def test_loss_scale_factor_is_the_seq_mean_token_sum_norm_horizon():
     length S by default, the given constant otherwise."""
     logits, batch, stats, _ = _data()
     cfg = PolicyLossConfig(loss_agg_mode="seq-mean-token-sum-norm")
-    row, n_row, _ = hapo_loss_from_logits(logits, batch, cfg=cfg, stats=stats)
-    const, n_const, _ = hapo_loss_from_logits(logits, batch, cfg=cfg, stats=stats, loss_scale_factor=100.0)
+    row, n_row, _ = hapo_loss_from_logits(logits, batch, cfg=cfg, stats=stats, temperature=1.0)
+    const, n_const, _ = hapo_loss_from_logits(logits, batch, cfg=cfg, stats=stats, loss_scale_factor=100.0,
+                                              temperature=1.0)
     assert int(n_row) == int(n_const) == 5  # the rows with a valid token
     assert float(const) * 100.0 == pytest.approx(float(row) * S, rel=1e-6)
 
 
 def test_make_loss_func_and_logprob_func():
     logits, batch, stats, _ = _data(2)
-    f = make_loss_func(batch, cfg=PolicyLossConfig(), stats=stats)
+    f = make_loss_func(batch, cfg=PolicyLossConfig(), stats=stats, temperature=1.0)
     a = f(logits)
-    b = hapo_loss_from_logits(logits, batch, cfg=PolicyLossConfig(), stats=stats)
+    b = hapo_loss_from_logits(logits, batch, cfg=PolicyLossConfig(), stats=stats, temperature=1.0)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     zero, n, out = make_logprob_func(batch.labels, temperature=0.8)(logits)
     lp, ent = logprobs_entropy_from_logits(logits, batch.labels, temperature=0.8)
@@ -249,14 +250,14 @@ def test_token_fields_are_what_the_metrics_count():
     logits, batch, stats, _ = _data(3)  # a seed where all three bounds are hit
     got = []
     cfg = PolicyLossConfig(clip_ratio_low=0.05, clip_ratio_high=0.05, clip_ratio_c=1.01)
-    _, _, m = hapo_loss_from_logits(logits, batch, cfg=cfg, stats=stats, on_token_fields=got.append)
+    _, _, m = hapo_loss_from_logits(logits, batch, cfg=cfg, stats=stats, on_token_fields=got.append, temperature=1.0)
     (f,) = got
     valid = batch.loss_mask != 0
     for side in ("low", "high", "dual"):
         flags = getattr(f, "clip_" + side)
         assert flags.dtype == torch.bool and not (flags & ~valid).any()
         assert int(flags.sum()) == int(m[f"loss/clipfrac_{side}_sum"]) > 0, side
-    lp, _ = logprobs_entropy_from_logits(logits, batch.labels)
+    lp, _ = logprobs_entropy_from_logits(logits, batch.labels, temperature=1.0)
     assert torch.allclose(f.ratio[valid], torch.exp(lp - batch.old_logprobs)[valid], rtol=1e-5)
     assert bool((f.ratio[~valid] == 1).all()) and bool((f.adv_after[~valid] == 0).all())
     # A' is the redistributed advantage (adaptive_advantage on), not A
@@ -268,15 +269,16 @@ def test_empty_microbatch_and_bad_input():
     logits, batch, stats, _ = _data(3)
     empty = batch.with_(loss_mask=torch.zeros(B, S))
     x = logits.clone().requires_grad_(True)
-    loss_sum, n, _ = hapo_loss_from_logits(x, empty, cfg=PolicyLossConfig(), stats=stats)
+    loss_sum, n, _ = hapo_loss_from_logits(x, empty, cfg=PolicyLossConfig(), stats=stats, temperature=1.0)
     loss_sum.backward()
     assert int(n) == 0 and loss_sum.item() == 0.0 and torch.all(x.grad == 0)
     with pytest.raises(ValueError, match="advantages"):
-        hapo_loss_from_logits(logits, batch.with_(advantages=None), cfg=PolicyLossConfig(), stats=stats)
+        hapo_loss_from_logits(logits, batch.with_(advantages=None), cfg=PolicyLossConfig(), stats=stats,
+                              temperature=1.0)
     with pytest.raises(TypeError, match="MicroBatch"):
-        hapo_loss_from_logits(logits, {"labels": batch.labels}, cfg=PolicyLossConfig(), stats=stats)
+        hapo_loss_from_logits(logits, {"labels": batch.labels}, cfg=PolicyLossConfig(), stats=stats, temperature=1.0)
     with pytest.raises(ValueError, match="stats"):
-        hapo_loss_from_logits(logits, batch, cfg=PolicyLossConfig(), stats=None)
+        hapo_loss_from_logits(logits, batch, cfg=PolicyLossConfig(), stats=None, temperature=1.0)
     with pytest.raises(ValueError, match="loss_agg_mode"):
         PolicyLossConfig(loss_agg_mode="mean")
     with pytest.raises(ValueError, match="old_logprobs"):

@@ -88,7 +88,7 @@ def _run(path, *, tp, ep, pack, fillers, coef):
     mbs, counts, real_counts = _micro_batches(_sequences(), g, pack=pack, fillers=fillers, sequence_parallel=sp)
     out = {"counts": counts, "real_counts": real_counts, "num_micro_batches": len(mbs)}
     tokens = {}
-    for mb, (lp, ent) in zip(mbs, actor.compute_logprobs_entropy(mbs)):
+    for mb, (lp, ent) in zip(mbs, actor.compute_logprobs_entropy(mbs, temperature=1.0)):
         rows = mb.with_(old_logprobs=lp, old_entropy=ent).unpacked()
         for r, i in enumerate(rows.seq_index.tolist()):
             if i >= 0:

@@ -61,7 +61,7 @@ def _stage_ranks(rank, world, path):
         mbs = collate_micro_batches([seqs[0:2], seqs[2:4], seqs[4:6]], seqs[0])
         if name == "stage":
             assert mbs[0].routed_experts.shape[-1] == (stage[1] - stage[0]) * TOP_K
-        lps = actor.compute_logprobs_entropy(mbs)
+        lps = actor.compute_logprobs_entropy(mbs, temperature=1.0)
         out[name] = [lp.numpy() for lp, _ in lps]
     destroy_parallel()
     return out

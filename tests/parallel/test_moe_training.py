@@ -40,7 +40,7 @@ def _entropy_stats(ddp, micro, g, fused):
         out = (forward_hidden_states if fused else (lambda m, *a: m(*a)))(module, mb.input_ids, pos, None)
 
         def collect(output):
-            _, entropy = logprobs_entropy_from_logits(output, mb.labels, tp_group=g.tp)
+            _, entropy = logprobs_entropy_from_logits(output, mb.labels, tp_group=g.tp, temperature=1.0)
             entropies.append((entropy.detach(), mb.loss_mask))
             return zero_loss_like(output), {}
         return out, collect
@@ -68,7 +68,7 @@ def _megatron_run(tp, ep, etp, sp, fused):
     g = initialize_parallel(tp=tp, ep=ep, etp=etp, seed=1)
     assert (g.ep_size, g.etp_size) == (ep, etp)
     hf_cfg, hf = moe_model()
-    model = build_gpt_model(hf_cfg, sequence_parallel=sp, moe_aux_loss_coeff=0.0)
+    model = build_gpt_model(hf_cfg, sequence_parallel=sp, moe_aux_loss_coeff=0.0, use_te=None)
     load_hf_weights_into_mcore(model, hf_state(hf_cfg, hf), hf_cfg, tp_rank=g.tp_rank, tp_size=tp,
                                etp_rank=g.etp_rank, etp_size=etp)
     model.config.calculate_per_token_loss = True
@@ -88,7 +88,7 @@ def _megatron_run(tp, ep, etp, sp, fused):
         mb = next(data_iterator)
         pos = torch.arange(SEQ).unsqueeze(0)
         out = (forward_hidden_states if fused else (lambda m, *a: m(*a)))(module, mb.input_ids, pos, None)
-        return out, make_loss_func(mb, cfg=cfg, stats=stats, tp_group=g.tp)
+        return out, make_loss_func(mb, cfg=cfg, stats=stats, tp_group=g.tp, temperature=1.0)
 
     losses = []
     for _ in range(STEPS):
@@ -145,7 +145,7 @@ def _actor_run(tmpdir, coef):
     assert actor.config.moe_aux_loss_coeff == coef
     mbs = build_rank_micro_batches(_sequences(), dp_rank=g.dp_rank, dp_size=g.dp_size,
         micro_batch_size=1, max_tokens_per_micro_batch=None)
-    actor.compute_logprobs_entropy(mbs)  # not counted: the metrics are the training steps'
+    actor.compute_logprobs_entropy(mbs, temperature=1.0)  # not counted: the metrics are the training steps'
     actor.train_step(mbs, cross_entropy_loss_factory(g.tp))
     metrics = actor.moe_step_metrics()
     weights = dict(actor.export_hf_weights())
@@ -168,13 +168,13 @@ def _hf_reference():
     hf.train()
     batch, stats = _batch(hf_cfg.vocab_size)
     with torch.no_grad():
-        _, entropy = logprobs_entropy_from_logits(hf(batch.input_ids).logits, batch.labels)
+        _, entropy = logprobs_entropy_from_logits(hf(batch.input_ids).logits, batch.labels, temperature=1.0)
     entropy_stats = global_entropy_stats(entropy, batch.loss_mask,
         entropy_pivot=PolicyLossConfig().entropy_pivot).to_dict()
     cfg, losses = _loss_cfg(), []
     for _ in range(STEPS):
         hf.zero_grad()
-        loss_sum, n, _ = hapo_loss_from_logits(hf(batch.input_ids).logits, batch, cfg=cfg, stats=stats)
+        loss_sum, n, _ = hapo_loss_from_logits(hf(batch.input_ids).logits, batch, cfg=cfg, stats=stats, temperature=1.0)
         (loss_sum / n).backward()
         losses.append((loss_sum / n).item())
         with torch.no_grad():

@@ -140,7 +140,7 @@ def _actor_run(tmpdir, tp, ep, sp, recompute, routing):
                                    pad_multiple=tp if sp else 1,
                                        max_tokens_per_micro_batch=None)  # 2 rows: the token order matters
     with actor.counting_routing_mismatch():
-        lps = actor.compute_logprobs_entropy(mbs)
+        lps = actor.compute_logprobs_entropy(mbs, temperature=1.0)
     counts = actor.take_routing_mismatch()
     logprobs = {int(i): lp[r][mb.loss_mask[r] > 0].numpy() for mb, (lp, _) in zip(mbs, lps)
                 for r, i in enumerate(mb.seq_index.tolist()) if i >= 0}

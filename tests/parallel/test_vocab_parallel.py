@@ -107,7 +107,7 @@ def _tp_worker(rank, world_size):
     # a rank may hold zero rows: collectives still line up
     empty = torch.zeros(0, V // world_size, requires_grad=True)
     lp, ent = vocab_parallel_logprobs_entropy(empty, torch.zeros(0, dtype=torch.long),
-                                              tp_group=dist.group.WORLD)
+                                              tp_group=dist.group.WORLD, temperature=1.0)
     lp.sum().backward()
     assert lp.shape == (0,) and empty.grad.shape == empty.shape
     return errs
@@ -120,12 +120,12 @@ def test_tensor_parallel_matches_reference(tp):
 
 
 def test_hand_computed_uniform_and_onehot():
-    lp, ent = vocab_parallel_logprobs_entropy(torch.zeros(2, 8), torch.tensor([0, 5]))
+    lp, ent = vocab_parallel_logprobs_entropy(torch.zeros(2, 8), torch.tensor([0, 5]), temperature=1.0)
     assert torch.allclose(lp, torch.full((2,), -math.log(8.0)))
     assert torch.allclose(ent, torch.full((2,), math.log(8.0)))
     x = torch.full((1, 4), float("-inf"))
     x[0, 2] = 3.0  # one-hot distribution
-    lp, ent = vocab_parallel_logprobs_entropy(x, torch.tensor([2]))
+    lp, ent = vocab_parallel_logprobs_entropy(x, torch.tensor([2]), temperature=1.0)
     assert lp.item() == 0.0 and ent.item() == 0.0
     # temperature 2 on logits [0, ln 4] -> probs [1/3, 2/3]
     x = torch.tensor([[0.0, math.log(4.0)]])
@@ -142,20 +142,20 @@ def test_leading_shape_and_bad_input():
     lp.sum().backward()
     assert x.grad.shape == x.shape
     with pytest.raises(ValueError, match="targets"):
-        vocab_parallel_logprobs_entropy(x, t[:, :2])
+        vocab_parallel_logprobs_entropy(x, t[:, :2], temperature=1.0)
     with pytest.raises(ValueError, match="temperature"):
         vocab_parallel_logprobs_entropy(x, t, temperature=0.0)
     with pytest.raises(ValueError, match="temperature"):
         vocab_parallel_logprobs_entropy(x, t, temperature=torch.zeros(2, 3))
     with pytest.raises(ValueError, match="chunk_size"):
-        vocab_parallel_logprobs_entropy(x, t, chunk_size=0)
+        vocab_parallel_logprobs_entropy(x, t, chunk_size=0, temperature=1.0)
 
 
 def test_non_contiguous_input_and_padding_targets():
     base = torch.randn(10, 6)
     x = base.t()  # [6, 10] non-contiguous
     t = torch.tensor([0, 3, -100, 9, 2, 1])
-    lp, ent = vocab_parallel_logprobs_entropy(x, t)
+    lp, ent = vocab_parallel_logprobs_entropy(x, t, temperature=1.0)
     ref = torch.log_softmax(x.double(), -1)
     ok = t >= 0
     assert torch.allclose(lp[ok].double(), ref[ok].gather(-1, t[ok, None]).squeeze(-1), atol=1e-6)

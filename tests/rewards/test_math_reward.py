@@ -52,7 +52,7 @@ def test_extract_final_answer_takes_the_later_form():
 ])
 def test_equivalent_forms(pred, truth):
     assert answers_equivalent(pred, truth)
-    assert compute_score(f"... Answer: {pred}", truth).acc
+    assert compute_score(f"... Answer: {pred}", truth, score_format="pm1").acc
 
 
 @pytest.mark.parametrize("pred, truth", [("84", "85"), ("-85", "85"), ("\\frac{1}{3}", "0.5"), ("12", "1,2"),
@@ -62,24 +62,24 @@ def test_wrong_answers(pred, truth):
 
 
 def test_scores_and_formats():
-    ok = compute_score("think\nAnswer: 85", "85")
+    ok = compute_score("think\nAnswer: 85", "85", score_format="pm1")
     assert ok == RewardResult(score=1.0, acc=True, pred="85")
-    bad = compute_score("think\nAnswer: 84", "85")
+    bad = compute_score("think\nAnswer: 84", "85", score_format="pm1")
     assert bad == RewardResult(score=-1.0, acc=False, pred="84")
     assert compute_score("Answer: 84", "85", score_format="01") == RewardResult(0.0, False, "84")
     assert compute_score("Answer: 85", "85", score_format="01") == RewardResult(1.0, True, "85")
     for empty in ("", None, "I do not know"):
-        assert compute_score(empty, "85") == RewardResult(-1.0, False, None)
+        assert compute_score(empty, "85", score_format="pm1") == RewardResult(-1.0, False, None)
         assert compute_score(empty, "85", score_format="01").score == 0.0
-    assert compute_score("\\boxed{85}", 85).acc  # a numeric ground truth works too
-    assert compute_score("Answer: 3", "3", data_source="x", extra_info={}).acc  # extra kwargs ignored
+    assert compute_score("\\boxed{85}", 85, score_format="pm1").acc  # a numeric ground truth works too
+    assert compute_score("Answer: 3", "3", score_format="pm1", data_source="x", extra_info={}).acc  # extras ignored
     with pytest.raises(ValueError, match="score_format must be 'pm1' or '01'"):
         compute_score("Answer: 1", "1", score_format="bin")
 
 
 def test_long_answer_is_bounded():
     start = time.time()
-    res = compute_score("Answer: " + "(1+" * 400 + "1" + ")" * 400, "2")
+    res = compute_score("Answer: " + "(1+" * 400 + "1" + ")" * 400, "2", score_format="pm1")
     assert not res.acc and time.time() - start < 5
 
 
@@ -92,7 +92,7 @@ def test_thread_safe():
         text, truth, want = case
         try:
             assert threading.current_thread() is not threading.main_thread()
-            return compute_score(text, truth).acc == want
+            return compute_score(text, truth, score_format="pm1").acc == want
         except Exception as err:  # pragma: no cover - would be the signal-in-thread failure
             errors.append(err)
             return False
@@ -132,14 +132,14 @@ def test_explosive_answers_are_wrong_without_sympy(answer):
     for fmt, wrong in (("pm1", -1.0), ("01", 0.0)):
         res = compute_score(f"so \\boxed{{{answer}}}", "1", score_format=fmt)
         assert res == RewardResult(score=wrong, acc=False, pred=answer, timed_out=False)
-    assert get_reward_fn("math")(f"\\boxed{{{answer}}}", "1").score == -1.0
+    assert get_reward_fn("math")(f"\\boxed{{{answer}}}", "1", score_format="pm1").score == -1.0
     assert _pool_timeouts() == before  # the guard decided: no worker was asked
 
 
 @pytest.mark.parametrize("answer", PATHOLOGICAL)
 def test_pathological_corpus_returns_with_a_defined_score(answer):
     before = _pool_timeouts()
-    res = compute_score(f"\\boxed{{{answer}}}", "1", verify_timeout_s=2.0)
+    res = compute_score(f"\\boxed{{{answer}}}", "1", verify_timeout_s=2.0, score_format="pm1")
     assert res.score == -1.0 and not res.acc
     assert _pool_timeouts() - before == int(res.timed_out)  # a timeout is flagged and counted, once
 
@@ -158,7 +158,7 @@ def test_hard_limit_when_the_guard_misses(monkeypatch, thread):
         run()
     assert out == [RewardResult(score=0.0, acc=False, pred="9^{9^{9}}", timed_out=True)]
     assert _pool_timeouts() == before + 1
-    assert compute_score("\\boxed{2^{10}}", "1024").acc  # the pool still answers
+    assert compute_score("\\boxed{2^{10}}", "1024", score_format="pm1").acc  # the pool still answers
 
 
 @pytest.mark.parametrize("pred, truth", [
@@ -170,7 +170,7 @@ def test_hard_limit_when_the_guard_misses(monkeypatch, thread):
 ])
 def test_large_but_cheap_forms_still_verify(pred, truth):
     before = _pool_timeouts()
-    res = compute_score(f"\\boxed{{{pred}}}", truth)
+    res = compute_score(f"\\boxed{{{pred}}}", truth, score_format="pm1")
     assert res == RewardResult(score=1.0, acc=True, pred=pred, timed_out=False)
     assert _pool_timeouts() == before
 
@@ -179,6 +179,6 @@ def test_bounded_from_worker_threads():
     answers = EXPLOSIVE + ["\\frac{1}{2}", "2^{100}"]
     truths = ["1"] * len(EXPLOSIVE) + ["0.5", str(2 ** 100)]
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda a, t: compute_score(f"\\boxed{{{a}}}", t), answers, truths))
+        results = list(pool.map(lambda a, t: compute_score(f"\\boxed{{{a}}}", t, score_format="pm1"), answers, truths))
     assert [r.acc for r in results] == [False] * len(EXPLOSIVE) + [True, True]
     assert not any(r.timed_out for r in results)

@@ -24,7 +24,7 @@ NOT_CALLABLE = 3
 def test_builtin_math():
     fn = get_reward_fn("math")
     assert "math" in registered_rewards()
-    assert fn("Answer: 4", "4") == RewardResult(1.0, True, "4")
+    assert fn("Answer: 4", "4", score_format="pm1") == RewardResult(1.0, True, "4")
     assert fn("Answer: 5", "4", score_format="01", data_source="x", extra_info={}).score == 0.0
 
 

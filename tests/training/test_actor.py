@@ -82,7 +82,8 @@ def _actor_checks(rank, world, data, ckpt_dir):
     (lp, ent), = actor.compute_logprobs_entropy(mbs, temperature=1.0)
     mbs = [mbs[0].with_(old_logprobs=lp, old_entropy=ent)]
     lc = AlgoConfig().loss
-    actor.train_step(mbs, lambda mb: make_loss_func(mb, cfg=lc, stats=EntropyStats.neutral(), tp_group=g.tp))
+    actor.train_step(mbs, lambda mb: make_loss_func(mb, cfg=lc, stats=EntropyStats.neutral(), tp_group=g.tp,
+                                                    temperature=1.0))
     (after, _), = actor.compute_logprobs_entropy(mbs, temperature=1.0)
     delta = (after.sum(1) - lp.sum(1)).tolist()
     names = [n for n, _ in actor.export_hf_weights()]

@@ -91,14 +91,15 @@ def test_loss_refuses_a_batch_without_proximal_logprobs():
     _, mb, logits, _ = _setup(adaptive=False)
     with pytest.raises(ValueError, match="proximal_logprobs"):
         hapo_loss_from_logits(logits, mb, cfg=PolicyLossConfig(rollout_is="seq_tis", adaptive_clip=False,
-                                                         adaptive_advantage=False), stats=None)
+                                                         adaptive_advantage=False), stats=None, temperature=1.0)
 
 
 def test_loss_none_ignores_the_proximal_field_bit_for_bit():
     _, mb, logits, _ = _setup(adaptive=False)
     cfg = PolicyLossConfig(adaptive_clip=False, adaptive_advantage=False)
-    a = hapo_loss_from_logits(logits, mb, cfg=cfg, stats=None)
-    b = hapo_loss_from_logits(logits, mb.with_(proximal_logprobs=mb.rollout_logprobs + 1), cfg=cfg, stats=None)
+    a = hapo_loss_from_logits(logits, mb, cfg=cfg, stats=None, temperature=1.0)
+    b = hapo_loss_from_logits(logits, mb.with_(proximal_logprobs=mb.rollout_logprobs + 1), cfg=cfg, stats=None,
+                              temperature=1.0)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert all(torch.equal(a[2][k], b[2][k]) for k in a[2])
 

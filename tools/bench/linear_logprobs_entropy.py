@@ -46,11 +46,11 @@ def _loss_fn(variant, chunk_size):
     """`fn(hidden, weight, targets) -> (logprobs, entropy)` for one variant."""
     def fused(h, w, t):
         from hapo_megatron.parallel import linear_logprobs_entropy
-        return linear_logprobs_entropy(h, w, t, chunk_size=chunk_size)
+        return linear_logprobs_entropy(h, w, t, chunk_size=chunk_size, temperature=1.0, sequence_parallel=False)
 
     def logits(h, w, t):
         from hapo_megatron.parallel import vocab_parallel_logprobs_entropy
-        return vocab_parallel_logprobs_entropy(h @ w.t(), t, chunk_size=chunk_size)
+        return vocab_parallel_logprobs_entropy(h @ w.t(), t, chunk_size=chunk_size, temperature=1.0)
 
     def megatron(h, w, t):
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy

@@ -117,7 +117,7 @@ def _ours(chunk_size):
     def run(x, targets, tp_group):
         from hapo_megatron.parallel import vocab_parallel_logprobs_entropy
 
-        return vocab_parallel_logprobs_entropy(x, targets, tp_group=tp_group, chunk_size=chunk_size)
+        return vocab_parallel_logprobs_entropy(x, targets, tp_group=tp_group, chunk_size=chunk_size, temperature=1.0)
 
     return run
 

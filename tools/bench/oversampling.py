@@ -67,7 +67,8 @@ def build_rt(url: Optional[str], *, over_sampling: float, batch: int, n: int, ma
     if engine is None:
         sg = cfg.rollout.sglang
         sg.server_urls, sg.max_retries, sg.request_timeout_s = [url], 0, 600.0
-        engine = SGLangEngine(sg, send_sampling_seed=True, launch=False)
+        engine = SGLangEngine(sg, send_sampling_seed=True, launch=False, quantization=cfg.rollout.quantization,
+                              kv_cache_dtype=cfg.rollout.kv_cache_dtype)
     rt = SimpleNamespace(cfg=cfg, train_ds=ds, engine=engine, rl=rl, memory=_NoMemory(),
                          scorer=RewardScorer(cfg.reward),
                          tokenizer=SimpleNamespace(decode=lambda ids, **kw: "".join(chr(65 + t % 26) for t in ids),

@@ -97,7 +97,7 @@ def time_update(plan_rank: list[list[int]], lengths, *, pack: bool, actor, group
     mbs = [mb.with_(old_logprobs=-mb.loss_mask, old_entropy=mb.loss_mask) for mb in mbs]
     cfg, stats = PolicyLossConfig(), EntropyStats(pivot=0.0, std=1.0, pos_max=1.0, neg_min=-1.0)
     t0 = time.perf_counter()
-    actor.train_step(mbs, lambda mb: make_loss_func(mb, cfg=cfg, stats=stats, tp_group=groups.tp))
+    actor.train_step(mbs, lambda mb: make_loss_func(mb, cfg=cfg, stats=stats, tp_group=groups.tp, temperature=1.0))
     return time.perf_counter() - t0
 
 

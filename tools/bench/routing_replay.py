@@ -78,7 +78,7 @@ def actor_logprobs(path: str, hf_config, groups, samples, routing: str):
     mbs = build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batch_size=len(seqs),
         max_tokens_per_micro_batch=None)
     with actor.counting_routing_mismatch():
-        results = actor.compute_logprobs_entropy(mbs)
+        results = actor.compute_logprobs_entropy(mbs, temperature=1.0)
     out = {}
     for mb, (lp, _) in zip(mbs, results):
         for r, i in enumerate(mb.seq_index.tolist()):

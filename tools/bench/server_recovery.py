@@ -71,7 +71,8 @@ def main() -> None:
     try:
         section = SGLangConfig(colocate=True, weight_sync="tensor", max_retries=0, request_timeout_s=120)
         eng = se.SGLangEngine(section, servers=handles, launch=False, send_sampling_seed=True, requests_per_call=4,
-                              api_key=key, model_path=model, launch_timeout_s=900)
+                              api_key=key, model_path=model, launch_timeout_s=900, quantization="none",
+                              kv_cache_dtype="auto")
         eng.update_weights(iter(perturbed(model, 1)))
         prompts = [[1, 10 + p, 11, 12 + p] for p in range(args.prompts)]
         params = SamplingParams(n=2, temperature=args.temperature, max_new_tokens=args.max_new_tokens,

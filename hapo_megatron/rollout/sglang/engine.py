@@ -286,7 +286,7 @@ class SGLangEngine:
                  session: Any = None, launch: bool = True, group_name: str = "hapo_weight_sync",
                  device: str = "auto", api_key: Optional[str] = None, key_file: Optional[str] = None,
                  supervisor: Optional[ServerSupervisor] = None,
-                 quantization: str = "none", kv_cache_dtype: str = "auto") -> None:
+                 quantization: str, kv_cache_dtype: str) -> None:
         fp8_serving.check_choices(quantization, kv_cache_dtype)
         self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype
         if int(requests_per_call) < 1:

@@ -157,7 +157,8 @@ def test_no_server_left_stops_the_run_even_with_restarts_left():
 def test_max_restarts_comes_from_the_config():
     """Mutation: the engine's supervisor not reading ``cfg.max_restarts`` leaves 3."""
     cfg = SGLangConfig(server_urls=URLS, colocate=False, weight_sync="disk", max_restarts=1)
-    eng = se.SGLangEngine(cfg, model_path="/m", session=FakeSession(), launch=False)
+    eng = se.SGLangEngine(cfg, model_path="/m", session=FakeSession(), launch=False, quantization="none",
+                          kv_cache_dtype="auto")
     assert eng.supervisor.max_restarts == 1
     with pytest.raises(ValueError, match="max_restarts"):
         SGLangConfig(max_restarts=-1).validate()

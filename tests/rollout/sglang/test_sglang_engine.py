@@ -290,12 +290,13 @@ def test_the_section_reaches_the_engine_and_weight_sync_resolution():
 
     cfg = SGLangConfig(server_urls=URLS, colocate=False, weight_sync="auto", bucket_size_mb=8, max_retries=5,
                        request_timeout_s=7.0, server_tp_size=2)
-    eng = se.SGLangEngine(cfg, model_path="/m", session=FakeSession(), launch=False)
+    plain = dict(quantization="none", kv_cache_dtype="auto")
+    eng = se.SGLangEngine(cfg, model_path="/m", session=FakeSession(), launch=False, **plain)
     assert (eng.weight_sync, eng.bucket_bytes, eng.http.max_retries, len(eng.servers)) == ("distributed", 8 << 20, 5, 2)
     assert (eng.http.timeout_s, eng.tp, [s.tp_size for s in eng.servers]) == (7.0, 2, [2, 2])
     dropped = types.SimpleNamespace(**{k: v for k, v in vars(cfg).items() if k != "request_timeout_s"})
     with pytest.raises(AttributeError, match="request_timeout_s"):  # strict wiring: no silent default
-        se.SGLangEngine(dropped, model_path="/m", session=FakeSession(), launch=False)
+        se.SGLangEngine(dropped, model_path="/m", session=FakeSession(), launch=False, **plain)
     assert se.resolve_weight_sync("auto", colocate=True) == "tensor"
     with pytest.raises(ValueError, match="colocate"):
         se.resolve_weight_sync("tensor", colocate=False)

@@ -27,7 +27,7 @@ def _packed_vs_alone(rank, world, arch):
 
     g = initialize_parallel(tp=1, pp=1, seed=1)
     cfg, hf = random_hf_model(arch)
-    model = build_gpt_model(cfg)
+    model = build_gpt_model(cfg, use_te=None, sequence_parallel=False)
     load_hf_weights_into_mcore(model, hf.state_dict(), cfg, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
     model.eval()
     gen = torch.Generator().manual_seed(5)
@@ -42,8 +42,8 @@ def _packed_vs_alone(rank, world, arch):
         hidden = forward_hidden_states(model, packed.input_ids, packed.position_ids, None,
                                        packed_seq_params=packed_seq_params_of(packed))
         assert isinstance(hidden, HiddenStates)
-        lp_fused, _ = logprobs_entropy_from_logits(hidden, packed.labels, tp_group=g.tp)
-        lp_row, _ = logprobs_entropy_from_logits(row, packed.labels, tp_group=g.tp)
+        lp_fused, _ = logprobs_entropy_from_logits(hidden, packed.labels, tp_group=g.tp, temperature=1.0)
+        lp_row, _ = logprobs_entropy_from_logits(row, packed.labels, tp_group=g.tp, temperature=1.0)
         cu = packed.cu_seqlens.tolist()
         diffs, fused_diffs, spread = [], [], []
         for i, s in enumerate(seqs):
@@ -52,7 +52,7 @@ def _packed_vs_alone(rank, world, arch):
             n = s.num_tokens
             got = row[0, cu[i]:cu[i] + n]
             diffs.append(float((got - ref[:n]).abs().max()))
-            ref_lp, _ = logprobs_entropy_from_logits(ref.unsqueeze(0), alone.labels, tp_group=g.tp)
+            ref_lp, _ = logprobs_entropy_from_logits(ref.unsqueeze(0), alone.labels, tp_group=g.tp, temperature=1.0)
             fused_diffs.append(float((lp_fused[0, cu[i]:cu[i] + n - 1] - ref_lp[0, :n - 1]).abs().max()))
             fused_diffs.append(float((lp_row[0, cu[i]:cu[i] + n - 1] - ref_lp[0, :n - 1]).abs().max()))
             spread.append(float(ref[:n].abs().max()))
@@ -76,7 +76,8 @@ def _attention_vs_dense_mask(rank, world, gqa):
     initialize_parallel(tp=1, pp=1, seed=1)
     hf = tiny_hf_config("llama")
     config = transformer_config_from_hf(
-        hf if gqa else tiny_hf_config("llama", num_key_value_heads=hf.num_attention_heads))
+        hf if gqa else tiny_hf_config("llama", num_key_value_heads=hf.num_attention_heads), use_te=None,
+        sequence_parallel=False)
     attn = PackedDotProductAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                      attention_type="self")
     heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels

@@ -92,9 +92,9 @@ def test_router_reads_its_layer_of_a_stage_slice():
     assert first == 2 and route_layer_offset(whole.shape[-1], top_k=K, num_layers=L, first=2, end=4) == 0
     for layer in (2, 3):
         want = torch.from_numpy(a[:, layer].astype(np.int64))
-        assert torch.equal(routes_for_router(stage, layer, K, first_layer=first), want)
-        assert torch.equal(routes_for_router(whole, layer, K), want)
+        assert torch.equal(routes_for_router(stage, layer, K, first_layer=first, sequence_parallel=False), want)
+        assert torch.equal(routes_for_router(whole, layer, K, sequence_parallel=False), want)
     with pytest.raises(ValueError, match="no layer 1"):
-        routes_for_router(stage, 1, K, first_layer=first)
+        routes_for_router(stage, 1, K, first_layer=first, sequence_parallel=False)
     with pytest.raises(ValueError, match="neither"):
         route_layer_offset(3 * K, top_k=K, num_layers=L, first=2, end=4)

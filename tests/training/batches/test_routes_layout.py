@@ -70,7 +70,7 @@ def test_rollout_batch_carries_routes_through_select_concat_and_json():
 def test_routes_for_router_orders_tokens_as_the_router_sees_them():
     b, s, layers, k = 2, 4, 2, 1
     routes = torch.arange(b * s * layers * k).view(b, s, layers * k)  # value = (row * s + pos) * 2 + layer
-    got = routes_for_router(routes, 1, k)
+    got = routes_for_router(routes, 1, k, sequence_parallel=False)
     # the decoder is [s, b]: token t * b + j is position t of row j
     want = torch.tensor([[(j * s + t) * 2 + 1] for t in range(s) for j in range(b)])
     assert torch.equal(got, want)
@@ -78,7 +78,7 @@ def test_routes_for_router_orders_tokens_as_the_router_sees_them():
     sp = routes_for_router(routes, 1, k, tp_rank=1, tp_size=2, sequence_parallel=True)
     assert torch.equal(sp, want[4:])
     with pytest.raises(ValueError, match="layers x top-3"):
-        routes_for_router(routes, 0, 3)
+        routes_for_router(routes, 0, 3, sequence_parallel=False)
 
 
 def _topk(scores, topk, num_groups=None, group_topk=None):
@@ -89,7 +89,7 @@ def test_route_replay_replays_where_given_and_counts_the_mismatch():
     scores = torch.tensor([[4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0], [0.0, 5.0, 1.0, 2.0]], requires_grad=True)
     # row 0: the same set in another order; row 1: other experts; row 2: none given (own top-k)
     target = torch.tensor([[1, 0], [0, 1], [NO_ROUTE, NO_ROUTE]])
-    replay = RouteReplay(replay=True)
+    replay = RouteReplay(replay=True, recompute=False)
     replay.counting = True
     replay.push(target, training=False)
     probs, chosen = replay.get_replay_topk(scores, 2, default_compute_topk=_topk)
@@ -98,7 +98,7 @@ def test_route_replay_replays_where_given_and_counts_the_mismatch():
     probs.sum().backward()  # the gradient reaches the replayed experts' scores
     assert scores.grad.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 1, 0, 1]]
     assert (replay.differing, replay.compared) == (1, 2)
-    measure = RouteReplay(replay=False)
+    measure = RouteReplay(replay=False, recompute=False)
     measure.push(target, training=False)
     assert measure.get_replay_topk(scores, 2, default_compute_topk=_topk)[1].tolist() == [[0, 1], [3, 2], [1, 3]]
     with pytest.raises(RuntimeError, match="without a queued micro-batch"):

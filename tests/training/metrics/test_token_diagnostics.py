@@ -131,7 +131,7 @@ def test_diagnostics_clip_fractions_are_the_loss_metrics():
         for _ in range(EPOCHS):  # the policy moves between updates: other logits each time
             logits = torch.randn(*mb.labels.shape, 30, generator=g)
             _, _, m = hapo_loss_from_logits(logits, mb.with_(labels=mb.labels % 30), cfg=cfg, stats=STATS,
-                                            on_token_fields=got.append)
+                                            on_token_fields=got.append, temperature=1.0)
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         recorded.append(mb.with_(updates=tuple(got)))
