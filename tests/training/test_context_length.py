@@ -56,8 +56,10 @@ def test_sglang_servers_get_the_same_override():
 
 def test_train_refuses_an_overflowing_config_at_start(tiny, tmp_path, capsys):
     run_dir = tmp_path / "run"
+    # one process: TP 1, so that the layout rules (checked first, validate_run) pass and the
+    # context is what is refused
     rc = main(["--config", CONFIG, *tiny_overrides(tiny, str(run_dir)), "data.max_prompt_length=200",
-               "rollout.max_response_length=100"])
+               "rollout.max_response_length=100", "parallel.tensor_model_parallel_size=1"])
     err = capsys.readouterr().err
     assert rc == 2 and "300 tokens" in err and "256 positions" in err, err
     assert "model.max_position_embeddings=300" in err and not run_dir.exists()
