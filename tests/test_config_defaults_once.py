@@ -46,16 +46,6 @@ NOT_THE_KNOB = {
     ("rollout/sglang/launch.py", "stop_process", "timeout_s"),
 }
 
-#: copies not yet removed (to do): (file, function or class, parameter). The test fails
-#: when one of them is gone too, so that this list only shrinks.
-NOT_YET_REMOVED = {
-    ("rollout/engine.py", "SamplingParams", "temperature"),
-    ("rollout/engine.py", "SamplingParams", "top_p"),
-    ("rollout/engine.py", "SamplingParams", "top_k"),
-    ("rollout/engine.py", "SamplingParams", "temperature_tau"),
-    ("rollout/engine.py", "SamplingParams", "h_hat_mode"),
-}
-
 
 def _config_classes() -> list[type]:
     out, todo = [], [HapoConfig, PolicyLossConfig]
@@ -109,9 +99,9 @@ def _defaults(tree: ast.Module, config_classes: set[str]):
                     yield node.name, st.target.id, st.value
 
 
-def copied_defaults(root: pathlib.Path = ROOT, exempt: frozenset = frozenset()) -> list[str]:
+def copied_defaults(root: pathlib.Path = ROOT) -> list[str]:
     """``file:line owner(param=literal)`` for each knob default written again as a parameter default
-    (but those of ``exempt``: (file, owner, param))."""
+    (but those of ``NOT_THE_KNOB``)."""
     knobs = knob_defaults()
     config_classes = {cls.__name__ for cls in _config_classes()}
     out = []
@@ -119,7 +109,7 @@ def copied_defaults(root: pathlib.Path = ROOT, exempt: frozenset = frozenset()) 
         rel = path.relative_to(root).as_posix()
         for owner, name, node in _defaults(ast.parse(path.read_text()), config_classes):
             knob = RENAMED.get(name, name)
-            if knob not in knobs or (rel, owner, name) in NOT_THE_KNOB | exempt:
+            if knob not in knobs or (rel, owner, name) in NOT_THE_KNOB:
                 continue
             try:
                 value = ast.literal_eval(node)
@@ -133,13 +123,13 @@ def copied_defaults(root: pathlib.Path = ROOT, exempt: frozenset = frozenset()) 
 
 
 def test_no_config_default_is_written_twice():
-    copies = copied_defaults(exempt=frozenset(NOT_YET_REMOVED))
+    copies = copied_defaults()
     assert not copies, ("config defaults written again as parameter defaults (make the parameter "
                         "required and pass the config's value):\n" + "\n".join(copies))
 
 
 def test_the_check_sees_a_copied_default(tmp_path):
-    """The check itself: a re-added default is found, an exempt or different one is not."""
+    """The check itself: a re-added default is found, a different one is not."""
     (tmp_path / "mod.py").write_text(
         "def normalize(x, h_hat_mode: str = 'signed'):\n    return x\n\n"
         "def client(*, timeout_s: float = 600.0, request_timeout_s: float = 600.0):\n    pass\n\n"
@@ -148,10 +138,3 @@ def test_the_check_sees_a_copied_default(tmp_path):
     found = copied_defaults(tmp_path)
     assert [f.split(" ")[1].split("(")[0] for f in found] == ["normalize", "client", "Spec"], found
     assert "PolicyLossConfig.h_hat_mode" in found[0] and "SGLangConfig.request_timeout_s" in found[1]
-
-
-def test_the_to_do_list_is_current():
-    """Each NOT_YET_REMOVED entry is still a copy; a removed one must leave the list."""
-    found = {tuple(c.split(" ")[0].split(":")[:1]) + (c.split(" ")[1].split("(")[0],
-                                                      c.split("(")[1].split("=")[0]) for c in copied_defaults()}
-    assert not NOT_YET_REMOVED - found, sorted(NOT_YET_REMOVED - found)

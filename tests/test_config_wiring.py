@@ -96,3 +96,29 @@ def test_sampling_params_from_config_needs_the_algo_fields():
     with pytest.raises(AttributeError, match="h_hat_mode"):
         SamplingParams.from_config(rc, SimpleNamespace(adaptive_temperature=True, temperature_tau=0.1,
                                                        loss=SimpleNamespace()))
+
+
+def test_sampling_params_take_the_adaptive_knobs_from_their_caller():
+    """``temperature_tau`` and ``h_hat_mode`` have no default of their own (algo.temperature_tau and
+    algo.loss.h_hat_mode hold it): adaptive sampling without them is refused, validation sampling
+    (never adaptive) is built from the rollout section alone."""
+    plain = dict(temperature=1.0, top_p=1.0, top_k=-1)
+    with pytest.raises(ValueError, match="algo.temperature_tau") as e:
+        SamplingParams(**plain, adaptive=True, h_hat_mode="signed")
+    assert "h_hat_mode" not in str(e.value)
+    with pytest.raises(ValueError, match="algo.loss.h_hat_mode"):
+        SamplingParams(**plain, adaptive=True, temperature_tau=0.05)
+    with pytest.raises(ValueError, match="algo.temperature_tau.*algo.loss.h_hat_mode"):
+        SamplingParams(**plain, adaptive=True)
+    with pytest.raises(ValueError, match="algo.loss.h_hat_mode"):
+        SamplingParams(**plain, adaptive=False).with_(adaptive=True, temperature_tau=0.05)
+    with pytest.raises(TypeError):
+        SamplingParams(temperature=1.0, top_p=1.0)  # top_k is required
+    with pytest.raises(TypeError):
+        SamplingParams(1, 1.0, 1.0, -1)  # keywords only
+    plain_params = SamplingParams(**plain)
+    assert (plain_params.adaptive, plain_params.temperature_tau, plain_params.h_hat_mode) == (False, None, None)
+    rc = RolloutConfig(**ROLLOUT)
+    val = SamplingParams.from_config(rc, validation=True, entropy_stats=STATS)
+    assert (val.n, val.temperature, val.top_p, val.top_k, val.adaptive) == (3, 0.4, 0.6, -1, False)
+    assert (val.temperature_tau, val.h_hat_mode, val.uses_adaptive) == (None, None, False)

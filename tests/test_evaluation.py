@@ -147,7 +147,7 @@ class ListDataset:
 def _sampling(n, **kw):
     from hapo_megatron.rollout.engine import SamplingParams
 
-    return SamplingParams(n=n, temperature=0.5, top_p=0.7, max_new_tokens=32, **kw)
+    return SamplingParams(n=n, temperature=0.5, top_p=0.7, top_k=-1, max_new_tokens=32, **kw)
 
 
 def _real_reward():
@@ -198,7 +198,8 @@ def test_generate_and_score_forces_fixed_temperature_and_checks_input():
 
     data = ListDataset([("q", "x", "s")])
     engine = FakeEngine({"q": ["x}"]})
-    params = SamplingParams(n=1, temperature=0.5, top_p=0.7, max_new_tokens=8, adaptive=True)
+    params = SamplingParams(n=1, temperature=0.5, top_p=0.7, top_k=-1, max_new_tokens=8, adaptive=True,
+                            temperature_tau=0.05, h_hat_mode="signed")
     generate_and_score(engine, data, lambda t, g: 1.0, params)
     assert engine.calls[0][1].adaptive is False
     with pytest.raises(ValueError, match="batch_size"):

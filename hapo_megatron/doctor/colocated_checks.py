@@ -90,7 +90,8 @@ def _run_sequence(model_dir: str, log_dir: str) -> str:
         engine.resume_memory(["weights"])  # stages.sync_weights
         engine.update_weights((k, v.to("cuda:0")) for k, v in new_state.items())
         engine.resume_memory([t for t in ENGINE_MEMORY_TAGS if t != "weights"])  # stages._rollout_rank0
-        greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+        greedy = SamplingParams(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=MAX_NEW_TOKENS,
+                                ignore_eos=True)
         samples = engine.generate([list(p) for p in PROMPTS], greedy)
     finally:
         engine.shutdown()

@@ -85,8 +85,11 @@ def _serve(model_dir: str, quantization: str, new_state: dict, log_dir: str):
         engine.update_weights((k, v.to("cuda")) for k, v in new_state.items())
         sync_s = time.perf_counter() - t0
         greedy = engine.generate([list(p) for p in PROMPTS],
-                                 SamplingParams(n=1, temperature=0.0, max_new_tokens=GREEDY_TOKENS, ignore_eos=True))
-        sampling = SamplingParams(n=SAMPLED_N, temperature=1.0, max_new_tokens=SAMPLED_TOKENS, ignore_eos=True, seed=1)
+                                 SamplingParams(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=GREEDY_TOKENS,
+                                                ignore_eos=True))
+        # transformers' log-probs of the comparison are of the plain softmax: T 1, no top-p / top-k
+        sampling = SamplingParams(n=SAMPLED_N, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=SAMPLED_TOKENS,
+                                  ignore_eos=True, seed=1)
         engine.generate([list(p) for p in PROMPTS], sampling)  # warm-up
         t0 = time.perf_counter()
         sampled = engine.generate([list(p) for p in PROMPTS], sampling)

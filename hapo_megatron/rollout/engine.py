@@ -27,9 +27,11 @@ from hapo_megatron.algo import EntropyStats, check_h_hat_mode, check_temperature
 FINISH_REASONS = ("stop", "length")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """How to sample the responses of one :meth:`RolloutEngine.generate` call.
+    """How to sample the responses of one :meth:`RolloutEngine.generate` call (keyword arguments
+    only). ``temperature``, ``top_p`` and ``top_k`` are required: every caller states the sampling
+    it wants (training and validation sampling: :meth:`from_config`).
 
     Attributes:
         n: responses per prompt (>= 1).
@@ -45,24 +47,26 @@ class SamplingParams:
         adaptive: apply the adaptive temperature (needs ``entropy_stats``; without stats the
             engine samples at ``T_base``).
         entropy_stats: the previous training step's entropy statistics.
-        temperature_tau: ``tau`` in ``T = T_base * (1 + tau * h_hat)``, in [0, 1).
-        h_hat_mode: ``"signed"`` (paper) or ``"reference"`` (public code's sign defect).
+        temperature_tau: ``tau`` in ``T = T_base * (1 + tau * h_hat)``, in [0, 1)
+            (``algo.temperature_tau``). Required when ``adaptive``; ``None``: not used.
+        h_hat_mode: ``"signed"`` (paper) or ``"reference"`` (public code's sign defect)
+            (``algo.loss.h_hat_mode``). Required when ``adaptive``; ``None``: not used.
         ignore_eos: do not stop on the model's eos token (``stop_token_ids`` still stop).
         return_routes: MoE models: return each sample's routed experts (`Sample.routed_experts`;
             SGLang servers need ``--enable-return-routed-experts``).
     """
 
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    temperature: float
+    top_p: float
+    top_k: int
     max_new_tokens: int = 1024
     stop_token_ids: tuple[int, ...] = ()
     seed: Optional[int] = None
     adaptive: bool = False
     entropy_stats: Optional[EntropyStats] = None
-    temperature_tau: float = 0.05
-    h_hat_mode: str = "signed"
+    temperature_tau: Optional[float] = None
+    h_hat_mode: Optional[str] = None
     ignore_eos: bool = False
     return_routes: bool = False
 
@@ -78,8 +82,14 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
         if int(self.max_new_tokens) < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
-        check_temperature_tau(self.temperature_tau)
-        check_h_hat_mode(self.h_hat_mode)
+        if self.adaptive and (self.temperature_tau is None or self.h_hat_mode is None):
+            missing = [name for name, v in (("temperature_tau (algo.temperature_tau)", self.temperature_tau),
+                                            ("h_hat_mode (algo.loss.h_hat_mode)", self.h_hat_mode)) if v is None]
+            raise ValueError(f"adaptive sampling needs {' and '.join(missing)}; got None")
+        if self.temperature_tau is not None:
+            check_temperature_tau(self.temperature_tau)
+        if self.h_hat_mode is not None:
+            check_h_hat_mode(self.h_hat_mode)
         stats = self.entropy_stats
         if stats is not None and not isinstance(stats, EntropyStats):
             try:
@@ -113,9 +123,9 @@ class SamplingParams:
         Training: ``n``, ``temperature`` (T_base), ``top_p``, ``top_k``, and the adaptive
         temperature from ``algo_cfg`` (``adaptive_temperature``, ``temperature_tau``,
         ``h_hat_mode``) with ``entropy_stats``; ``algo_cfg`` is required. Validation: ``val_n``,
-        ``val_temperature``, ``val_top_p``, never adaptive (docs/algorithm.md, section 1). Every
-        field is read by name, so a missing or renamed one raises instead of falling back to a
-        default.
+        ``val_temperature``, ``val_top_p``, top-k off, never adaptive (docs/algorithm.md, section 1):
+        no ``algo_cfg`` needed, ``temperature_tau`` and ``h_hat_mode`` stay None. Every field is
+        read by name, so a missing or renamed one raises instead of falling back to a default.
         """
         max_new = int(max_new_tokens if max_new_tokens is not None else rollout_cfg.max_response_length)
         if validation:

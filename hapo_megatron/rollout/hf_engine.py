@@ -68,9 +68,11 @@ def sampling_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: in
 
 
 def step_temperatures(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """``[B]`` temperatures of one decoding step: adaptive (``hapo_megatron.algo``) or ``T_base``."""
-    stats = params.entropy_stats if params.uses_adaptive else None
-    return adaptive_temperature(logits, stats, base_temperature=float(params.temperature),
+    """``[B]`` temperatures of one decoding step: adaptive (``hapo_megatron.algo``) or ``T_base``
+    (then ``params.temperature_tau`` / ``h_hat_mode`` are not read: they may be None)."""
+    if not params.uses_adaptive:
+        return torch.full(logits.shape[:-1], float(params.temperature), dtype=torch.float32, device=logits.device)
+    return adaptive_temperature(logits, params.entropy_stats, base_temperature=float(params.temperature),
                                 temperature_tau=float(params.temperature_tau),
                                 h_hat_mode=params.h_hat_mode)
 

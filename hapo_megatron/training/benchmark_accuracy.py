@@ -1,8 +1,9 @@
 """Benchmark evaluation: avg@k and pass@k accuracy per data source.
 
 Used by the trainer for periodic validation and by `hapo eval`. The protocol of the paper is
-the default: n = 8 samples per question at temperature 0.5, top-p 0.7, never the adaptive
-temperature.
+the default (``rollout.val_n``, ``val_temperature``, ``val_top_p``;
+``SamplingParams.from_config(validation=True)``): n = 8 samples per question at temperature 0.5,
+top-p 0.7, never the adaptive temperature.
 
 Definitions (per prompt with `n` sampled responses, `c` of them correct):
 - `avg@k`: mean accuracy of the first `k` samples (k <= n). `avg@n` is the usual "avg@8"
@@ -25,16 +26,11 @@ import logging
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
 logger = logging.getLogger(__name__)
-
-# The paper's evaluation protocol.
-DEFAULT_EVAL_N = 8
-DEFAULT_EVAL_TEMPERATURE = 0.5
-DEFAULT_EVAL_TOP_P = 0.7
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -170,17 +166,6 @@ def _score(reward_fn: Callable, text: str, ground_truth: str,
         return score, bool(getattr(res, "acc", score > 0)), getattr(res, "pred", None)
     score = float(res)
     return score, score > 0, None
-
-
-def eval_sampling_params(sampling_cls: type | None = None, *, n: int = DEFAULT_EVAL_N,
-                         temperature: float = DEFAULT_EVAL_TEMPERATURE,
-                         top_p: float = DEFAULT_EVAL_TOP_P, max_new_tokens: int = 1024,
-                         **kw: Any):
-    """The paper's evaluation sampling (n=8, T=0.5, top-p 0.7, fixed temperature)."""
-    if sampling_cls is None:
-        from hapo_megatron.rollout.engine import SamplingParams as sampling_cls
-    return sampling_cls(n=n, temperature=temperature, top_p=top_p,
-                        max_new_tokens=max_new_tokens, adaptive=False, **kw)
 
 
 def _fixed_temperature(sampling):

@@ -95,8 +95,10 @@ def test_logprobs_and_temperatures_match_full_forward(engine, stats, h_hat_mode)
 
 
 def test_not_adaptive_uses_base_temperature(engine, stats):
-    for params in (SamplingParams(n=2, temperature=0.7, max_new_tokens=5, seed=1, adaptive=False, entropy_stats=stats),
-                   SamplingParams(n=2, temperature=0.7, max_new_tokens=5, seed=1, adaptive=True, entropy_stats=None)):
+    for params in (SamplingParams(n=2, temperature=0.7, top_p=1.0, top_k=-1, max_new_tokens=5, seed=1, adaptive=False,
+                                  entropy_stats=stats),
+                   SamplingParams(n=2, temperature=0.7, top_p=1.0, top_k=-1, max_new_tokens=5, seed=1, adaptive=True,
+                                  entropy_stats=None, temperature_tau=0.05, h_hat_mode="signed")):
         for group in engine.generate(PROMPTS[:2], params):
             for s in group:
                 assert s.temperatures == pytest.approx([0.7] * len(s.response_ids))
@@ -107,7 +109,8 @@ def test_not_adaptive_uses_base_temperature(engine, stats):
 
 
 def test_determinism_with_seed(engine, stats):
-    params = SamplingParams(n=2, max_new_tokens=10, seed=123, adaptive=True, entropy_stats=stats, temperature_tau=0.3)
+    params = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=10, seed=123, adaptive=True,
+                            entropy_stats=stats, temperature_tau=0.3, h_hat_mode="signed")
     a = engine.generate(PROMPTS, params)
     b = engine.generate(PROMPTS, params)
     c = engine.generate(PROMPTS, params.with_(seed=124))
@@ -118,7 +121,7 @@ def test_determinism_with_seed(engine, stats):
 
 
 def test_n_samples_ordering(engine):
-    params = SamplingParams(n=3, max_new_tokens=4, seed=5)
+    params = SamplingParams(n=3, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, seed=5)
     out = engine.generate(PROMPTS, params)
     assert len(out) == len(PROMPTS)
     for p, group in enumerate(out):
@@ -127,7 +130,7 @@ def test_n_samples_ordering(engine):
 
 
 def test_greedy_matches_argmax_and_padding_invariance(engine):
-    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    params = SamplingParams(n=2, temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=6, ignore_eos=True)
     batched = engine.generate(PROMPTS, params)
     for p, prompt in enumerate(PROMPTS):
         alone = engine.generate([prompt], params)[0][0]
@@ -143,7 +146,8 @@ def test_greedy_matches_argmax_and_padding_invariance(engine):
 
 def test_stop_tokens_and_max_new_tokens(engine):
     # eos (2) and an extra stop token; long enough that most rows stop
-    params = SamplingParams(n=8, temperature=1.5, max_new_tokens=40, seed=2, stop_token_ids=(7, 8, 9))
+    params = SamplingParams(n=8, temperature=1.5, top_p=1.0, top_k=-1, max_new_tokens=40, seed=2,
+                            stop_token_ids=(7, 8, 9))
     stops = {EOS, 7, 8, 9}
     reasons = set()
     for group in engine.generate(PROMPTS, params):
@@ -156,7 +160,7 @@ def test_stop_tokens_and_max_new_tokens(engine):
             else:
                 assert len(s.response_ids) == 40 and s.response_ids[-1] not in stops
     assert "stop" in reasons
-    short = SamplingParams(n=2, max_new_tokens=3, seed=2, ignore_eos=True)
+    short = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=3, seed=2, ignore_eos=True)
     for group in engine.generate(PROMPTS, short):
         for s in group:
             assert len(s.response_ids) == 3 and s.finish_reason == "length"
@@ -164,13 +168,13 @@ def test_stop_tokens_and_max_new_tokens(engine):
 
 def test_ignore_eos_keeps_generating_past_eos():
     eng = make(max_batch_size=64)
-    params = SamplingParams(n=16, temperature=2.0, max_new_tokens=30, seed=0, ignore_eos=True)
+    params = SamplingParams(n=16, temperature=2.0, top_p=1.0, top_k=-1, max_new_tokens=30, seed=0, ignore_eos=True)
     ids = [t for g in eng.generate(PROMPTS, params) for s in g for t in s.response_ids[:-1]]
     assert EOS in ids  # eos appears mid-response: it did not stop
 
 
 def test_chunking_gives_same_greedy_results(engine):
-    params = SamplingParams(n=3, temperature=0.0, max_new_tokens=5)
+    params = SamplingParams(n=3, temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=5)
     small = make(max_batch_size=2)
     small.model.load_state_dict(engine.model.state_dict())
     a = [s.response_ids.tolist() for g in engine.generate(PROMPTS, params) for s in g]
@@ -181,7 +185,7 @@ def test_chunking_gives_same_greedy_results(engine):
 def test_update_weights_changes_outputs_and_is_checked():
     eng = make(seed=0)
     other = make(seed=1)
-    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=4)
+    params = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=8, ignore_eos=True, seed=4)
     before = eng.generate(PROMPTS, params)
     target = other.generate(PROMPTS, params)
     sd = {k: v.clone() for k, v in other.model.state_dict().items()}
@@ -209,21 +213,22 @@ def test_nan_logits_raise_clear_error():
     with torch.no_grad():
         eng.model.model.norm.weight.fill_(float("nan"))
     with pytest.raises(FloatingPointError, match="NaN"):
-        eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3, seed=0))
+        eng.generate([[1, 2, 3]], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=3, seed=0))
 
 
 def test_bad_inputs():
     eng = make()
     with pytest.raises(ValueError, match="prompt_ids\\[1\\]"):
-        eng.generate([[1], []], SamplingParams())
+        eng.generate([[1], []], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))
     with pytest.raises(ValueError, match="vocab_size"):
-        eng.generate([[VOCAB + 3]], SamplingParams())
+        eng.generate([[VOCAB + 3]], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))
     with pytest.raises(ValueError, match="params"):
         eng.generate([[1]], {"n": 1})
+    plain = dict(temperature=1.0, top_p=1.0, top_k=-1)
     for bad in (dict(n=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=0), dict(max_new_tokens=0),
                 dict(temperature_tau=1.0), dict(h_hat_mode="x")):
         with pytest.raises(ValueError):
-            SamplingParams(**bad)
+            SamplingParams(**{**plain, **bad})
 
 
 def test_top_k_top_p_filters_match_loop():
@@ -261,7 +266,8 @@ def test_on_samples_gets_each_batch_as_it_finishes(engine):
     small = make(max_batch_size=5)
     small.model.load_state_dict(engine.model.state_dict())
     chunks = []
-    out = small.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=3, seed=1), on_samples=chunks.append)
+    out = small.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=3, seed=1),
+                         on_samples=chunks.append)
     assert [len(c) for c in chunks] == [5, 5, 2]  # 12 rows in batches of max_batch_size
     assert [(s.prompt_index, s.sample_index) for c in chunks for s in c] == \
         [(p, k) for p in range(len(PROMPTS)) for k in range(3)]

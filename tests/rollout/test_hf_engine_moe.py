@@ -29,8 +29,8 @@ def test_the_engine_records_the_experts_of_every_token_it_ran():
     engine = HFRolloutEngine(source, dtype=torch.float32, max_batch_size=3)  # 2 chunks: left padding differs
     prompts = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22], [30]]
     # stop tokens end some responses early: rows finish at different steps
-    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=6, seed=3, stop_token_ids=(40, 41, 42, 43, 44),
-                            return_routes=True)
+    params = SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=6, seed=3,
+                            stop_token_ids=(40, 41, 42, 43, 44), return_routes=True)
     samples = [s for group in engine.generate(prompts, params) for s in group]
     assert len({len(s.response_ids) for s in samples}) > 1 or any(s.finish_reason == "stop" for s in samples)
     k = cfg.num_experts_per_tok
@@ -53,4 +53,5 @@ def test_a_dense_model_refuses_to_record_routes():
     _, dense = random_hf_model("qwen3")
     engine = HFRolloutEngine(dense, dtype=torch.float32)
     with pytest.raises(ValueError, match="no MoE layers"):
-        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2, return_routes=True))
+        engine.generate([[1, 2]], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=2,
+                                                 return_routes=True))

@@ -158,7 +158,8 @@ def _steps(rt, first, last):
 def _row_seed(rt, serial, k):
     from hapo_megatron.rollout.engine import SamplingParams
     from hapo_megatron.rollout.sglang.engine import row_seeds
-    return row_seeds(SamplingParams(seed=rt.sampling_seed(0, 0)), [serial * N + k])[0]
+    return row_seeds(SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, seed=rt.sampling_seed(0, 0)),
+                     [serial * N + k])[0]
 
 
 def test_no_group_dropped_no_prompt_lost(scripted):

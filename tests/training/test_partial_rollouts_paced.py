@@ -27,7 +27,7 @@ def test_heavy_tails_over_http(tmp_path):
     try:
         rt = bench.build_rt(urls[0], over_sampling=2.0, batch=B, n=N, max_len=MAX_LEN, partial_mode="mask_prefix")
         got = bench.run_steps(rt, STEPS)
-        seed_params = SamplingParams(seed=rt.sampling_seed(0, 0))
+        seed_params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, seed=rt.sampling_seed(0, 0))
         rows, want = [], []
         for r in got:
             kept = r["kept"]
@@ -35,8 +35,8 @@ def test_heavy_tails_over_http(tmp_path):
                 seed = row_seeds(seed_params, [int(g) * N + i % N])[0]
                 rows.append(kept.response_ids[i].tolist())
                 want.append([RowRequest(tuple(kept.prompt_ids[i].tolist()), MAX_LEN, seed)])
-        whole = generate_groups(rt.engine, want, [SamplingParams(max_new_tokens=MAX_LEN)] * len(want),
-                                lambda g, res: False)
+        plain = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=MAX_LEN)
+        whole = generate_groups(rt.engine, want, [plain] * len(want), lambda g, res: False)
     finally:
         servers.stop_servers(procs)
     assert rows == [list(w[0].token_ids) for w in whole]  # resumed responses continue, unchanged

@@ -57,8 +57,8 @@ def sample(path: str, *, seed: int, engine_dtype: str, prompts: int, n: int, max
     gen = torch.Generator().manual_seed(seed)
     prompt_ids = [torch.randint(1, vocab, (int(torch.randint(4, 12, (1,), generator=gen)),), generator=gen).tolist()
                   for _ in range(prompts)]
-    params = SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new_tokens, seed=seed, ignore_eos=True,
-                            return_routes=True)
+    params = SamplingParams(n=n, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=max_new_tokens, seed=seed,
+                            ignore_eos=True, return_routes=True)
     return [s for group in engine.generate(prompt_ids, params) for s in group]
 
 

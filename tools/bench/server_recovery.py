@@ -75,8 +75,8 @@ def main() -> None:
                               kv_cache_dtype="auto")
         eng.update_weights(iter(perturbed(model, 1)))
         prompts = [[1, 10 + p, 11, 12 + p] for p in range(args.prompts)]
-        params = SamplingParams(n=2, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                                ignore_eos=True, seed=11)
+        params = SamplingParams(n=2, temperature=args.temperature, top_p=1.0, top_k=-1,
+                                max_new_tokens=args.max_new_tokens, ignore_eos=True, seed=11)
         flat = lambda out: [(list(s.response_ids), list(s.rollout_logprobs)) for g in out for s in g]  # noqa: E731
         ref, again = flat(eng.generate(prompts, params)), flat(eng.generate(prompts, params))
         killed, request, calls = [], eng.http.request, []

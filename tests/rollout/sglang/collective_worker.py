@@ -37,7 +37,7 @@ def collective_worker(rank, world_size, tmp_dir):
     os.environ.pop(API_KEY_ENV, None)
     out["auth"] = eng.http._auth
     eng.bucket_bytes = 64 * 32 * 2
-    samples = eng.generate([[10], [20]], SamplingParams(n=2, max_new_tokens=3))
+    samples = eng.generate([[10], [20]], SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=3))
     out["samples"] = [[s.response_ids.tolist() for s in g] for g in samples]
     eng.update_weights(iter(named_weights()))
     eng.release_memory()
@@ -66,7 +66,7 @@ def collective_worker(rank, world_size, tmp_dir):
         eng3 = sglang_engine(server_urls=URLS[:1], server_tp_size=2, colocate=True, weight_sync="tensor",
                                session=sess3, launch=False, device="cuda")
         eng3.bucket_bytes = 64 * 32 * 2
-        eng3.generate([[10]], SamplingParams(n=1, max_new_tokens=2))
+        eng3.generate([[10]], SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=2))
         eng3.update_weights(iter(named_weights()))
         eng3.release_memory()
         out["solo_tensor_posts"] = [b["serialized_named_tensors"]

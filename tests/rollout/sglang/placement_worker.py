@@ -68,12 +68,13 @@ def main(out_dir: str, port_base: int) -> None:
     if rank == 0:
         out["urls"] = [s.url for s in rt.engine.servers]
         rt.memory.resume_generation()
-        rt.engine.generate(prompts, SamplingParams(n=8, max_new_tokens=2))
+        rt.engine.generate(prompts, SamplingParams(n=8, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=2))
         rt.memory.release_all()
     stages.sync_weights(rt)
     if rank == 0:
         rt.memory.resume_generation()
-        groups = rt.engine.generate(prompts, SamplingParams(n=8, max_new_tokens=2))
+        groups = rt.engine.generate(prompts, SamplingParams(n=8, temperature=1.0, top_p=1.0, top_k=-1,
+                                                            max_new_tokens=2))
         out["first_response"] = groups[1][0].response_ids.tolist()
     dist.barrier()  # as in the trainer: rank 0 is done with every server before a node stops its own
     if rt.engine is not None:

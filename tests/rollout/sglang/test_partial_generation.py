@@ -39,7 +39,7 @@ def test_parse_row_keeps_an_aborted_rows_tokens():
 
 def test_group_payload_gives_each_row_its_budget():
     rows = [RowRequest((1, 2), 10, seed=5), RowRequest((1, 2, 30, 31), 8, seed=6)]
-    body = group_payload(rows, SamplingParams(max_new_tokens=10, temperature=0.7))
+    body = group_payload(rows, SamplingParams(max_new_tokens=10, temperature=0.7, top_p=1.0, top_k=-1))
     assert body["input_ids"] == [[1, 2], [1, 2, 30, 31]]
     assert [sp["max_new_tokens"] for sp in body["sampling_params"]] == [10, 8]
     assert [sp["sampling_seed"] for sp in body["sampling_params"]] == [5, 6]
@@ -72,7 +72,7 @@ def test_a_failure_aborts_the_calls_in_flight():
     eng = FakeEngine()
     rows = [[RowRequest((1,), 4)] for _ in range(3)]
     with pytest.raises(SGLangError, match="server said no"):
-        generate_groups(eng, rows, [SamplingParams()] * 3, lambda g, res: False)
+        generate_groups(eng, rows, [SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)] * 3, lambda g, res: False)
     assert eng.aborts == 1
 
 
@@ -80,5 +80,6 @@ def test_a_stop_request_aborts_and_raises():
     eng = FakeEngine(fail=False)
     rows = [[RowRequest((1,), 4)] for _ in range(2)]
     with pytest.raises(GenerationAborted):
-        generate_groups(eng, rows, [SamplingParams()] * 2, lambda g, res: False, stop_check=lambda: True)
+        generate_groups(eng, rows, [SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)] * 2, lambda g, res: False,
+                        stop_check=lambda: True)
     assert eng.aborts == 1

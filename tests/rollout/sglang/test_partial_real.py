@@ -30,7 +30,7 @@ def test_abort_then_resume_continues_the_same_response(real_server, real_api_key
     model = peaked_model(real_model_dir)
     eng = make_engine(real_server.url, real_api_key)
     eng.update_weights(iter(model.state_dict().items()))  # known weights, whatever ran before
-    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=BUDGET, ignore_eos=True)
+    params = SamplingParams(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=BUDGET, ignore_eos=True)
     groups = [[RowRequest(tuple(PROMPT), 1)], [RowRequest(tuple(PROMPT), BUDGET)]]
     heard = []
 

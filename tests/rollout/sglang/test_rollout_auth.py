@@ -69,7 +69,7 @@ def test_every_request_carries_the_key(tmp_path):
     sess = FakeSession()
     eng = sglang_engine(server_urls=["http://a:1", "http://b:2"], colocate=False, weight_sync="disk",
                           session=sess, launch=False, api_key=KEY, disk_sync_dir=str(tmp_path))
-    eng.generate([[1, 2], [3]], SamplingParams(n=2, max_new_tokens=2))
+    eng.generate([[1, 2], [3]], SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=2))
     eng.update_weights(iter([("w", torch.zeros(2))]))
     eng.check_health()
     assert {c[1].rsplit("/", 1)[1] for c in sess.calls} >= {"health", "generate", "update_weights_from_disk"}
@@ -85,7 +85,7 @@ def test_attached_engine_reads_the_key_file_and_a_refusal_says_why(tmp_path):
     sess = FakeSession(failures={"/generate": [401]})
     eng = sglang_engine(server_urls=["http://a:1"], session=sess, launch=False, key_file=path)
     with pytest.raises(SGLangError, match="HTTP 401.*HAPO_ROLLOUT_API_KEY"):
-        eng.generate([[1]], SamplingParams(n=1, max_new_tokens=1))
+        eng.generate([[1]], SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=1))
     assert sess.headers[-1] == {"Authorization": f"Bearer {KEY}"}
     assert len(sess.posts("/generate")) == 1  # 401 is final, not retried
 
@@ -107,7 +107,7 @@ def test_launched_servers_get_the_key_and_the_file(monkeypatch, tmp_path):
     for cmd, _ in started:
         assert key not in " ".join(cmd) and "-c" in cmd  # the key reaches them through the environment
     assert "--admin-api-key" in started[0][0][started[0][0].index("-c") + 1]
-    eng.generate([[1]], SamplingParams(n=1, max_new_tokens=1))
+    eng.generate([[1]], SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=1))
     assert sess.headers[-1] == {"Authorization": f"Bearer {key}"}
 
 
@@ -184,8 +184,9 @@ def test_serve_hands_every_server_the_shared_key(monkeypatch, tmp_path):
 
 # ---------------------------------------------------------------- the real server requires the key
 def _refusal_bodies():
-    plain = SamplingParams(n=1, max_new_tokens=2)
-    adaptive = plain.with_(adaptive=True, entropy_stats=EntropyStats.neutral(), temperature_tau=0.5)
+    plain = SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=2)
+    adaptive = plain.with_(adaptive=True, entropy_stats=EntropyStats.neutral(), temperature_tau=0.5,
+                           h_hat_mode="signed")
     (blob,), _ = ws.serialize_bucket_for_sglang([("lm_head.weight", torch.zeros(4, 4))])
     bucket = [("lm_head.weight", torch.zeros(4, 4))]
     return {
@@ -214,7 +215,8 @@ def test_real_server_refuses_requests_without_the_key(real_server, real_api_key)
     assert set(status.values()) == {401}, status
     # with the key: the same server answers (weights and processor: the other real-server tests)
     http = SGLangHTTP(timeout_s=120, max_retries=0, api_key=real_api_key)
-    params = SamplingParams(n=1, max_new_tokens=2, adaptive=True, entropy_stats=EntropyStats.neutral())
+    params = SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=2, adaptive=True,
+                            entropy_stats=EntropyStats.neutral(), temperature_tau=0.05, h_hat_mode="signed")
     answer = http.request(real_server, "/generate", se.generate_payload([[1, 2]], params))
     assert len(se.parse_generate_item(answer[0])[0]) == 2
 

@@ -24,8 +24,8 @@ from .real_sglang import hf_greedy, hf_model
 from tests.rollout.sglang.engines import sglang_engine
 
 PROMPTS = [[1, 10 + p, 11, 12 + p] for p in range(12)]  # x n=2: 24 rows, 6 calls of 4 rows, 3 per server
-SAMPLED = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=11)
-GREEDY = SamplingParams(n=1, temperature=0.0, max_new_tokens=8, ignore_eos=True)
+SAMPLED = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=24, ignore_eos=True, seed=11)
+GREEDY = SamplingParams(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=8, ignore_eos=True)
 # request timeout: how long a stopped server may take to be found. A request of this test's tiny
 # model takes well under a second even on a loaded 2-core machine.
 TIMEOUT_S = 20.0

@@ -17,7 +17,7 @@ from .fake_sglang import FakeProcess, FakeSession
 from tests.rollout.sglang.engines import sglang_engine
 
 URLS = ["http://a:1", "http://b:2"]
-PARAMS = SamplingParams(n=2, max_new_tokens=3, seed=5)
+PARAMS = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=3, seed=5)
 PROMPTS = [[10 * (p + 1)] for p in range(8)]  # 16 rows: 4 calls of 4 rows, 2 per server
 
 
@@ -94,7 +94,7 @@ def test_a_healthy_server_answering_an_error_is_not_replaced():
     sess = FakeSession(failures={"/generate": [500, 500]})  # both attempts of the first call
     eng = engine(sess)
     with pytest.raises(SGLangError, match="HTTP 500"):
-        eng.generate([[1]], SamplingParams(n=1, max_new_tokens=2))
+        eng.generate([[1]], SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=2))
     assert eng.supervisor.state == {0: IN_USE, 1: IN_USE} and eng.supervisor.restart.urls == []
 
 

@@ -57,7 +57,9 @@ def test_generate_payload_adaptive_and_plain():
 def test_generate_payload_passes_sglang_request_contract():
     from sglang.srt.entrypoints.api_contract import generate_contract_error
 
-    params = SamplingParams(n=1, adaptive=True, entropy_stats=EntropyStats.neutral(), seed=1, stop_token_ids=(2,))
+    params = SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=-1, adaptive=True,
+                            entropy_stats=EntropyStats.neutral(), temperature_tau=0.05, h_hat_mode="signed", seed=1,
+                            stop_token_ids=(2,))
     assert generate_contract_error(se.generate_payload([[1, 2], [4]], params, seeds=[5, 6])) is None
     assert generate_contract_error(se.generate_payload([[1]], params.with_(adaptive=False))) is None
 
@@ -83,7 +85,8 @@ def test_generate_orders_samples_and_spreads_requests():
     sess = FakeSession()
     eng = engine(sess, requests_per_call=3)
     prompts = [[10], [20, 1], [30], [40]]
-    params = SamplingParams(n=2, max_new_tokens=4, stop_token_ids=(22,), adaptive=True, entropy_stats=STATS)
+    params = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, stop_token_ids=(22,),
+                            adaptive=True, entropy_stats=STATS, temperature_tau=0.05, h_hat_mode="signed")
     out = eng.generate(prompts, params)
     assert [[(s.prompt_index, s.sample_index) for s in g] for g in out] == [[(p, 0), (p, 1)] for p in range(4)]
     for p, g in enumerate(out):
@@ -105,7 +108,7 @@ def test_generate_bad_input():
     with pytest.raises(ValueError, match="params"):
         eng.generate([[1]], {"n": 1})
     with pytest.raises(ValueError, match="prompt_ids"):
-        eng.generate([[]], SamplingParams())
+        eng.generate([[]], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))
 
 
 # ---------------------------------------------------------------- retries and dead servers
@@ -148,7 +151,7 @@ def test_dead_attached_servers_are_named_when_none_is_left():
     eng = engine(sess, max_retries=1, wait_for_servers=False)
     eng.http.sleep = lambda s: None
     with pytest.raises(ServerDiedError, match="no SGLang server left in use.*http://a:1: lost, http://b:2: lost"):
-        eng.generate([[1]] * 4, SamplingParams(n=1, max_new_tokens=2))
+        eng.generate([[1]] * 4, SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=2))
 
 
 def test_attach_waits_for_servers_to_become_healthy():
@@ -437,7 +440,8 @@ def test_generate_hands_each_call_to_on_samples():
     eng = engine(FakeSession(), requests_per_call=3)
     prompts = [[10], [20, 1], [30], [40]]
     chunks = []
-    out = eng.generate(prompts, SamplingParams(n=2, max_new_tokens=4), on_samples=chunks.append)
+    out = eng.generate(prompts, SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4),
+                       on_samples=chunks.append)
     assert sorted(len(c) for c in chunks) == [2, 3, 3]  # one hand-over per /generate call
     handed = sorted(((s.prompt_index, s.sample_index), s.response_ids) for c in chunks for s in c)
     assert handed == sorted(((s.prompt_index, s.sample_index), s.response_ids) for g in out for s in g)

@@ -63,8 +63,8 @@ def test_generate_with_and_without_adaptive_processor(engine, tiny_models):
         ent = token_entropy(model(input_ids=torch.randint(3, VOCAB, (4, 16), device="cuda")).logits, temperature=1.0)
     stats = compute_entropy_stats(ent, torch.ones_like(ent, dtype=torch.bool),
         entropy_pivot=PolicyLossConfig().entropy_pivot)
-    plain = SamplingParams(n=4, temperature=1.0, max_new_tokens=12, ignore_eos=True)
-    adaptive = plain.with_(adaptive=True, entropy_stats=stats, temperature_tau=0.9)
+    plain = SamplingParams(n=4, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=12, ignore_eos=True)
+    adaptive = plain.with_(adaptive=True, entropy_stats=stats, temperature_tau=0.9, h_hat_mode="signed")
     err_adapt_vs_base = []
     for params in (plain, adaptive):
         for group in engine.generate(prompts, params):
@@ -88,7 +88,7 @@ def test_weight_sync_tensor_then_disk_changes_outputs(engine, tiny_models):
     from hapo_megatron.rollout.engine import SamplingParams
 
     _, model_a, model_b, b_bf16 = tiny_models
-    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    greedy = SamplingParams(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=8, ignore_eos=True)
     prompts = [[5, 6, 7, 8], [100, 200, 300]]
 
     def hf_greedy(model, prompt):

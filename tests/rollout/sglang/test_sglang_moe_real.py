@@ -66,7 +66,8 @@ def _engine(url, api_key):
 
 def _server_greedy(eng):
     from hapo_megatron.rollout.engine import SamplingParams
-    out = eng.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    out = eng.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=NEW_TOKENS,
+                                               ignore_eos=True))
     return [[int(t) for t in group[0].response_ids] for group in out]  # Sample holds arrays
 
 
@@ -97,7 +98,8 @@ def test_routed_experts_are_the_router_top_k(moe_server, real_api_key, moe_dir):
     eng = _engine(moe_server.url, real_api_key)
     eng.update_weights(iter(per_expert_state(model.state_dict()).items()))
     cfg = model.config
-    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=NEW_TOKENS, ignore_eos=True, return_routes=True)
+    params = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                            return_routes=True)
     samples = [s for group in eng.generate(PROMPTS, params) for s in group]
     for s in samples:
         ids = [int(t) for t in s.prompt_ids] + [int(t) for t in s.response_ids]

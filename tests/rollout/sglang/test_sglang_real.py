@@ -65,8 +65,8 @@ def test_adaptive_temperature_logprobs_match_transformers(real_server, real_api_
     eng = make_engine(real_server.url, real_api_key)
     eng.update_weights(iter(model.state_dict().items()))  # known weights, whatever ran before
     stats = model_stats(model, t_base)
-    params = SamplingParams(n=4, temperature=t_base, max_new_tokens=12, ignore_eos=True, adaptive=True,
-                            entropy_stats=stats, temperature_tau=tau, h_hat_mode=mode)
+    params = SamplingParams(n=4, temperature=t_base, top_p=1.0, top_k=-1, max_new_tokens=12, ignore_eos=True,
+                            adaptive=True, entropy_stats=stats, temperature_tau=tau, h_hat_mode=mode)
     samples = [s for group in eng.generate(PROMPTS, params) for s in group]
     got, want, plain, temps = [], [], [], []
     for s in samples:
@@ -88,8 +88,8 @@ def test_tau_zero_changes_nothing(real_server, real_api_key, real_model_dir):
     eng = make_engine(real_server.url, real_api_key)
     eng.update_weights(iter(model.state_dict().items()))
     stats = model_stats(model, 1.0)
-    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, ignore_eos=True, adaptive=True,
-                            entropy_stats=stats, temperature_tau=0.0)
+    params = SamplingParams(n=3, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=10, ignore_eos=True,
+                            adaptive=True, entropy_stats=stats, temperature_tau=0.0, h_hat_mode="signed")
     assert "custom_logit_processor" in se.generate_payload([PROMPTS[0]], params)  # the processor does run
     samples = [s for group in eng.generate(PROMPTS, params) for s in group]
     got = torch.cat([torch.tensor(s.rollout_logprobs, dtype=torch.float64) for s in samples])
@@ -135,7 +135,8 @@ def _train_and_sync_worker(rank, world, url, api_key, model_dir, sync_dir):
         for _ in named:
             pass
         if eng is not None:
-            greedy = eng.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, max_new_tokens=8, ignore_eos=True))
+            greedy = eng.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=8,
+                                                          ignore_eos=True))
             out[mode] = {"weights": kept, "greedy": [grp[0].response_ids.tolist() for grp in greedy]}
     return out
 
@@ -210,7 +211,7 @@ def test_killed_server_stops_the_trainer_and_keeps_its_checkpoint(real_server, r
     dead = sglang_engine(server_urls=[server.url], launch=False, wait_for_servers=False, max_retries=1)
     dead.http.sleep = lambda s: None
     with pytest.raises(ServerDiedError, match=f"no SGLang server left in use after {server.url} failed"):
-        dead.generate([[1, 2]], SamplingParams(n=1, max_new_tokens=2))
+        dead.generate([[1, 2]], SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=2))
     with pytest.raises(SGLangError, match=f"weight sync: no SGLang server left in use.*{server.url}: lost"):
         dead.update_weights(iter([("x", torch.zeros(1))]))  # it failed during generate: out of use
     # the key: only in the owner-only key file (SGLang did print it: the log has it redacted)
