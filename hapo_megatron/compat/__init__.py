@@ -27,6 +27,9 @@ unless it was called. A library user on CPU calls it once at start. The shims:
    `synchronize()` the alltoall dispatcher calls; the dispatcher's split sizes, which it moves to
    host numpy arrays only from CUDA tensors, are converted on the CPU too (`all_to_all_single`
    rejects tensors).
+6. checkpoint saves: dist_checkpointing's results queue, made on first use by a spawned
+   multiprocessing Manager (a fresh Python importing torch: seconds of each process's first
+   save), is an in-process queue; our saves are synchronous and read it in the saving process.
 
 Context-parallel attention needs Transformer Engine and is not shimmed. The device mode is a
 TorchFunctionMode, hence per thread: megatron code run in another thread than the one that

@@ -227,8 +227,24 @@ def _shim_moe_split_sizes() -> None:
     _patch(token_dispatcher, "maybe_move_tensor_to_cpu", move)
 
 
+def _shim_save_results_queue() -> None:
+    """dist_checkpointing's writer hands its results back through a queue that it makes on first
+    use with a *spawned* multiprocessing Manager: a fresh Python that imports torch and the
+    trainer's main module, 3-4 s of every process's first save (the tiny CPU runs save every step
+    or two). Our saves are synchronous (`dist_checkpointing.save` writes and reads the results in
+    the calling process; only its writer workers are forked), so an in-process queue serves."""
+    import queue
+
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:  # another megatron-core layout: keep its own queue
+        return
+    if getattr(filesystem_async, "_results_queue", object()) is None:
+        _patch(filesystem_async, "_results_queue", queue.Queue())
+
+
 _SHIMS = (_shim_device_mode, _shim_device_mode_in_backward, _shim_cuda_runtime, _shim_rng_tracker,
-          _shim_moe_gemm_without_te, _shim_moe_split_sizes)
+          _shim_moe_gemm_without_te, _shim_moe_split_sizes, _shim_save_results_queue)
 
 
 def activate_cpu_shims() -> bool:

@@ -128,3 +128,21 @@ def test_moe_shims_active_without_cuda_and_reversible(fresh_shims):
     assert token_dispatcher.maybe_move_tensor_to_cpu is moe_utils.maybe_move_tensor_to_cpu
     with pytest.raises((RuntimeError, AssertionError)):
         _AllocatesOnCudaInBackward.apply(x).sum().backward()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_checkpoint_saves_keep_their_results_queue_in_process(fresh_shims):
+    """6. dist_checkpointing's results queue: an in-process queue instead of one served by a
+    spawned Manager process (seconds of every process's first save); undone with the rest."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    before = filesystem_async._results_queue
+    compat.activate_cpu_shims()
+    if before is None:
+        assert isinstance(filesystem_async._get_write_results_queue(), queue.Queue)
+    else:  # a save in this process made megatron's own queue first: kept
+        assert filesystem_async._results_queue is before
+    compat.deactivate_cpu_shims()
+    assert filesystem_async._results_queue is before

@@ -122,7 +122,10 @@ def server_env(*, cpu: bool, base: Optional[dict] = None) -> dict:
     """Environment of a server process: ``base`` (default: ours) with ``hapo_megatron`` importable
     (the custom logit processor is pickled by reference) and, for a CPU server,
     ``SGLANG_USE_CPU_ENGINE=1`` (without it ``--device cpu`` takes CUDA paths) plus the
-    import-only stand-ins on ``PYTHONPATH`` (only in the server's environment, never ours)."""
+    import-only stand-ins on ``PYTHONPATH`` (only in the server's environment, never ours), and
+    no crash diagnostics (``SGLANG_PYSPY_DUMP_BEFORE_CRASH``, ``SGLANG_CUDA_COREDUMP_BEFORE_CRASH``):
+    SGLang sleeps 5 s "to let GPU activity settle" before them whenever its scheduler dies, so every
+    stop of a CPU server (:func:`stop_process` signals the whole group) would take 5 s more."""
     env = dict(os.environ if base is None else base)
     for name in _LAUNCHER_VARS:  # torchrun's rendezvous variables would make the server's own
         env.pop(name, None)      # torch.distributed init wait for the trainer's ranks forever
@@ -131,6 +134,7 @@ def server_env(*, cpu: bool, base: Optional[dict] = None) -> dict:
     paths = [_PACKAGE_PARENT]
     if cpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] = env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] = "0"
         paths.insert(0, cpu_stubs_dir())
     old = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in old if p not in paths])

@@ -33,6 +33,8 @@ def test_stand_ins_import_and_raise_when_called():
     env = server_env(cpu=True)
     assert env["PYTHONPATH"].split(os.pathsep)[0] == cpu_stubs_dir()
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+    # no crash diagnostics: SGLang sleeps 5 s before them on every stop of a server
+    assert env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
     out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
     assert cpu_stubs_dir() not in sys.path  # never in our own process
