@@ -206,7 +206,7 @@ class SGLangHTTP:
             raise
         return resp.status_code == 200
 
-    def wait_healthy(self, server: ServerHandle, timeout_s: float, *, poll_s: float = 2.0,
+    def wait_healthy(self, server: ServerHandle, timeout_s: float, *, poll_s: float = 0.5,
                      clock: Callable[[], float] = time.monotonic) -> None:
         """Poll ``/health`` until it answers 200; :class:`ServerDiedError` if the process exits
         first, :class:`SGLangError` after ``timeout_s``."""

@@ -55,7 +55,7 @@ def launch_server_process(model_dir: str, log_path: str, api_key: str,
 def wait_started(handle: ServerHandle, timeout_s: float = 900.0) -> ServerHandle:
     """``handle`` once healthy; stopped, with the error, when it is not."""
     try:
-        SGLangHTTP(timeout_s=30, max_retries=0).wait_healthy(handle, timeout_s, poll_s=1.0)
+        SGLangHTTP(timeout_s=30, max_retries=0).wait_healthy(handle, timeout_s, poll_s=0.5)
     except BaseException:
         launcher.stop_process(handle)
         raise
