@@ -28,7 +28,7 @@ SAMPLED = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_toke
 GREEDY = SamplingParams(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=8, ignore_eos=True)
 # request timeout: how long a stopped server may take to be found. A request of this test's tiny
 # model takes well under a second even on a loaded 2-core machine.
-TIMEOUT_S = 10.0
+TIMEOUT_S = 20.0
 TRAINER_TIMEOUT_S = 60.0  # the trainer's requests (whole steps' rounds); its faults are SIGKILLs
 
 
