@@ -36,6 +36,10 @@ from hapo_megatron.training.rollout_protocol import RolloutAbandoned
 
 #: how long the producer waits for the lag rule before looking at its stop flag again
 _POLL_S = 0.05
+# close(): a group that passed its stop check just before the abort sends its request after it;
+# the abort is sent again this often until every group in flight is back, for at most _CLOSE_S
+_ABORT_AGAIN_S = 1.0
+_CLOSE_S = 10.0
 
 
 class AsyncRollout:
@@ -53,6 +57,7 @@ class AsyncRollout:
         self._lock = threading.Lock()  # the sampler cursor and the queue of drawn prompts
         self._queue: deque[int] = deque(pending or ())  # drawn (or from a checkpoint), not admitted
         self._score_lock = threading.Lock()
+        self._settled = threading.Condition(self._score_lock)  # _in_flight went down
         self._stop = threading.Event()
         self._filter = DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
                                       max_num_gen_batches=cfg.algo.max_num_gen_batches)
@@ -90,7 +95,9 @@ class AsyncRollout:
                     self.buffer.wait_admissible(timeout=_POLL_S)
                     continue
                 self._busy(+1)
-                self._pool.submit(self._group, ticket, idx)
+                future = self._pool.submit(self._group, ticket, idx)
+                # cancelled by close() before it ran: its `finally` never counts it back
+                future.add_done_callback(lambda f: f.cancelled() and self._busy(-1))
         except BufferClosed:
             return
         except BaseException as e:  # noqa: BLE001 - handed to the trainer, which raises it
@@ -105,6 +112,7 @@ class AsyncRollout:
             if self._in_flight == 0 and self._busy_since is not None:
                 self._busy_s += now - self._busy_since
                 self._busy_since = None
+            self._settled.notify_all()
 
     def _group(self, ticket: int, idx: int) -> None:
         """Generate, score, shape and filter one group; hand it to the buffer."""
@@ -223,14 +231,19 @@ class AsyncRollout:
     def close(self) -> None:
         """Stop the producer (SIGTERM, the end of the run, an error): no new request starts and
         the servers abort the requests in flight (their groups would never be trained, and the
-        interpreter's exit waits for the threads that sent them)."""
+        interpreter's exit waits for the threads that sent them), again until every group is
+        back (at most ``_CLOSE_S``): a request may reach its server just after an abort."""
         self._stop.set()
         self.buffer.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        with self._score_lock:
-            in_flight = self._in_flight
-        if in_flight and hasattr(self.rt.engine, "abort_requests"):
+        deadline = time.monotonic() + _CLOSE_S
+        while hasattr(self.rt.engine, "abort_requests"):
+            with self._score_lock:
+                if not self._in_flight or time.monotonic() >= deadline:
+                    break
             self.rt.engine.abort_requests()
+            with self._settled:
+                self._settled.wait_for(lambda: self._in_flight == 0, timeout=_ABORT_AGAIN_S)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
 

@@ -178,6 +178,43 @@ def test_an_engine_error_reaches_the_trainer_and_close_stops_the_producer():
         ar.buffer.take(timeout=0)
 
 
+class _LateRequestEngine(FakeEngine):
+    """A server on which every group's request arrives just after the first abort (the group
+    passed its stop check before it) and runs until an abort that comes after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.started, self.aborts, self.cond = 0, 0, threading.Condition()
+
+    def generate(self, prompts, params):
+        with self.cond:
+            self.started += 1
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.aborts >= 1, timeout=30)  # sent after the first abort ...
+            seen = self.aborts
+            self.cond.wait_for(lambda: self.aborts > seen, timeout=30)  # ... so only a later one ends it
+        raise RuntimeError("aborted")
+
+    def abort_requests(self):
+        with self.cond:
+            self.aborts += 1
+            self.cond.notify_all()
+
+
+def test_close_aborts_again_the_requests_sent_after_its_first_abort():
+    """close() sends the abort again until every group in flight is back: a request that reached
+    the server after the first abort would otherwise run on (and the interpreter's exit wait for
+    the thread that sent it)."""
+    rt = _rt()
+    rt.engine = engine = _LateRequestEngine()
+    ar = AsyncRollout(rt).start()
+    with engine.cond:
+        engine.cond.wait_for(lambda: engine.started >= 1)
+    ar.close()
+    assert engine.aborts >= 2 and ar._in_flight == 0
+    assert not ar._thread.is_alive()
+
+
 class _SyncEngine:
     """Reads every tensor; records the call (a synchronous engine takes no keyword arguments)."""
 
