@@ -6,8 +6,9 @@ Takes SGLang's command line, binds ``--host``/``--port`` and answers like a serv
 a ``start`` line (argv, bound address, pid, parent pid) and one line per request.
 ``$HAPO_TEST_STANDIN_UPDATE_DELAY_S`` delays weight updates (to expose missing barriers).
 ``$HAPO_TEST_STANDIN_VOCAB`` keeps the generated token ids below it. A slow server:
-``$HAPO_TEST_STANDIN_HOLD_AFTER=N`` holds every ``/generate`` after the first N until a
-``/abort_request`` (then answered with finish reason ``abort``, as SGLang does), and the first held
+``$HAPO_TEST_STANDIN_HOLD_AFTER=N`` holds every ``/generate`` after the first N until an
+``/abort_request`` that comes after it (then answered with finish reason ``abort``, as SGLang
+does: an abort ends the requests it finds, not the later ones), and the first held
 request sends SIGUSR1 to the pid written in ``$HAPO_TEST_STANDIN_SIGNAL_PID_FILE`` (a stop signal
 that arrives in the middle of a rollout).
 Started with ``--api-key`` (as the trainer's servers are), it answers 401 to every request but
@@ -40,7 +41,8 @@ SIGNAL_PID_FILE = os.environ.get("HAPO_TEST_STANDIN_SIGNAL_PID_FILE")
 # a held request that is never aborted is answered anyway after this: the test fails, not hangs
 HOLD_BOUND_S = float(os.environ.get("HAPO_TEST_STANDIN_HOLD_BOUND_S", "600"))
 _lock = threading.Lock()
-_aborted = threading.Event()
+_aborts = [0]  # /abort_request calls so far; a held request waits for one more than it saw
+_abort_came = threading.Condition()
 _generate_calls = [0]
 
 
@@ -73,7 +75,9 @@ class Handler(StandinHandler):
             self.send_json(200, [generate(i, sp) for i, sp in zip(body["input_ids"], body["sampling_params"])])
             return
         if path == "/abort_request":
-            _aborted.set()
+            with _abort_came:
+                _aborts[0] += 1
+                _abort_came.notify_all()
         if path.startswith("/update_weights") and DELAY_S:
             time.sleep(DELAY_S)
         record(path=path, body={k: v for k, v in (body or {}).items() if k != "input_ids"})
@@ -89,11 +93,14 @@ class Handler(StandinHandler):
         if n <= int(HOLD_AFTER):
             return False
         first_held = n == int(HOLD_AFTER) + 1
+        with _abort_came:
+            seen = _aborts[0]
         record(path="held")
         if first_held and SIGNAL_PID_FILE:
             with open(SIGNAL_PID_FILE) as f:
                 os.kill(int(f.read()), signal.SIGUSR1)
-        return _aborted.wait(HOLD_BOUND_S)
+        with _abort_came:
+            return _abort_came.wait_for(lambda: _aborts[0] > seen, HOLD_BOUND_S)
 
 
 server = serve(Handler, args.host, args.port)
