@@ -28,7 +28,7 @@ Weight sync (``weight_sync``):
   rank gathers the ``tp`` strings and POSTs ``/update_weights_from_tensor``.
 - ``"distributed"`` (separate GPUs): rank 0 forms an NCCL group with all server TP ranks
   (``/init_weights_update_group``) and broadcasts each flattened bucket while POSTing
-  ``/update_weights_from_distributed``.
+  ``/update_weights_from_distributed``. CPU servers (``device="cpu"``): the same group over gloo.
 - ``"disk"`` (fallback): rank 0 writes a safetensors checkpoint and POSTs
   ``/update_weights_from_disk`` (the servers must see the directory).
 - ``"auto"``: tensor when colocated, distributed otherwise.
@@ -310,7 +310,10 @@ class SGLangEngine:
         self.http = SGLangHTTP(timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries, session=session,
                                api_key=self._api_key)
         self._nccl_group = None
-        self._sync_device = "cuda"  # where broadcast buckets live (NCCL); tests use "cpu"
+        # the weight-sync group of weight_sync="distributed": NCCL between GPU processes, gloo between
+        # CPU ones (a CPU trainer with CPU servers); the broadcast buckets live on that device
+        self._sync_backend = "nccl" if self.device == "cuda" else "gloo"
+        self._sync_device = "cuda" if self.device == "cuda" else "cpu"
         self._server_groups: Optional[dict] = None
         if server_urls:
             self.servers = [u if isinstance(u, ServerHandle) else ServerHandle(url=u.rstrip("/"), tp_size=self.tp)
@@ -659,9 +662,11 @@ class SGLangEngine:
         with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
             futs = [pool.submit(self.http.request, srv, "/init_weights_update_group",
                                 ws.init_group_payload(master_address=addr, master_port=port, rank_offset=off,
-                                                      world_size=world, group_name=self.group_name), retries=0)
+                                                      world_size=world, group_name=self.group_name,
+                                                      backend=self._sync_backend), retries=0)
                     for srv, off in zip(self.servers, offsets)]
-            self._nccl_group = init_custom_process_group(backend="nccl", init_method=f"tcp://{addr}:{port}",
+            self._nccl_group = init_custom_process_group(backend=self._sync_backend,
+                                                         init_method=f"tcp://{addr}:{port}",
                                                          world_size=world, rank=0, group_name=self.group_name)
             for f in futs:
                 _check_success(f.result(), "init_weights_update_group")
