@@ -150,12 +150,22 @@ def decoder_spec_for(hf_config, config, use_te: bool, vp_stage: int | None = Non
     Megatron's block spec, which places sparse and dense layers by `config.moe_layer_freq` on
     this pipeline stage (SequentialMLP experts with the local spec), with norms that support
     sequence parallelism in the local spec (`local_norm.py`: MoE with TP > 1 trains only with it)
-    and `PackedDotProductAttention` in every layer, so packed rows run on CPU as for dense models."""
+    and `PackedDotProductAttention` in every layer, so packed rows run on CPU as for dense models.
+    Dense models under sequence parallelism with the local spec get those norms too (in every
+    layer and the final one: Megatron's `WrappedTorchNorm` refuses sequence parallelism)."""
+    from hapo_megatron.models.local_norm import SequenceParallelTorchNorm, with_local_norm
+
     if not ModelSpec.of(hf_config).is_moe:
-        return layer_spec_for(hf_config, use_te)
+        spec = layer_spec_for(hf_config, use_te)
+        if use_te or not config.sequence_parallel:
+            return spec
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+        layers = get_num_layers_to_build(config, vp_stage)
+        return TransformerBlockSubmodules(layer_specs=[with_local_norm(spec)] * layers,
+                                          layer_norm=SequenceParallelTorchNorm)
     from megatron.core.models.gpt import gpt_layer_specs
 
-    from hapo_megatron.models.local_norm import with_local_norm
     from hapo_megatron.models.packed_attention import PackedDotProductAttention
 
     spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,

@@ -5,11 +5,11 @@ TP1/PP1 (as DP2), TP2 and PP2 on two gloo ranks, plus an independent single-proc
 the same 3 SGD steps on the same global batch: per-step losses and the final weights agree to
 float32 rounding. The same holds with the fused output layer (`models.forward_hidden_states` +
 `parallel.linear_logprobs_entropy`: no logits) at TP2 and at PP2, for Llama (untied output
-layer) and Qwen2 (output tied to the embedding; at PP2 the last stage's copy). (Sequence
-parallelism cannot be built on CPU: Megatron's torch norms refuse it; test_linear_logprobs_entropy
-covers the fused function's SP path.) Megatron's pieces in the loop: DDP (grad buffers, DP all-reduce),
-`finalize_model_grads` (the per-token normalisation by the global `num_tokens`) and the
-no-pipelining / 1F1B schedules.
+layer) and Qwen2 (output tied to the embedding; at PP2 the last stage's copy), and at TP2 with
+sequence parallelism (the local spec's norms, `models/local_norm.py`, whose weight gradients
+`finalize_model_grads` all-reduces over TP; unfused Llama, fused Qwen2). Megatron's pieces in the
+loop: DDP (grad buffers, DP all-reduce), `finalize_model_grads` (the per-token normalisation by the
+global `num_tokens`) and the no-pipelining / 1F1B schedules.
 """
 
 import numpy as np
@@ -33,7 +33,8 @@ NUM_SEQ, SEQ = 4, 16
 # (arch, tp, pp, fused output layer, sequence parallel) on 2 ranks; tp = pp = 1 runs as DP2
 LAYOUTS = (("llama", 1, 1, False, False), ("llama", 2, 1, False, False), ("llama", 1, 2, False, False),
            ("llama", 2, 1, True, False), ("llama", 1, 2, True, False),
-           ("qwen2", 1, 2, False, False), ("qwen2", 1, 2, True, False), ("qwen2", 2, 1, True, False))
+           ("qwen2", 1, 2, False, False), ("qwen2", 1, 2, True, False), ("qwen2", 2, 1, True, False),
+           ("llama", 2, 1, False, True), ("qwen2", 2, 1, True, True))
 
 
 def _name(arch, tp, pp, fused, sp):
