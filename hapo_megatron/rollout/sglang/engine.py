@@ -26,8 +26,9 @@ Weight sync (``weight_sync``):
 - ``"tensor"`` (colocated): every rank serialises its copy of each bucket as CUDA-IPC handles (CPU
   tensors: pickled by value, see ``weight_sync.serialize_bucket_for_sglang``), the server's first
   rank gathers the ``tp`` strings and POSTs ``/update_weights_from_tensor``.
-- ``"distributed"`` (separate GPUs): rank 0 forms an NCCL group with all server TP ranks
-  (``/init_weights_update_group``) and broadcasts each flattened bucket while POSTing
+- ``"distributed"`` (separate GPUs): rank 0 forms a group with all server TP ranks
+  (``/init_weights_update_group``; NCCL, or gloo with CPU buffers for CPU servers; its store hosted
+  by rank 0 itself, ``sync_group.py``) and broadcasts each flattened bucket while POSTing
   ``/update_weights_from_distributed``.
 - ``"disk"`` (fallback): rank 0 writes a safetensors checkpoint and POSTs
   ``/update_weights_from_disk`` (the servers must see the directory).
@@ -85,7 +86,7 @@ from hapo_megatron.rollout.routed_experts import decode_routed_experts
 from hapo_megatron.rollout.sglang.server_supervisor import ServerPoolError, ServerSupervisor, first_line
 from hapo_megatron.rollout.sglang.client import (EndpointNotFoundError, RequestRefusedError, SGLangError,
                                                  SGLangHTTP, ServerHandle)
-from hapo_megatron.rollout.sglang import weight_sync as ws
+from hapo_megatron.rollout.sglang import sync_group, weight_sync as ws
 
 _SEED_MOD = 2**63 - 1
 
@@ -310,7 +311,8 @@ class SGLangEngine:
         self.http = SGLangHTTP(timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries, session=session,
                                api_key=self._api_key)
         self._nccl_group = None
-        self._sync_device = "cuda"  # where broadcast buckets live (NCCL); tests use "cpu"
+        self._sync_store = None  # the weight-update group's store (hosted by rank 0, sync_group.host_store)
+        self._sync_device = sync_group.sync_buffer_device(self.device)  # where broadcast buckets live
         self._server_groups: Optional[dict] = None
         if server_urls:
             self.servers = [u if isinstance(u, ServerHandle) else ServerHandle(url=u.rstrip("/"), tp_size=self.tp)
@@ -651,18 +653,21 @@ class SGLangEngine:
             del keepalive
 
     def _init_nccl_group(self) -> None:
-        from sglang.srt.utils import init_custom_process_group
-
-        addr, port = launcher.node_ip(), launcher.free_port()
+        """Rank 0 of the weight-update group with every server TP rank, on a store hosted here
+        (``sync_group``: torchrun's agent-store setting must not make rank 0 a client)."""
+        addr = launcher.node_ip()
         world = 1 + sum(s.tp_size for s in self.servers)
         offsets = [1 + sum(s.tp_size for s in self.servers[:i]) for i in range(len(self.servers))]
+        backend = sync_group.sync_backend(self.device)
+        self._sync_store = sync_group.host_store(addr, world)
         with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
             futs = [pool.submit(self.http.request, srv, "/init_weights_update_group",
-                                ws.init_group_payload(master_address=addr, master_port=port, rank_offset=off,
-                                                      world_size=world, group_name=self.group_name), retries=0)
+                                ws.init_group_payload(master_address=addr, master_port=self._sync_store.port,
+                                                      rank_offset=off, world_size=world, group_name=self.group_name,
+                                                      backend=backend), retries=0)
                     for srv, off in zip(self.servers, offsets)]
-            self._nccl_group = init_custom_process_group(backend="nccl", init_method=f"tcp://{addr}:{port}",
-                                                         world_size=world, rank=0, group_name=self.group_name)
+            self._nccl_group = sync_group.open_group(self._sync_store, world_size=world, group_name=self.group_name,
+                                                     backend=backend)
             for f in futs:
                 _check_success(f.result(), "init_weights_update_group")
 
@@ -742,7 +747,7 @@ class SGLangEngine:
                 torch.distributed.destroy_process_group(self._nccl_group)
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
-            self._nccl_group = None
+            self._nccl_group = self._sync_store = None
 
 
 def _check_success(answer: Any, what: str) -> None:
