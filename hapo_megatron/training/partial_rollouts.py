@@ -222,7 +222,7 @@ def rollout_rank0(rt, step: int, stop_check: Optional[Callable[[], bool]], stop_
         rt.memory.release_generation()
     metrics = {**rollout_metrics(RolloutBatch.concat(generated), max_response_length=max_tokens),
                **dyn.metrics(), **counts.metrics(),
-               **(rt.engine.fault_metrics() if hasattr(rt.engine, "fault_metrics") else {}),
+               **rt.engine.fault_metrics(),
                **partial_metrics(trained, rnd, version, pool),
                "batch/reward_mean": sum(kept.rewards) / max(len(kept), 1),
                "batch/acc": sum(kept.accs) / max(len(kept), 1),
@@ -237,7 +237,7 @@ def _prompt(rt, g: PartialGroup) -> list[int]:
 
 
 def _seeded(rt) -> bool:
-    return bool(getattr(rt.engine, "send_sampling_seed", False))
+    return bool(rt.engine.send_sampling_seed)
 
 
 def _score(rt, g: PartialGroup, rnd: _Round, counts: RewardCounts) -> int:

@@ -125,8 +125,8 @@ def _release_after_abandon(rt: Runtime) -> None:
 @contextmanager
 def _engine_stop_check(engine, stop_check: Optional[Callable[[], bool]]) -> Iterator[None]:
     """``engine.stop_check`` set for the rollout only (SGLang engines poll it while waiting; an
-    evaluation is never abandoned). Engines without one finish the round they are in."""
-    if stop_check is None or not hasattr(engine, "stop_check"):
+    evaluation is never abandoned; the HF engine does not poll it and finishes the round it is in)."""
+    if stop_check is None:
         yield
         return
     engine.stop_check = stop_check
@@ -192,7 +192,7 @@ def _rollout_rank0(rt: Runtime, step: int, stop_check: Optional[Callable[[], boo
     metrics = {**rollout_metrics(RolloutBatch.concat(generated),
                                  max_response_length=rt.cfg.rollout.max_response_length),
                **dyn.metrics(), **counts.metrics(),
-               **(rt.engine.fault_metrics() if hasattr(rt.engine, "fault_metrics") else {}),  # SGLang: restarts
+               **rt.engine.fault_metrics(),  # SGLang: restarts
                "batch/reward_mean": sum(kept.rewards) / max(len(kept), 1),
                "batch/acc": sum(kept.accs) / max(len(kept), 1),
                "batch/num_groups": float(len(set(kept.group_ids)))}
@@ -484,7 +484,7 @@ def sync_weights(rt: Runtime) -> None:
     rank 0's engine by the `RolloutEngine.update_weights` contract (checked here: an engine that
     leaves tensors unread is an error, after they are read so that no rank is left waiting), the
     ranks without an engine here."""
-    dtype = getattr(rt.engine, "dtype", None) if rt.engine is not None else None
+    dtype = rt.engine.dtype if rt.engine is not None else None
     named = iter(rt.actor.export_hf_weights(dtype=dtype))
     empty_cache()  # what the trainer's allocator holds unused goes back before the servers resume
     if rt.engine is None:

@@ -23,6 +23,8 @@ from hapo_megatron.training import partial_rollouts
 from hapo_megatron.training.batches.micro_batches import collate
 from hapo_megatron.training.batches.rollout_share import RankBatch
 from hapo_megatron.training.partial_rollouts import PartialPool
+from hapo_megatron.rollout.sglang.requests import group_payload, parse_row
+from tests.rollout.standin_engine import StandInEngine
 from tests.tools._load import load_tool
 
 B, N, MAX_LEN, CHUNK = 2, 3, 16, 6  # groups per batch, rows per group, token budget, tokens per round
@@ -48,8 +50,8 @@ def expected_response(ids, seed: int) -> list[int]:
     return [token(seed, j) for j in range(min(full_length(ids, seed), MAX_LEN))]
 
 
-class ScriptedServers:
-    """``engine.supervisor.request`` / ``engine.abort_requests`` of one round: the calls wait until
+class ScriptedServers(StandInEngine):
+    """``engine.generate_group`` / ``engine.abort_requests`` of one round: the calls wait until
     all of the round have arrived; a row with at most CHUNK tokens left finishes; a call with a
     longer row waits for the round's outcome: an abort (then such rows return CHUNK tokens, finish
     reason abort), or, when the round's other calls are done and nobody aborted, every row finishes.
@@ -59,7 +61,6 @@ class ScriptedServers:
     send_sampling_seed = True
 
     def __init__(self):
-        self.supervisor = self
         self.cond = threading.Condition()
         self.aborts = 0
         self.expected = self.arrived = self.short_calls = self.short_done = 0
@@ -93,7 +94,12 @@ class ScriptedServers:
         reason = "stop" if full_length(ids[:3], seed) - pos <= int(sp["max_new_tokens"]) else "length"
         return [token(seed, pos + j) for j in range(left)], [-0.01 * (pos + j + 1) for j in range(left)], reason
 
-    def request(self, key, path, body, rows):
+    def generate_group(self, rows, params):
+        """The group's body as the SGLang engine sends it, answered as the script says, parsed as
+        the SGLang engine parses it."""
+        return [parse_row(item) for item in self._answer(group_payload(rows, params))]
+
+    def _answer(self, body):
         plans = [self._plan(ids, sp) for ids, sp in zip(body["input_ids"], body["sampling_params"])]
         long = any(len(t) > CHUNK for t, _, _ in plans)
         with self.cond:
@@ -261,6 +267,20 @@ def test_exact_resume_with_partials_in_the_pool(scripted):
         assert timeless[0] == timeless[1]
 
 
+class SyncOnly(StandInEngine):
+    """Whole groups from `generate` (a call counted in ``log``); `generate_group` refuses."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def generate(self, prompt_ids, params, on_samples=None):
+        from hapo_megatron.rollout.engine import Sample
+        self.log.append(1)
+        return [[Sample(prompt_ids=p, response_ids=[5, 6], rollout_logprobs=[-1.0, -1.0], temperatures=[],
+                        finish_reason="stop", prompt_index=i, sample_index=k) for k in range(params.n)]
+                for i, p in enumerate(prompt_ids)]
+
+
 def test_over_sampling_off_is_the_synchronous_rollout(monkeypatch):
     rt = _rt(over_sampling=1.0)
 
@@ -268,10 +288,7 @@ def test_over_sampling_off_is_the_synchronous_rollout(monkeypatch):
         raise AssertionError("over-sampling off must not reach partial_rollouts")
     monkeypatch.setattr(partial_rollouts, "rollout_rank0", refuse)
     calls = []
-    rt.engine = type("E", (), {"generate": lambda self, prompts, params, on_samples=None: calls.append(1) or [
-        [__import__("hapo_megatron.rollout.engine", fromlist=["Sample"]).Sample(
-            prompt_ids=p, response_ids=[5, 6], rollout_logprobs=[-1.0, -1.0], temperatures=[], finish_reason="stop",
-            prompt_index=i, sample_index=k) for k in range(params.n)] for i, p in enumerate(prompts)]})()
+    rt.engine = SyncOnly(calls)
     got = _steps(rt, 1, 2)
     assert calls and "partial_rollouts" not in rt.rl.state_dict()
     assert not any(k in got[0]["metrics"] for k in ("rollout/aborted", "rollout/resumed"))

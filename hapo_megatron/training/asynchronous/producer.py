@@ -72,8 +72,7 @@ class AsyncRollout:
 
     # ------------------------------------------------------------------ producer
     def start(self) -> "AsyncRollout":
-        if hasattr(self.rt.engine, "spread_calls"):  # one call per group: start them on every server
-            self.rt.engine.spread_calls = True
+        self.rt.engine.spread_calls(True)  # one call per group: start them on every server
         self._thread.start()
         return self
 
@@ -203,7 +202,7 @@ class AsyncRollout:
         metrics = {**rollout_metrics(RolloutBatch.concat(generated) if generated else kept,
                                      max_response_length=rt.cfg.rollout.max_response_length),
                    **counts.metrics(),
-                   **(rt.engine.fault_metrics() if hasattr(rt.engine, "fault_metrics") else {}),
+                   **rt.engine.fault_metrics(),
                    "rollout/staleness_mean": float(np.mean(lags)) if lags else 0.0,
                    "rollout/staleness_max": float(max(lags)) if lags else 0.0,
                    "rollout/kept_group_frac": num_kept / max(num_kept + num_filtered, 1),
@@ -237,7 +236,7 @@ class AsyncRollout:
         self.buffer.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + _CLOSE_S
-        while hasattr(self.rt.engine, "abort_requests"):
+        while True:
             with self._score_lock:
                 if not self._in_flight or time.monotonic() >= deadline:
                     break
