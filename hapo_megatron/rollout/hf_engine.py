@@ -16,6 +16,7 @@ Greedy (``temperature == 0``): argmax of ``z``, log-prob ``log_softmax(z)``, tem
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -184,6 +185,11 @@ class HFRolloutEngine:
         self.max_batch_size = int(max_batch_size)
         self.tokenizer = tokenizer
         self.model = self._load_model(hf_config_or_path, attn_implementation)
+        # transformers >= 5.24 names the KV cache `cache` (input and output) and warns at every run
+        # on the older `past_key_values`, which earlier releases alone accept: ask the model which
+        # (docs/troubleshooting.md, "Warnings")
+        self._cache_name = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
+            else "past_key_values"
         gen_cfg = getattr(self.model, "generation_config", None)
         self.eos_token_ids = _eos_ids(getattr(tokenizer, "eos_token_id", None),
                                       getattr(gen_cfg, "eos_token_id", None),
@@ -318,9 +324,8 @@ class HFRolloutEngine:
         from transformers import DynamicCache
 
         ids, mask, pos = self._prefill_inputs(prompts)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         past_key_values=DynamicCache(config=self.model.config), use_cache=True,
-                         logits_to_keep=1)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                         **{self._cache_name: DynamicCache(config=self.model.config)})
         if recorder is not None:
             recorder.end_call(*ids.shape)
         next_pos = pos[:, -1] + 1
@@ -349,8 +354,8 @@ class HFRolloutEngine:
             # finished rows keep decoding a dummy token: simpler than pruning the cache
             mask = torch.cat([mask, mask.new_ones((n_rows, 1))], dim=1)
             out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask,
-                             position_ids=next_pos.unsqueeze(-1), past_key_values=out.past_key_values,
-                             use_cache=True)
+                             position_ids=next_pos.unsqueeze(-1), use_cache=True,
+                             **{self._cache_name: getattr(out, self._cache_name)})
             if recorder is not None:
                 recorder.end_call(n_rows, 1)
             next_pos = next_pos + 1
