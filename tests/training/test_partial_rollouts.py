@@ -323,7 +323,7 @@ EOS, OTHER_STOP = 2, 1
 PROMPT_LEN = 3  # the bench's prompts: [1, a, b]
 
 
-class AbortedAtTheEnd:
+class AbortedAtTheEnd(StandInEngine):
     """A stand-in server whose every call comes back aborted; row 0 of each group in the decode
     step that sampled the EOS (the EOS its last token, as SGLang returns it), the other rows
     after two tokens of a longer response. Records every request's inputs."""
@@ -331,20 +331,18 @@ class AbortedAtTheEnd:
     send_sampling_seed = True
 
     def __init__(self):
-        self.supervisor = self
         self.inputs = []
 
-    def abort_requests(self):
-        pass
-
-    def request(self, key, path, body, rows):
+    def generate_group(self, rows, params):
+        """The group's body as the SGLang engine sends it, answered as above, parsed as the SGLang
+        engine parses it."""
         out = []
-        for k, ids in enumerate(body["input_ids"]):
+        for k, ids in enumerate(group_payload(rows, params)["input_ids"]):
             self.inputs.append(list(ids))
             toks = [40, EOS] if k == 0 and len(ids) == PROMPT_LEN else [41, 42]  # row 0 on its first call
             out.append({"output_ids": toks, "meta_info": {"finish_reason": {"type": "abort"},
                                                          "output_token_logprobs": [[-0.5, t, None] for t in toks]}})
-        return out
+        return [parse_row(item) for item in out]
 
 
 def test_a_row_aborted_with_its_eos_last_is_complete_and_not_resumed():
