@@ -14,7 +14,7 @@ from typing import Optional
 
 from hapo_megatron.algo.choices import (
     ENTROPY_STATS_SCOPES, H_HAT_ENTROPIES, H_HAT_MODES, KL_LOSS_TYPES, LOSS_AGG_MODES, OLD_LOGPROB_SOURCES,
-    ROLLOUT_IS_MODES,
+    POLICY_LOSSES, ROLLOUT_IS_MODES, SEQUENCE_RATIO_LOSSES,
 )
 
 #: ``rollout_is`` value the run resolves from the rollout section (``with_default_rollout_is``)
@@ -90,6 +90,22 @@ class PolicyLossConfig:
     unless tis_cap or old_logprob_source: rollout already decide the weighting, else none."""
     rollout_is_cap: float = 2.0
     """Cap of the rollout_is weight (> 0)."""
+    policy_loss: str = "ppo"
+    """The per-token objective (docs/algorithm.md, "The field's objectives"): ppo (the clipped
+    surrogate with dual clip; HAPO's adaptive clip and redistribution act on it), gspo (sequence
+    ratio exp(mean token log-ratio), clipped at 1 -/+ clip_ratio_low/high), gmpo (geometric mean of
+    the token ratios clipped in log space at -clip_ratio_low/+clip_ratio_high), cispo (REINFORCE
+    weighted by the detached clipped ratio), sapo (a sigmoid gate of the ratio instead of the clip)."""
+    sapo_tau_pos: float = 1.0
+    """SAPO: temperature (> 0) of the gate sigmoid(tau (rho - 1)) * 4 / tau for tokens with A > 0."""
+    sapo_tau_neg: float = 1.05
+    """SAPO: temperature (> 0) of the gate for tokens with A <= 0."""
+    forking_tokens: bool = False
+    """Train only the forking tokens ("Beyond the 80/20 Rule", arXiv 2506.01939): the loss of a token
+    counts only if its old entropy is in the top forking_rho of the step batch (all ranks, exact);
+    the normaliser still counts every valid token."""
+    forking_rho: float = 0.2
+    """Share of the step batch's valid tokens, by entropy from the top, that forking_tokens trains, in (0, 1]."""
 
     def __post_init__(self) -> None:
         for name in ("adaptive_clip", "adaptive_advantage"):
@@ -111,11 +127,35 @@ class PolicyLossConfig:
             _finite_min("tis_cap", self.tis_cap, 0.0, strict=True)
         _choice("rollout_is", self.rollout_is, (ROLLOUT_IS_AUTO,) + ROLLOUT_IS_MODES)
         _finite_min("rollout_is_cap", self.rollout_is_cap, 0.0, strict=True)
+        self._check_objective()
         if self.rollout_is not in ("none", ROLLOUT_IS_AUTO) and self.tis_cap is not None:
             raise ValueError("tis_cap and rollout_is both weight the loss by the rollout log-probs; set one")
         if self.rollout_is not in ("none", ROLLOUT_IS_AUTO) and self.old_logprob_source != "recompute":
             raise ValueError(f"rollout_is={self.rollout_is} compares the recomputed (proximal) log-probs with "
                              "the rollout's: it needs old_logprob_source=recompute")
+
+    def _check_objective(self) -> None:
+        """The objective's knobs, and the combinations that mean nothing (docs/algorithm.md)."""
+        _choice("policy_loss", self.policy_loss, POLICY_LOSSES)
+        for name in ("sapo_tau_pos", "sapo_tau_neg"):
+            _finite_min(name, getattr(self, name), 0.0, strict=True)
+        _flag("forking_tokens", self.forking_tokens)
+        _finite("forking_rho", self.forking_rho)
+        if not 0 < self.forking_rho <= 1:
+            raise ValueError(f"forking_rho must be in (0, 1], got {self.forking_rho!r}")
+        pl = self.policy_loss
+        if pl in SEQUENCE_RATIO_LOSSES and self.loss_agg_mode != "seq-mean-token-mean":
+            raise ValueError(f"policy_loss={pl} is a mean over sequences of a sequence-level term: it needs "
+                             f"loss_agg_mode=seq-mean-token-mean, got loss_agg_mode={self.loss_agg_mode}")
+        if pl not in ("ppo", "cispo"):
+            for name in ("adaptive_clip", "adaptive_advantage"):
+                if getattr(self, name):
+                    why = "has no clip range" if pl == "sapo" else "clips one ratio per sequence"
+                    raise ValueError(f"{name}=true adapts a token's clip range by its entropy, but "
+                                     f"policy_loss={pl} {why}: set one of them")
+        if self.forking_tokens and pl in SEQUENCE_RATIO_LOSSES:
+            raise ValueError(f"forking_tokens=true selects tokens, but policy_loss={pl} weighs a whole "
+                             "sequence by one ratio: set one of them")
 
     @property
     def needs_h_hat(self) -> bool:

@@ -40,10 +40,13 @@ from hapo_megatron.algo import (
     EntropyStats,
     PolicyLossConfig,
     PolicyTokenFields,
+    SEQUENCE_RATIO_LOSSES,
     compute_entropy_stats,
+    forking_select,
     hapo_policy_loss,
     normalize_entropy,
     sequence_log_ratio,
+    sequence_ratio_terms,
 )
 from hapo_megatron.parallel.linear import HiddenStates, logprobs_entropy_from_hidden
 from hapo_megatron.parallel.micro_batch import MicroBatch
@@ -140,6 +143,32 @@ def _seq_is_log_ratio(cfg: PolicyLossConfig, t: dict, cp_group) -> Optional[torc
     return sums
 
 
+def _seq_ratio_terms_sum(cfg: PolicyLossConfig, t: dict, cp_group) -> Optional[torch.Tensor]:
+    """GSPO / GMPO: each sequence's sum of its per-token log-ratio terms ``[b]`` over all its valid
+    tokens, summed over the CP ranks that hold its chunks (detached: the gradient of each token
+    flows through its own log-prob, docs/algorithm.md, "The field's objectives")."""
+    if cfg.policy_loss not in SEQUENCE_RATIO_LOSSES:
+        return None
+    terms = sequence_ratio_terms(cfg.policy_loss, t["logprobs"], t["old"], t["adv"], t["valid"],
+                                 float(cfg.clip_ratio_low), float(cfg.clip_ratio_high))
+    sums = terms.sum(dim=-1)
+    if _cp_size(cp_group) > 1:
+        dist.all_reduce(sums, group=cp_group)
+    return sums
+
+
+def _forking_select(cfg: PolicyLossConfig, batch: MicroBatch, valid, threshold: Optional[float]):
+    """The forking tokens of this micro-batch ``[b, s]`` (None when ``forking_tokens`` is off)."""
+    if not cfg.forking_tokens:
+        return None
+    if batch.old_entropy is None:
+        raise ValueError("batch.old_entropy is required with forking_tokens (the selection's entropy)")
+    if threshold is None and bool(valid.any()):
+        raise ValueError("forking_threshold is required with forking_tokens (from "
+                         "parallel.stats.global_forking_threshold over the step batch)")
+    return forking_select(batch.old_entropy, valid, threshold)
+
+
 TokenSink = Callable[[PolicyTokenFields], None]
 
 
@@ -148,7 +177,8 @@ def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: PolicyLossC
                           temperature: Union[float, torch.Tensor],
                           on_token_fields: Optional[TokenSink] = None,
                           loss_scale_factor: Optional[float] = None,
-                          logprob_chunk_size: Optional[int] = DEFAULT_LOGPROB_CHUNK):
+                          logprob_chunk_size: Optional[int] = DEFAULT_LOGPROB_CHUNK,
+                          forking_threshold: Optional[float] = None):
     """HAPO loss of one micro-batch as `(loss_sum, num_tokens, metrics)` for Megatron.
 
     Args:
@@ -167,6 +197,9 @@ def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: PolicyLossC
             sequence length of the batch).
         logprob_chunk_size: tokens per chunk of the fused log-prob/entropy (None = no chunking);
             its peak extra memory is about `2 * chunk * V/tp * 4` bytes.
+        forking_threshold: with `forking_tokens`, the step batch's log-entropy threshold
+            (`parallel.stats.global_forking_threshold` of the old entropies; None only when no
+            token of the step is valid).
 
     Returns:
         `loss_sum` (0-dim float32, differentiable), `num_tokens` (0-dim int32, see the module
@@ -191,7 +224,9 @@ def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: PolicyLossC
     h_hat, _ = _h_hat(cfg, stats, batch, entropy, valid)
     per_token = dict(logprobs=logprobs, old=batch.old_logprobs, adv=batch.advantages, valid=valid,
                      h_hat=h_hat, entropy=entropy, ref=batch.ref_logprobs, rollout=batch.rollout_logprobs,
-                     proximal=batch.proximal_logprobs if rollout_is != "none" else None)
+                     proximal=batch.proximal_logprobs if rollout_is != "none" else None,
+                     select=_forking_select(cfg, batch, valid, forking_threshold),
+                     select_entropy=batch.old_entropy if cfg.forking_tokens else None)
     layout = batch.sequence_layout()
     if layout is not None:  # one row per sequence: the seq-mean modes count sequences, not rows
         per_token = {k: None if v is None else layout.to_rows(v) for k, v in per_token.items()}
@@ -209,7 +244,8 @@ def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: PolicyLossC
         loss_scale_factor=horizon, seq_token_counts=lengths, num_seqs=float(n_seq),
         entropy=t["entropy"], ref_logprobs=t["ref"], rollout_logprobs=t["rollout"],
         proximal_logprobs=t["proximal"], seq_is_log_ratio=_seq_is_log_ratio(cfg, t, cp_group),
-        return_token_fields=True)
+        seq_ratio_terms_sum=_seq_ratio_terms_sum(cfg, t, cp_group), token_select=t["select"],
+        select_entropy=t["select_entropy"], return_token_fields=True)
     if layout is not None:
         token_fields = token_fields.apply(layout.to_packed)
     if on_token_fields is not None:

@@ -413,8 +413,21 @@ def _routing_mismatch(rt: Runtime) -> Optional[float]:
     return tot["differing"] / tot["compared"] if tot["compared"] else None
 
 
-def policy_loss_factory(rt: Runtime, stats: EntropyStats,
-                        on_token_fields: Optional[TokenSink] = None) -> LossFactory:
+def forking_threshold(rt: Runtime, minis: Minis) -> Optional[float]:
+    """``algo.forking_tokens``: the step batch's log-entropy threshold of the forking tokens, exact
+    over every rank (docs/algorithm.md, "Forking tokens"; collective over the last stage's DP
+    group, where the loss runs and every CP rank holds whole sequences, as for the statistics)."""
+    if not rt.cfg.algo.loss.forking_tokens or not rt.groups.is_pipeline_last:
+        return None
+    from hapo_megatron.parallel.stats import global_forking_threshold
+    flat, dev = _flat(minis), rt.actor.device
+    ent = torch.cat([mb.old_entropy.reshape(-1) for mb in flat]).to(dev)
+    mask = torch.cat([mb.loss_mask.reshape(-1) for mb in flat]).to(dev)
+    return global_forking_threshold(ent, mask, group=rt.groups.dp, rho=rt.cfg.algo.loss.forking_rho)
+
+
+def policy_loss_factory(rt: Runtime, stats: EntropyStats, on_token_fields: Optional[TokenSink] = None,
+                        forking_threshold: Optional[float] = None) -> LossFactory:
     """``make_loss(mb)`` for `MegatronActor.train_step` with the HAPO loss of `parallel.loss`;
     ``on_token_fields`` receives each micro-batch's `PolicyTokenFields` (this rank's CP shard)."""
     from hapo_megatron.parallel.loss import make_loss_func
@@ -424,7 +437,8 @@ def policy_loss_factory(rt: Runtime, stats: EntropyStats,
     return lambda mb: make_loss_func(mb, cfg=rt.cfg.algo.loss, stats=stats, tp_group=g.tp,
                                      cp_group=g.cp if g.cp_size > 1 else None,
                                      temperature=rt.cfg.rollout.temperature, on_token_fields=on_token_fields,
-                                     loss_scale_factor=float(rt.cfg.rollout.max_response_length))
+                                     loss_scale_factor=float(rt.cfg.rollout.max_response_length),
+                                     forking_threshold=forking_threshold)
 
 
 def ppo_update(rt: Runtime, minis: Minis, stats: EntropyStats) -> tuple[Minis, dict[str, float]]:
@@ -434,7 +448,8 @@ def ppo_update(rt: Runtime, minis: Minis, stats: EntropyStats) -> tuple[Minis, d
     metrics."""
     from hapo_megatron.algo import finalize_loss_metrics
     recorded: list[PolicyTokenFields] = []
-    make_loss = policy_loss_factory(rt, stats, on_token_fields=recorded.append)
+    make_loss = policy_loss_factory(rt, stats, on_token_fields=recorded.append,
+                                    forking_threshold=forking_threshold(rt, minis))
     sums: dict[str, float] = {}
     norms, skipped, lr = [], 0, 0.0
     for _ in range(rt.cfg.trainer.ppo_epochs):
