@@ -205,6 +205,8 @@ OBJECTIVE_PRESETS = {
     "sapo": ("grpo", {"policy_loss": "sapo", "loss_agg_mode": "seq-mean-token-mean"}),
     "dr-grpo": ("grpo", {"norm_adv_by_std": False, "loss_agg_mode": "seq-mean-token-sum-norm"}),
     "forking-tokens": ("dapo", {"forking_tokens": True}),
+    "clip-cov": ("grpo", {"policy_loss": "clip_cov"}),
+    "kl-cov": ("grpo", {"policy_loss": "kl_cov"}),
 }
 
 

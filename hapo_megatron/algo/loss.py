@@ -36,6 +36,7 @@ loss/seq_ratio_mean (GSPO/GMPO)        loss/seq_ratio_sum                     lo
 loss/seq_ratio_abs_dev (|s - 1|)       loss/seq_ratio_abs_dev_sum             loss/num_seqs
 loss/selected_frac (forking tokens)    loss/num_selected_tokens               loss/num_tokens
 loss/selected_entropy                  loss/selected_entropy_sum              loss/num_selected_tokens
+loss/cov_selected_frac (Clip/KL-Cov)   loss/num_cov_selected_tokens           loss/num_tokens
 loss/unselected_entropy                loss/unselected_entropy_sum            loss/num_unselected_tokens
 =====================================  =====================================  ==========================
 
@@ -59,10 +60,11 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
-from hapo_megatron.algo.choices import KL_LOSS_TYPES, LOSS_AGG_MODES, SEQUENCE_RATIO_LOSSES
+from hapo_megatron.algo.choices import COV_LOSSES, KL_LOSS_TYPES, LOSS_AGG_MODES, SEQUENCE_RATIO_LOSSES
 from hapo_megatron.algo.clipping import adaptive_clip_ranges, check_nonneg
 from hapo_megatron.algo.redistribution import redistribute_advantages
 from hapo_megatron.algo.loss_config import PolicyLossConfig
+from hapo_megatron.algo.cov import cov_selection, kl_cov_token_losses
 from hapo_megatron.algo.forking import selection_metrics
 from hapo_megatron.algo.objectives import objective_token_losses, sequence_ratio_metrics, sequence_ratio_terms
 from hapo_megatron.algo.rollout_is import behaviour_log_ratio, rollout_is_weights
@@ -95,11 +97,12 @@ LOSS_METRIC_MEANS: Dict[str, Tuple[str, str]] = {
     "loss/seq_ratio_mean": ("loss/seq_ratio_sum", "loss/num_seqs"),
     "loss/seq_ratio_abs_dev": ("loss/seq_ratio_abs_dev_sum", "loss/num_seqs"),
     "loss/selected_frac": ("loss/num_selected_tokens", "loss/num_tokens"),
+    "loss/cov_selected_frac": ("loss/num_cov_selected_tokens", "loss/num_tokens"),
     "loss/selected_entropy": ("loss/selected_entropy_sum", "loss/num_selected_tokens"),
     "loss/unselected_entropy": ("loss/unselected_entropy_sum", "loss/num_unselected_tokens"),
 }
 LOSS_METRIC_COUNTS = ("loss/num_tokens", "loss/num_seqs", "loss/num_high_entropy_tokens", "loss/num_low_entropy_tokens",
-                      "loss/num_selected_tokens", "loss/num_unselected_tokens")
+                      "loss/num_selected_tokens", "loss/num_unselected_tokens", "loss/num_cov_selected_tokens")
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,7 @@ def _check_tensor(name: str, t, shape) -> None:
 
 
 def _policy_token_losses(logprobs, old_logprobs, advantages, valid, h_hat, cfg: PolicyLossConfig,
-                         seq_terms_sum=None, seq_lengths=None):
+                         seq_terms_sum=None, seq_lengths=None, kl_select=None):
     """Per-token loss ``[B, T]`` of ``cfg.policy_loss`` (0 on padding) and detached intermediates."""
     zero = torch.zeros((), device=logprobs.device)
     log_ratio = logprobs.to(torch.float32) - old_logprobs.detach().to(torch.float32)
@@ -258,7 +261,9 @@ def _policy_token_losses(logprobs, old_logprobs, advantages, valid, h_hat, cfg: 
     if cfg.adaptive_advantage:
         adv_p = redistribute_advantages(adv, h_hat.detach(), ratio.detach(), low, high, cfg.adv_beta)
         adv_p = torch.where(valid, adv_p, zero)
-    if cfg.policy_loss != "ppo":
+    if cfg.policy_loss == "kl_cov":
+        return kl_cov_token_losses(logprobs, old_logprobs, adv, valid, kl_select, cfg.kl_cov_coef)
+    if cfg.policy_loss not in ("ppo", "clip_cov"):
         loss, aux = objective_token_losses(cfg, logprobs, old_logprobs, adv_p, valid, low, high,
                                            seq_terms_sum=seq_terms_sum, seq_lengths=seq_lengths)
         aux["adv"] = adv  # before redistribution (CISPO composes with it)
@@ -376,6 +381,8 @@ def hapo_policy_loss(
     seq_ratio_terms_sum: Optional[torch.Tensor] = None,
     token_select: Optional[torch.Tensor] = None,
     select_entropy: Optional[torch.Tensor] = None,
+    cov_select: Optional[torch.Tensor] = None,
+    cov_keys: Optional[torch.Tensor] = None,
     return_token_fields: bool = False,
 ):
     """HAPO policy loss (docs/algorithm.md, "Policy loss") as ``(loss_sum, normalizer, metrics)``.
@@ -415,6 +422,10 @@ def hapo_policy_loss(
         token_select: ``[B, T]`` bool, the tokens whose policy-gradient term counts (``forking_tokens``;
             required with it); the others still count in the normaliser.
         select_entropy: ``[B, T]`` the entropy the selection was made by (for the metrics only).
+        cov_select: ``[B, T]`` bool, Clip-Cov's / KL-Cov's tokens (``cov_scope: step``, required
+            there: ``algo.cov.select_with_stats`` of the step's statistics).
+        cov_keys: ``[B, T]`` the tokens' random keys (``cov_scope: micro_batch``, required there;
+            ``algo.cov.position_keys``): the selection is made here, over this call's tokens.
 
     Returns:
         ``loss_sum`` (0-dim float32, differentiable), ``normalizer`` (0-dim float32; 0 when nothing
@@ -445,9 +456,16 @@ def hapo_policy_loss(
                 float(cfg.clip_ratio_low), float(cfg.clip_ratio_high)).sum(-1)
         lens = valid.sum(-1).float() if seq_lengths is None else seq_lengths
         seq_log_ratio = seq_ratio_terms_sum.detach().float() / lens.clamp_min(1.0)
+    cov_on = cfg.policy_loss in COV_LOSSES
+    if cov_on:
+        cov_select = cov_selection(cfg, advantages, logprobs, valid, cov_select, cov_keys, clipped=None)
     pg_mat, aux = _policy_token_losses(
-        logprobs, old_logprobs, advantages, valid, h_hat, cfg, seq_ratio_terms_sum, seq_lengths)
+        logprobs, old_logprobs, advantages, valid, h_hat, cfg, seq_ratio_terms_sum, seq_lengths, kl_select=cov_select)
     zero = torch.zeros((), device=logprobs.device)
+    if cov_on and cfg.policy_loss == "clip_cov":
+        cov_select = cov_selection(cfg, advantages, logprobs, valid, cov_select, cov_keys,
+                                   clipped=aux["clip_low"] | aux["clip_high"])
+        pg_mat = torch.where(cov_select, zero, pg_mat)
     if token_select is not None:
         pg_mat = torch.where(token_select.detach().bool(), pg_mat, zero)
     tis_w = None
@@ -478,6 +496,8 @@ def hapo_policy_loss(
         metrics.update(sequence_ratio_metrics(seq_log_ratio, counted))
     if token_select is not None:
         metrics.update(selection_metrics(valid, token_select.detach().bool(), select_entropy))
+    if cov_on:
+        metrics["loss/num_cov_selected_tokens"] = cov_select.sum().to(torch.float64)
     if not return_token_fields:
         return loss_sum, normalizer, metrics
     fields = PolicyTokenFields(ratio=aux["ratio"], adv_after=aux["adv_p"].detach(), clip_low=aux["clip_low"],

@@ -25,6 +25,8 @@ result does not depend on the dataclass defaults.
   the constant horizon rollout.max_response_length).
 - ``forking-tokens``: DAPO with the policy gradient on the top 20% of the step batch's tokens by
   entropy ("Beyond the 80/20 Rule").
+- ``clip-cov``, ``kl-cov``: GRPO settings with Clip-Cov / KL-Cov (arXiv 2505.22617) at verl's
+  defaults (ratio 2e-4, covariance bounds 1 / 5, KL coefficient 1), statistics over the step batch.
 """
 
 from __future__ import annotations
@@ -120,6 +122,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                                                                     "algo.sapo_tau_neg": 1.05}),
     "dr-grpo": _objective("ppo", 0.2, 0.2, "seq-mean-token-sum-norm", **{"algo.norm_adv_by_std": False}),
     "forking-tokens": {**DAPO, "algo.forking_tokens": True, "algo.forking_rho": 0.2},
+    # verl's defaults for the covariance methods (arXiv 2505.22617)
+    "clip-cov": _objective("clip_cov", 0.2, 0.2, "token-mean", **{
+        "algo.clip_cov_ratio": 2e-4, "algo.clip_cov_lb": 1.0, "algo.clip_cov_ub": 5.0, "algo.cov_scope": "step"}),
+    "kl-cov": _objective("kl_cov", 0.2, 0.2, "token-mean", **{
+        "algo.kl_cov_ratio": 2e-4, "algo.kl_cov_coef": 1.0, "algo.cov_scope": "step"}),
 }
 
 PRESET_DESCRIPTIONS: dict[str, str] = {
@@ -136,6 +143,8 @@ PRESET_DESCRIPTIONS: dict[str, str] = {
     "sapo": "SAPO: soft sigmoid gate of the ratio instead of the clip, tau 1.0/1.05",
     "dr-grpo": "Dr.GRPO: no std normalisation, token sums over the constant max response length",
     "forking-tokens": "DAPO trained on the top 20% highest-entropy tokens of the step batch (80/20 rule)",
+    "clip-cov": "Clip-Cov: 0.02% of tokens with covariance in (1, 5), chosen at random, lose their gradient",
+    "kl-cov": "KL-Cov: the 0.02% of tokens of largest covariance get a |logp - logp_old| penalty (coef 1)",
 }
 
 
