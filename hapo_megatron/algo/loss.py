@@ -36,8 +36,8 @@ loss/seq_ratio_mean (GSPO/GMPO)        loss/seq_ratio_sum                     lo
 loss/seq_ratio_abs_dev (|s - 1|)       loss/seq_ratio_abs_dev_sum             loss/num_seqs
 loss/selected_frac (forking tokens)    loss/num_selected_tokens               loss/num_tokens
 loss/selected_entropy                  loss/selected_entropy_sum              loss/num_selected_tokens
-loss/cov_selected_frac (Clip/KL-Cov)   loss/num_cov_selected_tokens           loss/num_tokens
 loss/unselected_entropy                loss/unselected_entropy_sum            loss/num_unselected_tokens
+loss/cov_selected_frac (Clip/KL-Cov)   loss/num_cov_selected_tokens           loss/num_tokens
 =====================================  =====================================  ==========================
 
 Counts (``loss/num_tokens``, ``loss/num_seqs``, ``loss/num_high_entropy_tokens``,
@@ -112,7 +112,9 @@ class PolicyTokenFields:
     padding) and which clip bound was active (bool, False on padding): ``clip_low`` (``A' < 0``,
     ``rho < 1 - eps_L_t``), ``clip_high`` (``A' > 0``, ``rho > 1 + eps_R_t``), ``clip_dual``
     (``A' < 0``, the dual-clip bound ``-A' c`` is the smaller). The ``loss/clipfrac_*_sum``
-    metrics are the sums of these flags: one computation, for the metrics and the diagnostics."""
+    metrics are the sums of these flags: one computation, for the metrics and the diagnostics.
+    With another ``policy_loss`` (docs/algorithm.md, "The field's objectives") ``ratio`` is the ratio
+    that objective clips (GSPO / GMPO: the sequence's) and the flags say where it clipped it."""
 
     ratio: torch.Tensor
     adv_after: torch.Tensor
