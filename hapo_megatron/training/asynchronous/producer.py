@@ -173,7 +173,7 @@ class AsyncRollout:
             idx, rows = row_requests(group, prompt, budget, seeds)
             for k, res in zip(idx, engine.generate_group(rows, params)):
                 group.rows[k].extend(res, version, budget)
-                if res.weight_versions:  # the servers' own account of each new token
+                if res.token_ids and res.weight_versions:  # the servers' own account of each new token
                     group.rows[k].versions[-len(res.token_ids):] = list(res.weight_versions)
             if group.complete:
                 return [group_samples(group, prompt)]
