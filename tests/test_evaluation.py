@@ -10,6 +10,7 @@ import pytest
 from hapo_megatron.training.benchmark_accuracy import (PromptResult, aggregate_results, avg_at_k,
                                                        default_k_values, evaluate, format_results_table,
                                                        generate_and_score, pass_at_k)
+from tests.rollout.standin_engine import StandInEngine
 
 
 def brute_pass_at_k(correct, k):
@@ -108,14 +109,14 @@ class CharTokenizer:
         return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 0))
 
 
-class FakeEngine:
+class FakeEngine(StandInEngine):
     """Returns canned responses per prompt (keyed by the prompt's text)."""
 
     def __init__(self, answers):
         self.answers = answers
         self.calls = []
 
-    def generate(self, prompt_ids, params):
+    def generate(self, prompt_ids, params, on_samples=None):
         self.calls.append((len(prompt_ids), params))
         out = []
         for i, ids in enumerate(prompt_ids):
@@ -125,9 +126,6 @@ class FakeEngine:
                                         finish_reason="stop" if t.endswith("}") else "length",
                                         prompt_index=i) for t in texts])
         return out
-
-    def update_weights(self, named_tensors):
-        pass
 
 
 class ListDataset:
@@ -248,13 +246,13 @@ def test_hapo_eval_cli_tiny_model(tiny_model_and_data, capsys):
     assert all(max(p["response_lengths"]) <= 4 for p in res["per_prompt"])
 
 
-class OracleEngine:
+class OracleEngine(StandInEngine):
     """Answers sample 0 correctly (from the prompt's expression), the others wrongly."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
 
-    def generate(self, prompt_ids, params):
+    def generate(self, prompt_ids, params, on_samples=None):
         import re
 
         from hapo_megatron.rollout.engine import Sample
@@ -273,9 +271,6 @@ class OracleEngine:
                                     finish_reason="stop", prompt_index=i, sample_index=j))
             out.append(group)
         return out
-
-    def shutdown(self):
-        pass
 
 
 def test_hapo_eval_cli_scores_with_real_reward(tiny_model_and_data, monkeypatch):

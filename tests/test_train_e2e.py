@@ -58,9 +58,12 @@ def test_cpu_example_runs_and_logs(full_run):
     for key in ("rollout/reward_mean", "rollout/acc", "entropy/mean", "entropy/pivot", "loss/pg_loss",
                 "loss/clipfrac_low", "loss/clipfrac_high", "rollout/logprob_abs_diff", "actor/lr",
                 "timing/rollout_s", "timing/update_s", "timing/sync_s", "perf/tokens_per_s",
+                "perf/tokens_per_s_per_gpu", "perf/model_tflops_per_gpu",
                 "timing/advantages_s", "timing/layout_s", "timing/old_logprob_s", "perf/token_efficiency",
                 "adv/abs_mean"):
         assert key in recs[-1], key
+    # per training GPU: the 2 ranks of this run share the step's tokens
+    assert math.isclose(recs[-1]["perf/tokens_per_s_per_gpu"], recs[-1]["perf/tokens_per_s"] / 2, rel_tol=1e-12)
     # the HF engine and the Megatron recompute hold the same fp32 weights: step 1 samples at T_base
     # (no entropy statistics yet), so their log-probs agree to rounding (two float32 forwards of
     # another layout: logits and log-sum-exp a few ulps apart, ~1e-6 of |log p| ~ 4.5; 1e-5 is the

@@ -166,8 +166,8 @@ class SGLangConfig(_Section):
     /pause_generation): retract (running requests go back to the queue, their KV cache is recomputed
     after), in_place (they stay, keeping their KV cache from the old weights; SGLang cannot flush its
     cache while they run, so the update keeps it: later requests may also reuse prompt prefixes
-    cached under older weights unless the servers run with --disable-radix-cache), abort (they end
-    and the producer sends them again)."""
+    cached under older weights unless the servers run with --disable-radix-cache), abort (they end;
+    each row resumes from its own tokens under the new weights, AReaL's interruptible generation)."""
 
     def _validate(self) -> None:
         p = self._path

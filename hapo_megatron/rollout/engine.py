@@ -217,9 +217,52 @@ class Sample:
         return len(self.temperatures) == len(self.response_ids)
 
 
+@dataclass(frozen=True)
+class RowRequest:
+    """One row of a `RolloutEngine.generate_group` call: its input (the prompt, or prompt + the
+    partial response to continue), its token budget and its sampling seed (None: the engine's own
+    randomness)."""
+
+    input_ids: tuple[int, ...]
+    max_new_tokens: int
+    seed: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class RowResult:
+    """What one row of a `RolloutEngine.generate_group` call returned: the new tokens, their
+    log-probs, and ``"stop"``, ``"length"`` or ``"abort"`` (`ABORT`: the tokens so far; none when
+    it never started); ``weight_versions``: the weight version of each new token when the engine
+    reports them (SGLang, updates tagged with ``weight_version``), else empty."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+    weight_versions: tuple[int, ...] = ()
+
+
+ABORT = "abort"
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the trainer needs from a rollout engine."""
+    """What the synchronous, asynchronous and over-sampling loops call on a rollout engine
+    (docs/architecture.md, "The engine protocol"). Every engine implements every member; where one
+    means nothing for an engine it is a documented no-op or a one-line refusal, never missing:
+    the loops never ask ``hasattr(engine, ...)`` (tests/rollout/test_engine_protocol.py checks
+    every engine class against this list, signatures included).
+
+    Declared attributes (capabilities the loops read):
+        dtype: the dtype the trainer exports the weights in for this engine (None: the actor's).
+        send_sampling_seed: whether `RowRequest.seed` / ``SamplingParams.seed`` reach the sampler
+            per row (a resumed row keeps its seed only then).
+        stop_check: set by the trainer for the time of a rollout; an engine that waits on servers
+            polls it and, when it answers True, aborts its requests and raises `GenerationAborted`.
+    """
+
+    dtype: Optional[torch.dtype]
+    send_sampling_seed: bool
+    stop_check: Optional[Callable[[], bool]]
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
                  on_samples: Optional[Callable[[list[Sample]], None]] = None) -> list[list[Sample]]:
@@ -230,8 +273,38 @@ class RolloutEngine(Protocol):
         the rest is generated (rewards.scoring)."""
         ...
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def generate_group(self, rows: Sequence[RowRequest], params: SamplingParams) -> list[RowResult]:
+        """One prompt group's rows in one call (over-sampling, docs/algorithm.md "Over-sampling and
+        partial rollouts"): each row with its own input, budget and seed (``params`` gives the rest
+        of the sampling); a row that `abort_requests` ends returns its tokens so far with finish
+        reason `ABORT`. Safe to call from many threads at once."""
+        ...
+
+    def abort_requests(self) -> None:
+        """End every request in flight (their calls return what they have); best effort."""
+        ...
+
+    def pause_generation(self, mode: str = "retract") -> None:
+        """Pause generation for a weight update (asynchronous rollouts; ``mode``: SGLang's
+        ``retract``, ``in_place`` or ``abort``)."""
+        ...
+
+    def continue_generation(self) -> None:
+        """Undo :meth:`pause_generation`."""
+        ...
+
+    def spread_calls(self, enabled: bool = True) -> None:
+        """With ``enabled``, successive generate calls start on successive servers (asynchronous
+        rollouts send one small call per group from many threads); off: each call's chunks are
+        spread from the first server, the synchronous loop's order."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                       weight_version: Optional[int] = None, flush_cache: bool = True) -> None:
         """Load HF-named full tensors (``export_hf_weights`` output) into the engine's model.
+        ``weight_version``: the version the samples generated from now on report per token
+        (`Sample.weight_versions`); ``flush_cache=False`` keeps the KV cache of requests paused in
+        place.
 
         Contract: reads ``named_tensors`` to the end on every rank that calls it, also when the
         update fails (then it raises after reading). The export behind the iterator runs
@@ -247,6 +320,15 @@ class RolloutEngine(Protocol):
 
     def resume_memory(self, tags: Optional[Sequence[str]] = None) -> None:
         """Undo :meth:`release_memory` of ``tags`` (None = all) before an update / generation."""
+        ...
+
+    def fault_metrics(self) -> dict[str, float]:
+        """Metrics of the faults handled so far (``rollout/server_restarts``, ...); {} when none
+        can happen."""
+        ...
+
+    def check_health(self) -> None:
+        """Raise when the engine cannot generate (a dead server in use)."""
         ...
 
     def shutdown(self) -> None:
@@ -283,5 +365,5 @@ class GenerationAborted(RuntimeError):
     in-flight requests were aborted and no sample is returned (training/stages.py abandons the step)."""
 
 
-__all__ = ["GenerationAborted", "FINISH_REASONS", "Sample", "SamplingParams", "RolloutEngine", "check_prompt_ids",
-           "drain_weights"]
+__all__ = ["ABORT", "GenerationAborted", "FINISH_REASONS", "RowRequest", "RowResult", "Sample", "SamplingParams",
+           "RolloutEngine", "check_prompt_ids", "drain_weights"]

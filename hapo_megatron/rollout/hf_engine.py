@@ -16,6 +16,7 @@ Greedy (``temperature == 0``): argmax of ``z``, log-prob ``log_softmax(z)``, tem
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -23,7 +24,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from hapo_megatron.algo import adaptive_temperature
-from hapo_megatron.rollout.engine import Sample, SamplingParams, check_prompt_ids
+from hapo_megatron.rollout.engine import RowRequest, RowResult, Sample, SamplingParams, check_prompt_ids
 
 # An MoE expert weight as exported (`mlp.experts.{e}.{gate,up,down}_proj.weight`).
 _PER_EXPERT_NAME = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
@@ -184,6 +185,11 @@ class HFRolloutEngine:
         self.max_batch_size = int(max_batch_size)
         self.tokenizer = tokenizer
         self.model = self._load_model(hf_config_or_path, attn_implementation)
+        # transformers >= 5.24 names the KV cache `cache` (input and output) and warns at every run
+        # on the older `past_key_values`, which earlier releases alone accept: ask the model which
+        # (docs/troubleshooting.md, "Warnings")
+        self._cache_name = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
+            else "past_key_values"
         gen_cfg = getattr(self.model, "generation_config", None)
         self.eos_token_ids = _eos_ids(getattr(tokenizer, "eos_token_id", None),
                                       getattr(gen_cfg, "eos_token_id", None),
@@ -193,6 +199,11 @@ class HFRolloutEngine:
             pad = getattr(self.model.config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
         self._released = False
+        self._weight_version: Optional[int] = None  # reported per token once an update names one
+        # the loop's stop check: not polled (generation runs in the caller's thread and the
+        # synchronous loop asks it between rounds); every seed comes from SamplingParams.seed
+        self.stop_check: Optional[Callable[[], bool]] = None
+        self.send_sampling_seed = False
 
     def _load_model(self, src: Any, attn_implementation: Optional[str]) -> torch.nn.Module:
         import transformers
@@ -240,13 +251,46 @@ class HFRolloutEngine:
             results = self._decode([prompts[p] for p, _ in chunk], params, gen)
             done = [Sample(prompt_ids=list(prompts[p]), response_ids=resp, rollout_logprobs=logps,
                            temperatures=temps, finish_reason=reason, prompt_index=p, sample_index=k,
-                           routed_experts=routes)
+                           routed_experts=routes, weight_versions=self._versions(len(resp)))
                     for (p, k), (resp, logps, temps, reason, routes) in zip(chunk, results)]
             for smp in done:
                 out[smp.prompt_index].append(smp)
             if on_samples is not None:
                 on_samples(done)
         return out
+
+    def _versions(self, num_tokens: int) -> Optional[list[int]]:
+        return None if self._weight_version is None else [self._weight_version] * num_tokens
+
+    def generate_group(self, rows: Sequence[RowRequest], params: SamplingParams) -> list[RowResult]:
+        """Refused: over-sampling aborts and resumes server requests (config validation refuses it)."""
+        raise NotImplementedError("HFRolloutEngine has no per-group abortable generation: over-sampling needs "
+                                  "rollout.engine=sglang")
+
+    def abort_requests(self) -> None:
+        """No-op: nothing runs outside a `generate` call, which returns in the caller's thread."""
+
+    def pause_generation(self, mode: str = "retract") -> None:
+        """Refused: asynchronous rollouts need servers of their own (config validation refuses them)."""
+        raise NotImplementedError("HFRolloutEngine cannot generate beside a weight update: asynchronous rollouts "
+                                  "need rollout.engine=sglang")
+
+    def continue_generation(self) -> None:
+        """Refused, as :meth:`pause_generation`."""
+        raise NotImplementedError("HFRolloutEngine cannot generate beside a weight update: asynchronous rollouts "
+                                  "need rollout.engine=sglang")
+
+    def spread_calls(self, enabled: bool = True) -> None:
+        """No-op: one model in this process, nothing to spread calls over."""
+
+    def fault_metrics(self) -> dict[str, float]:
+        """{}: an in-process model has no server to lose."""
+        return {}
+
+    def check_health(self) -> None:
+        """Raise when the model is gone (after :meth:`shutdown`)."""
+        if self.model is None:
+            raise RuntimeError("HFRolloutEngine was shut down")
 
     def _prefill_inputs(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Left-padded ``input_ids``, ``attention_mask`` and ``position_ids``, each ``[B, L]``."""
@@ -280,9 +324,8 @@ class HFRolloutEngine:
         from transformers import DynamicCache
 
         ids, mask, pos = self._prefill_inputs(prompts)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         past_key_values=DynamicCache(config=self.model.config), use_cache=True,
-                         logits_to_keep=1)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                         **{self._cache_name: DynamicCache(config=self.model.config)})
         if recorder is not None:
             recorder.end_call(*ids.shape)
         next_pos = pos[:, -1] + 1
@@ -311,8 +354,8 @@ class HFRolloutEngine:
             # finished rows keep decoding a dummy token: simpler than pruning the cache
             mask = torch.cat([mask, mask.new_ones((n_rows, 1))], dim=1)
             out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask,
-                             position_ids=next_pos.unsqueeze(-1), past_key_values=out.past_key_values,
-                             use_cache=True)
+                             position_ids=next_pos.unsqueeze(-1), use_cache=True,
+                             **{self._cache_name: getattr(out, self._cache_name)})
             if recorder is not None:
                 recorder.end_call(n_rows, 1)
             next_pos = next_pos + 1
@@ -328,8 +371,11 @@ class HFRolloutEngine:
         return {n: names for names in by_ptr.values() for n in names}
 
     @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                       weight_version: Optional[int] = None, flush_cache: bool = True) -> None:
         """Copy HF-named full tensors into the model in place (dtype/device converted).
+        ``weight_version``: reported per token by the samples generated after it
+        (`Sample.weight_versions`); ``flush_cache``: nothing to flush (no cache between calls).
 
         All tensors are checked before anything is copied, so a bad update leaves the model
         unchanged. Raises ``ValueError`` listing unknown names, shape mismatches, duplicates and
@@ -364,6 +410,7 @@ class HFRolloutEngine:
                 f"  missing model tensors ({len(missing)}): {missing[:20]}")
         for name, t in items:
             sd[name].copy_(t.detach())
+        self._weight_version = None if weight_version is None else int(weight_version)
 
     def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
         """On CUDA, move the model to the CPU and empty the cache; a no-op on CPU. The model is

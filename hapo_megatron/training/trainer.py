@@ -13,6 +13,7 @@ from typing import Any, Optional
 from hapo_megatron.config import HapoConfig
 from hapo_megatron.training import stages
 from hapo_megatron.training.metrics.diagnostics import token_diagnostics
+from hapo_megatron.training.metrics.perf import ModelFlops, step_perf_metrics
 from hapo_megatron.training.metrics.sinks import read_jsonl
 from hapo_megatron.training.checkpointing.checkpoint import step_dir_name
 from hapo_megatron.training.checkpointing.preemption import (RunStopped, StopRequest, cpu_group_over_world,
@@ -67,6 +68,7 @@ def _fit(cfg: HapoConfig, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
     if cfg.trainer.val_before_train and rl.step == 0:
         start_eval = stages.evaluate(rt, 0)
         rt.logger.log(0, start_eval, advance=False)
+    flops = ModelFlops.of(rt.hf_config)  # the update's model FLOPs (perf/model_tflops_per_gpu)
     for step in range(rl.step + 1, cfg.trainer.total_steps + 1):
         _stop_if_agreed(rt, stop)
         before = rt.snapshot()
@@ -105,8 +107,12 @@ def _fit(cfg: HapoConfig, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
                 metrics.update(stages.evaluate(rt, step))
         tokens = int(batch.meta.num_tokens.sum())
         elapsed = time.time() - t_step
-        metrics.update({**timer.pop(), **rt.data_metrics(), "perf/step_time_s": elapsed,
+        timings = timer.pop()
+        metrics.update({**timings, **rt.data_metrics(), "perf/step_time_s": elapsed,
                         "perf/tokens_per_s": tokens / max(elapsed, 1e-9),
+                        **step_perf_metrics(flops, batch.meta.num_tokens, step_s=elapsed,
+                                            update_s=timings["timing/update_s"], num_gpus=rt.world_size,
+                                            epochs=cfg.trainer.ppo_epochs),
                         "actor/consecutive_skips": float(rl.consecutive_skips)})
         rt.logger.log(step, metrics)
         _check_skips(rt)

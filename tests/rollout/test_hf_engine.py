@@ -272,3 +272,22 @@ def test_on_samples_gets_each_batch_as_it_finishes(engine):
     assert [(s.prompt_index, s.sample_index) for c in chunks for s in c] == \
         [(p, k) for p in range(len(PROMPTS)) for k in range(3)]
     assert [s for c in chunks for s in c] == [s for g in out for s in g]
+
+
+def test_generation_logs_no_deprecation_of_transformers():
+    """The KV cache goes by the name the installed transformers takes (docs/troubleshooting.md,
+    "Warnings"): no deprecation notice in the run's log."""
+    import logging
+
+    logging.Logger.warning_once.cache_clear()  # a notice logged earlier in this process would hide one now
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        make().generate([[3, 4, 5]], SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4,
+                                                    seed=1))
+    finally:
+        logger.removeHandler(handler)
+    assert not [r.getMessage() for r in records if "deprecated" in r.getMessage()]

@@ -23,6 +23,8 @@ from hapo_megatron.training import partial_rollouts
 from hapo_megatron.training.batches.micro_batches import collate
 from hapo_megatron.training.batches.rollout_share import RankBatch
 from hapo_megatron.training.partial_rollouts import PartialPool
+from hapo_megatron.rollout.sglang.requests import group_payload, parse_row
+from tests.rollout.standin_engine import StandInEngine
 from tests.tools._load import load_tool
 
 B, N, MAX_LEN, CHUNK = 2, 3, 16, 6  # groups per batch, rows per group, token budget, tokens per round
@@ -48,8 +50,8 @@ def expected_response(ids, seed: int) -> list[int]:
     return [token(seed, j) for j in range(min(full_length(ids, seed), MAX_LEN))]
 
 
-class ScriptedServers:
-    """``engine.supervisor.request`` / ``engine.abort_requests`` of one round: the calls wait until
+class ScriptedServers(StandInEngine):
+    """``engine.generate_group`` / ``engine.abort_requests`` of one round: the calls wait until
     all of the round have arrived; a row with at most CHUNK tokens left finishes; a call with a
     longer row waits for the round's outcome: an abort (then such rows return CHUNK tokens, finish
     reason abort), or, when the round's other calls are done and nobody aborted, every row finishes.
@@ -59,7 +61,6 @@ class ScriptedServers:
     send_sampling_seed = True
 
     def __init__(self):
-        self.supervisor = self
         self.cond = threading.Condition()
         self.aborts = 0
         self.expected = self.arrived = self.short_calls = self.short_done = 0
@@ -93,7 +94,12 @@ class ScriptedServers:
         reason = "stop" if full_length(ids[:3], seed) - pos <= int(sp["max_new_tokens"]) else "length"
         return [token(seed, pos + j) for j in range(left)], [-0.01 * (pos + j + 1) for j in range(left)], reason
 
-    def request(self, key, path, body, rows):
+    def generate_group(self, rows, params):
+        """The group's body as the SGLang engine sends it, answered as the script says, parsed as
+        the SGLang engine parses it."""
+        return [parse_row(item) for item in self._answer(group_payload(rows, params))]
+
+    def _answer(self, body):
         plans = [self._plan(ids, sp) for ids, sp in zip(body["input_ids"], body["sampling_params"])]
         long = any(len(t) > CHUNK for t, _, _ in plans)
         with self.cond:
@@ -261,6 +267,20 @@ def test_exact_resume_with_partials_in_the_pool(scripted):
         assert timeless[0] == timeless[1]
 
 
+class SyncOnly(StandInEngine):
+    """Whole groups from `generate` (a call counted in ``log``); `generate_group` refuses."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def generate(self, prompt_ids, params, on_samples=None):
+        from hapo_megatron.rollout.engine import Sample
+        self.log.append(1)
+        return [[Sample(prompt_ids=p, response_ids=[5, 6], rollout_logprobs=[-1.0, -1.0], temperatures=[],
+                        finish_reason="stop", prompt_index=i, sample_index=k) for k in range(params.n)]
+                for i, p in enumerate(prompt_ids)]
+
+
 def test_over_sampling_off_is_the_synchronous_rollout(monkeypatch):
     rt = _rt(over_sampling=1.0)
 
@@ -268,10 +288,7 @@ def test_over_sampling_off_is_the_synchronous_rollout(monkeypatch):
         raise AssertionError("over-sampling off must not reach partial_rollouts")
     monkeypatch.setattr(partial_rollouts, "rollout_rank0", refuse)
     calls = []
-    rt.engine = type("E", (), {"generate": lambda self, prompts, params, on_samples=None: calls.append(1) or [
-        [__import__("hapo_megatron.rollout.engine", fromlist=["Sample"]).Sample(
-            prompt_ids=p, response_ids=[5, 6], rollout_logprobs=[-1.0, -1.0], temperatures=[], finish_reason="stop",
-            prompt_index=i, sample_index=k) for k in range(params.n)] for i, p in enumerate(prompts)]})()
+    rt.engine = SyncOnly(calls)
     got = _steps(rt, 1, 2)
     assert calls and "partial_rollouts" not in rt.rl.state_dict()
     assert not any(k in got[0]["metrics"] for k in ("rollout/aborted", "rollout/resumed"))
@@ -300,3 +317,58 @@ def test_config_correct_turns_the_correction_on():
     masked = load_config(overrides=SGLANG + ["rollout.over_sampling=1.5", "rollout.partial_mode=mask_prefix"])
     assert masked.algo.loss.rollout_is == "none"
     assert load_config(overrides=SGLANG).algo.loss.rollout_is == "none"  # over-sampling off: as before
+
+
+EOS, OTHER_STOP = 2, 1
+PROMPT_LEN = 3  # the bench's prompts: [1, a, b]
+
+
+class AbortedAtTheEnd(StandInEngine):
+    """A stand-in server whose every call comes back aborted; row 0 of each group in the decode
+    step that sampled the EOS (the EOS its last token, as SGLang returns it), the other rows
+    after two tokens of a longer response. Records every request's inputs."""
+
+    send_sampling_seed = True
+
+    def __init__(self):
+        self.inputs = []
+
+    def generate_group(self, rows, params):
+        """The group's body as the SGLang engine sends it, answered as above, parsed as the SGLang
+        engine parses it."""
+        out = []
+        for k, ids in enumerate(group_payload(rows, params)["input_ids"]):
+            self.inputs.append(list(ids))
+            toks = [40, EOS] if k == 0 and len(ids) == PROMPT_LEN else [41, 42]  # row 0 on its first call
+            out.append({"output_ids": toks, "meta_info": {"finish_reason": {"type": "abort"},
+                                                         "output_token_logprobs": [[-0.5, t, None] for t in toks]}})
+        return [parse_row(item) for item in out]
+
+
+def test_a_row_aborted_with_its_eos_last_is_complete_and_not_resumed():
+    """Fails without the stop check in `PartialRow.extend` (tried): row 0 is resumed with its
+    EOS in the input, and its response grows past the EOS."""
+    bench = load_tool("bench/oversampling")
+    engine = AbortedAtTheEnd()
+    rt = bench.build_rt(None, over_sampling=1.0 + 1e-9, batch=1, n=2, max_len=6, prompts=20, engine=engine)
+    rt.tokenizer.eos_token_id = EOS
+    (result,) = bench.run_steps(rt, 1)
+    assert engine.inputs and all(EOS not in ids[PROMPT_LEN:] for ids in engine.inputs), engine.inputs
+    kept = result["kept"]
+    assert len(kept) == 2  # one group of n=2: row 1 resumed to the budget (length), row 0 ended at once
+    assert list(kept.response_ids[0]) == [40, EOS] and kept.finish_reasons[0] == "stop"
+    assert list(kept.response_ids[1]) == [41, 42] * 3 and kept.finish_reasons[1] == "length"
+
+
+@pytest.mark.parametrize("stop_ids,finish", [((EOS,), "stop"), ((EOS, OTHER_STOP), "stop"), ((), None)])
+def test_row_extend_stops_on_any_stop_token(stop_ids, finish):
+    from hapo_megatron.rollout.sglang.partial import RowResult
+    from hapo_megatron.training.partial_rollouts import PartialRow
+
+    row = PartialRow()
+    row.extend(RowResult((40, OTHER_STOP if OTHER_STOP in stop_ids else EOS), (-0.1, -0.2), "abort"), 0, 16,
+               stop_ids)
+    assert row.finish == finish
+    mid = PartialRow()  # a stop token inside the response, not last: still unfinished
+    mid.extend(RowResult((EOS, 40), (-0.1, -0.2), "abort"), 0, 16, (EOS,))
+    assert mid.finish is None

@@ -13,10 +13,11 @@ from hapo_megatron.rollout.engine import Sample
 from hapo_megatron.training import stages
 from hapo_megatron.training.memory.engine_memory import EngineMemory
 from hapo_megatron.training.batches.rollout_batch import DynamicSampler
+from tests.rollout.standin_engine import StandInEngine
 from tests.training.misbehaving_reward import read_calls
 
 
-class _Engine:
+class _Engine(StandInEngine):
     """Answers ``answers(prompt, sample)``, one character per token, in two chunks; before the
     second chunk it waits (bounded) until ``ready()``: the first chunk was being scored meanwhile."""
 
@@ -39,12 +40,6 @@ class _Engine:
         for s in done:
             out[s.prompt_index].append(s)
         return out
-
-    def release_memory(self, tags=None):
-        pass
-
-    def resume_memory(self, tags=None):
-        pass
 
 
 def _runtime(engine, truths, *, n, filter_groups=False, **reward):

@@ -26,9 +26,10 @@ Weight sync (``weight_sync``):
 - ``"tensor"`` (colocated): every rank serialises its copy of each bucket as CUDA-IPC handles (CPU
   tensors: pickled by value, see ``weight_sync.serialize_bucket_for_sglang``), the server's first
   rank gathers the ``tp`` strings and POSTs ``/update_weights_from_tensor``.
-- ``"distributed"`` (separate GPUs): rank 0 forms an NCCL group with all server TP ranks
-  (``/init_weights_update_group``) and broadcasts each flattened bucket while POSTing
-  ``/update_weights_from_distributed``. CPU servers (``device="cpu"``): the same group over gloo.
+- ``"distributed"`` (separate GPUs): rank 0 forms a group with all server TP ranks
+  (``/init_weights_update_group``; NCCL, or gloo with CPU buffers for CPU servers; its store hosted
+  by rank 0 itself, ``sync_group.py``) and broadcasts each flattened bucket while POSTing
+  ``/update_weights_from_distributed``.
 - ``"disk"`` (fallback): rank 0 writes a safetensors checkpoint and POSTs
   ``/update_weights_from_disk`` (the servers must see the directory).
 - ``"auto"``: tensor when colocated, distributed otherwise.
@@ -80,121 +81,15 @@ from hapo_megatron.rollout.sglang import fp8_serving
 from hapo_megatron.rollout import fp8_weights
 from hapo_megatron.rollout.sglang import launch as launcher
 from hapo_megatron.rollout.sglang.api_key import resolve_api_key
-from hapo_megatron.rollout.engine import GenerationAborted, Sample, SamplingParams, check_prompt_ids, drain_weights
-from hapo_megatron.rollout.routed_experts import decode_routed_experts
+from hapo_megatron.rollout.engine import (GenerationAborted, RowRequest, RowResult, Sample, SamplingParams,
+                                          check_prompt_ids, drain_weights)
+from hapo_megatron.rollout.sglang.requests import (generate_payload, group_payload, parse_generate_item,
+                                                   parse_routed_experts, parse_row, parse_weight_versions,
+                                                   row_sampling_params, row_seeds)
 from hapo_megatron.rollout.sglang.server_supervisor import ServerPoolError, ServerSupervisor, first_line
 from hapo_megatron.rollout.sglang.client import (EndpointNotFoundError, RequestRefusedError, SGLangError,
                                                  SGLangHTTP, ServerHandle)
-from hapo_megatron.rollout.sglang import weight_sync as ws
-
-_SEED_MOD = 2**63 - 1
-
-
-# --------------------------------------------------------------------------- pure request helpers
-def _processor():
-    """The processor class, imported on first adaptive request (importing SGLang is slow and
-    patches transformers, so a non-adaptive client never pays for it)."""
-    from hapo_megatron.rollout.sglang.processor import AdaptiveTemperatureProcessor
-
-    return AdaptiveTemperatureProcessor
-
-
-def row_sampling_params(params: SamplingParams, *, seed: Optional[int] = None) -> dict:
-    """SGLang ``sampling_params`` of one row (adaptive rows carry our ``custom_params``)."""
-    sp: dict[str, Any] = {
-        "temperature": float(params.temperature), "top_p": float(params.top_p),
-        "top_k": int(params.top_k), "max_new_tokens": int(params.max_new_tokens),
-        "ignore_eos": bool(params.ignore_eos), "no_stop_trim": True, "skip_special_tokens": False,
-    }
-    if params.stop_token_ids:
-        sp["stop_token_ids"] = list(params.stop_token_ids)
-    if params.uses_adaptive:
-        sp["custom_params"] = _processor().custom_params(
-            params.entropy_stats, params.temperature, params.temperature_tau, params.h_hat_mode)
-    if seed is not None:
-        sp["sampling_seed"] = int(seed)
-    return sp
-
-
-def row_seeds(params: SamplingParams, rows: Sequence[int]) -> list[Optional[int]]:
-    """Per-row ``sampling_seed`` derived from ``params.seed`` and the global row index (so the
-    chunking does not matter); ``None`` entries when ``params.seed`` is None."""
-    if params.seed is None:
-        return [None] * len(rows)
-    return [(int(params.seed) * 1_000_003 + int(r)) % _SEED_MOD for r in rows]
-
-
-def generate_payload(input_ids: list[list[int]], params: SamplingParams, *,
-                     seeds: Optional[Sequence[Optional[int]]] = None) -> dict:
-    """Body of one batched ``POST /generate`` (one row per entry of ``input_ids``)."""
-    seeds = list(seeds) if seeds is not None else [None] * len(input_ids)
-    if len(seeds) != len(input_ids):
-        raise ValueError(f"seeds has {len(seeds)} entries for {len(input_ids)} rows")
-    body: dict[str, Any] = {
-        "input_ids": [list(map(int, r)) for r in input_ids],
-        "sampling_params": [row_sampling_params(params, seed=s) for s in seeds],
-        "return_logprob": True,
-    }
-    if params.return_routes:  # the server needs --enable-return-routed-experts
-        body["return_routed_experts"] = True
-    if params.uses_adaptive:
-        body["custom_logit_processor"] = [_processor().to_str()] * len(input_ids)
-    return body
-
-
-def parse_generate_item(item: dict) -> tuple[list[int], list[float], str]:
-    """``(response_ids, logprobs, finish_reason)`` from one answer of ``/generate``.
-
-    Token ids come from ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]``
-    triples, stop token included), cross-checked against ``output_ids``.
-    """
-    if not isinstance(item, dict) or "meta_info" not in item:
-        raise SGLangError(f"unexpected /generate answer: {str(item)[:500]}")
-    meta = item["meta_info"]
-    fr = meta.get("finish_reason") or {}
-    kind = fr.get("type") if isinstance(fr, dict) else str(fr)
-    if kind not in ("stop", "length"):
-        raise SGLangError(f"SGLang request finished with {fr!r} (abort / error)")
-    triples = meta.get("output_token_logprobs")
-    if triples is None:
-        raise SGLangError("SGLang answer has no output_token_logprobs (return_logprob ignored?)")
-    ids = [int(t[1]) for t in triples]
-    logps = [float(t[0]) for t in triples]
-    out_ids = item.get("output_ids")
-    if out_ids is not None and list(map(int, out_ids)) != ids:
-        raise SGLangError(f"output_ids ({len(out_ids)}) disagree with output_token_logprobs ({len(ids)})")
-    return ids, logps, kind
-
-
-def parse_weight_versions(item: dict, num_tokens: int):
-    """Per-token weight versions ``[num_tokens]`` int32 of one ``/generate`` answer, from SGLang's
-    ``meta_info.weight_versions`` spans (``{"version", "start", "end"}``, reported when updates carry
-    ``weight_version``); empty when absent or not integers (updates that were never tagged)."""
-    import numpy as np
-
-    meta = item.get("meta_info", {}) if isinstance(item, dict) else {}
-    spans = meta.get("weight_versions")
-    if not spans and meta.get("weight_version") is not None:
-        spans = [{"version": meta["weight_version"], "start": 0, "end": num_tokens}]
-    out = np.full(num_tokens, -1, np.int64)
-    try:
-        for sp in spans or ():
-            out[int(sp["start"]):int(sp["end"])] = int(sp["version"])
-    except (KeyError, TypeError, ValueError):
-        return np.zeros(0, np.int32)
-    if not spans or (out < 0).any():
-        return np.zeros(0, np.int32)
-    return out.astype(np.int32)
-
-
-def parse_routed_experts(item: dict, positions: int):
-    """``[positions, layers * top_k]`` experts of one ``/generate`` answer (`rollout.routed_experts`)."""
-    encoded = item.get("meta_info", {}).get("routed_experts")
-    if encoded is None:
-        raise SGLangError("SGLang answer has no routed_experts: start the servers with "
-                          "--enable-return-routed-experts (the trainer adds it for model.routing_replay)")
-    return decode_routed_experts(encoded, positions)
-
+from hapo_megatron.rollout.sglang import sync_group, weight_sync as ws
 
 def resolve_weight_sync(mode: str, *, colocate: bool) -> str:
     """``"auto"`` -> ``"tensor"`` when colocated, else ``"distributed"``."""
@@ -310,10 +205,8 @@ class SGLangEngine:
         self.http = SGLangHTTP(timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries, session=session,
                                api_key=self._api_key)
         self._nccl_group = None
-        # the weight-sync group of weight_sync="distributed": NCCL between GPU processes, gloo between
-        # CPU ones (a CPU trainer with CPU servers); the broadcast buckets live on that device
-        self._sync_backend = "nccl" if self.device == "cuda" else "gloo"
-        self._sync_device = "cuda" if self.device == "cuda" else "cpu"
+        self._sync_store = None  # the weight-update group's store (hosted by rank 0, sync_group.host_store)
+        self._sync_device = sync_group.sync_buffer_device(self.device)  # where broadcast buckets live
         self._server_groups: Optional[dict] = None
         if server_urls:
             self.servers = [u if isinstance(u, ServerHandle) else ServerHandle(url=u.rstrip("/"), tp_size=self.tp)
@@ -340,9 +233,9 @@ class SGLangEngine:
         self._weight_version: Optional[str] = None  # the tag of the update in progress (update_weights)
         self._flush_cache = True  # whether the update in progress flushes the servers' KV cache
         # asynchronous rollouts send one small generate call per prompt group, from many threads:
-        # with spread_calls, successive calls start on successive servers (else each call's
-        # chunks are spread from server 0, as the synchronous loop always did)
-        self.spread_calls = False
+        # spread, successive calls start on successive servers (else each call's chunks are spread
+        # from server 0, as the synchronous loop always did): `spread_calls`
+        self._spread = False
         self._call_keys = itertools.count()
         atexit.register(self.shutdown)  # launched servers run in their own sessions: never leave them behind
         if self.weight_sync == "tensor" and self.world_size > 1 and self.world_size != len(self.servers) * self.tp:
@@ -425,7 +318,7 @@ class SGLangEngine:
         chunks = [list(range(i, min(i + self.requests_per_call, len(rows))))
                   for i in range(0, len(rows), self.requests_per_call)]
         seeds = row_seeds(params, range(len(rows))) if self.send_sampling_seed else [None] * len(rows)
-        base = next(self._call_keys) if self.spread_calls else 0
+        base = next(self._call_keys) if self._spread else 0
 
         def run(ci: int) -> list:
             if self._aborted.is_set():
@@ -463,6 +356,23 @@ class SGLangEngine:
         for smp in results:  # rows are prompt-major, so each prompt's samples stay in order
             out[smp.prompt_index].append(smp)
         return out
+
+    def generate_group(self, rows: Sequence[RowRequest], params: SamplingParams) -> list[RowResult]:
+        """One ``/generate`` call with every row of a group (`RolloutEngine.generate_group`);
+        successive calls start on successive servers in use, and a server that fails hands the
+        same body to another (rollout/sglang/server_supervisor.py). Rank 0's call, never collective."""
+        if self.world_size > 1:
+            raise RuntimeError("generate_group is a call of one process (over-sampling runs on rank 0): "
+                               "this engine is collective")
+        answer = self.supervisor.request(next(self._call_keys), "/generate", group_payload(rows, params),
+                                         rows=len(rows))
+        if not isinstance(answer, list) or len(answer) != len(rows):
+            raise SGLangError(f"/generate returned {type(answer).__name__} for {len(rows)} rows")
+        return [parse_row(item) for item in answer]
+
+    def spread_calls(self, enabled: bool = True) -> None:
+        """Successive `generate` calls start on successive servers (`RolloutEngine.spread_calls`)."""
+        self._spread = bool(enabled)
 
     def _wait_or_abort(self, futures) -> bool:
         """Until every call is done or one failed (False), or ``stop_check`` asks to stop (True:
@@ -654,20 +564,21 @@ class SGLangEngine:
             del keepalive
 
     def _init_nccl_group(self) -> None:
-        from sglang.srt.utils import init_custom_process_group
-
-        addr, port = launcher.node_ip(), launcher.free_port()
+        """Rank 0 of the weight-update group with every server TP rank, on a store hosted here
+        (``sync_group``: torchrun's agent-store setting must not make rank 0 a client)."""
+        addr = launcher.node_ip()
         world = 1 + sum(s.tp_size for s in self.servers)
         offsets = [1 + sum(s.tp_size for s in self.servers[:i]) for i in range(len(self.servers))]
+        backend = sync_group.sync_backend(self.device)
+        self._sync_store = sync_group.host_store(addr, world)
         with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
             futs = [pool.submit(self.http.request, srv, "/init_weights_update_group",
-                                ws.init_group_payload(master_address=addr, master_port=port, rank_offset=off,
-                                                      world_size=world, group_name=self.group_name,
-                                                      backend=self._sync_backend), retries=0)
+                                ws.init_group_payload(master_address=addr, master_port=self._sync_store.port,
+                                                      rank_offset=off, world_size=world, group_name=self.group_name,
+                                                      backend=backend), retries=0)
                     for srv, off in zip(self.servers, offsets)]
-            self._nccl_group = init_custom_process_group(backend=self._sync_backend,
-                                                         init_method=f"tcp://{addr}:{port}",
-                                                         world_size=world, rank=0, group_name=self.group_name)
+            self._nccl_group = sync_group.open_group(self._sync_store, world_size=world, group_name=self.group_name,
+                                                     backend=backend)
             for f in futs:
                 _check_success(f.result(), "init_weights_update_group")
 
@@ -747,7 +658,7 @@ class SGLangEngine:
                 torch.distributed.destroy_process_group(self._nccl_group)
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
-            self._nccl_group = None
+            self._nccl_group = self._sync_store = None
 
 
 def _check_success(answer: Any, what: str) -> None:

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 import hapo_megatron
+from hapo_megatron.rollout.sglang import server_guard
 from hapo_megatron.rollout.sglang.api_key import API_KEY_ENV, redact
 from hapo_megatron.dtypes import TORCH_DTYPES, long_name
 from hapo_megatron.rollout.sglang.client import ServerHandle
@@ -132,6 +133,11 @@ def server_env(*, cpu: bool, base: Optional[dict] = None) -> dict:
     for name in [k for k in env if k.startswith("TORCHELASTIC_")]:
         env.pop(name)
     paths = [_PACKAGE_PARENT]
+    # a SIGTERM to the server's main process alone (an operator's `kill PID`) would otherwise wait for
+    # every request in flight without a bound, forever when its scheduler is stuck; we stop a server
+    # only once we wait for none of its answers (docs/multinode.md, "Server lifetime"); SGLang 0.5.23
+    # reads this legacy name (tokenizer_manager.py, sigterm_watchdog) and warns that it is deprecated
+    env["SGL_FORCE_SHUTDOWN"] = "1"
     if cpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] = env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] = "0"
@@ -211,16 +217,21 @@ def start_process(cmd: list[str], url: str, *, log_path: Optional[str], tp_size:
 # ignored (ignored dispositions survive exec), the servers outlive the signal and the trainer stops
 # them itself. SIGTERM/SIGINT stay: uvicorn handles them, and stop_process uses SIGTERM.
 IGNORED_SIGNALS = ("USR1", "USR2")
+#: how long a stopping server may take before its guard SIGKILLs its process group (server_guard.py)
+STOP_GRACE_S = 10.0
 
 
-def _ignoring_stop_signals(cmd: list[str]) -> list[str]:
-    """``cmd`` run through ``sh`` with IGNORED_SIGNALS ignored (``exec``: same pid, no shell left)."""
-    return ["/bin/sh", "-c", f'trap "" {" ".join(IGNORED_SIGNALS)}; exec "$@"', "sh", *cmd]
+def guarded(cmd: list[str], grace_s: float = STOP_GRACE_S) -> list[str]:
+    """``cmd`` run through :mod:`server_guard` (same pid: it ``exec``s ``cmd``): IGNORED_SIGNALS
+    ignored, and its whole process group ends with this process, however this process ends
+    (docs/multinode.md, "Server lifetime")."""
+    return [sys.executable, "-I", "-S", server_guard.__file__, str(os.getpid()), str(float(grace_s)),
+            ",".join(IGNORED_SIGNALS), *cmd]
 
 
 def _popen(cmd: list[str], url: str, *, log_path: Optional[str], tp_size: int, env: Optional[dict],
            api_key: Optional[str]) -> ServerHandle:
-    cmd = _ignoring_stop_signals(cmd)
+    cmd = guarded(cmd)
     env = dict(env if env is not None else os.environ)
     env.pop(API_KEY_ENV, None)  # only the key we mean to hand over
     if api_key:
@@ -295,7 +306,9 @@ def _copy_redacted(stream, log_path: str, key: str) -> None:
 
 
 def stop_process(handle: ServerHandle, timeout_s: float = 30.0) -> None:
-    """SIGTERM the process group we started, SIGKILL it after ``timeout_s``."""
+    """SIGTERM the process group we started, SIGKILL it after ``timeout_s``. The server's guard
+    (:mod:`server_guard`) SIGKILLs the group itself after ``STOP_GRACE_S``, also when this process
+    dies while it waits."""
     proc = handle.process
     if proc is None or proc.poll() is not None:
         return

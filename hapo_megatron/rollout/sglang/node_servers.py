@@ -43,7 +43,7 @@ import torch
 from hapo_megatron.parallel.collectives import all_gather_objects, broadcast_object, rank_and_world
 from hapo_megatron.rollout.sglang import fp8_serving, placement
 from hapo_megatron.rollout.sglang import launch as launcher
-from hapo_megatron.rollout.engine import Sample, SamplingParams, drain_weights
+from hapo_megatron.rollout.engine import RowRequest, RowResult, Sample, SamplingParams, drain_weights
 from hapo_megatron.rollout.sglang.client import SGLangError, SGLangHTTP, ServerHandle
 from hapo_megatron.rollout.sglang.engine import SGLangEngine, agree_on_api_key, resolve_weight_sync
 
@@ -84,9 +84,26 @@ class NodeServersEngine:
         if self.cluster is not None:
             self.cluster.stop_check = check
 
+    @property
+    def send_sampling_seed(self) -> bool:
+        """Rank 0: whether the generating engine sends per-row seeds; False elsewhere."""
+        return self.cluster.send_sampling_seed if self.cluster is not None else False
+
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
                  on_samples: Optional[Callable[[list[Sample]], None]] = None) -> list[list[Sample]]:
         return self._rank0("generation").generate(prompt_ids, params, on_samples)
+
+    def generate_group(self, rows: Sequence[RowRequest], params: SamplingParams) -> list[RowResult]:
+        """Rank 0 (over-sampling): one group's call, on the next server of every node's."""
+        return self._rank0("generation").generate_group(rows, params)
+
+    def abort_requests(self) -> None:
+        """Rank 0: every server aborts what it runs."""
+        self._rank0("aborting requests").abort_requests()
+
+    def spread_calls(self, enabled: bool = True) -> None:
+        """Rank 0 (asynchronous rollouts): successive calls start on successive servers."""
+        self._rank0("generation").spread_calls(enabled)
 
     def check_health(self) -> None:
         self._rank0("the health check").check_health()

@@ -14,6 +14,7 @@ import pytest
 from hapo_megatron.rollout.engine import GenerationAborted, SamplingParams
 from hapo_megatron.rollout.sglang.client import SGLangError
 from hapo_megatron.rollout.sglang.partial import ABORT, RowRequest, generate_groups, group_payload, parse_row
+from tests.rollout.standin_engine import StandInEngine
 
 
 def answer(ids, reason, logprobs=True, status=None):
@@ -46,22 +47,26 @@ def test_group_payload_gives_each_row_its_budget():
     assert body["return_logprob"] is True
 
 
-class FakeEngine:
-    """Call 0 fails and the others finish (or, with ``fail=False``, every call waits for an
+class FakeEngine(StandInEngine):
+    """The first call fails and the others finish (or, with ``fail=False``, every call waits for an
     abort); counts the aborts."""
 
     def __init__(self, fail=True):
-        self.supervisor, self.fail = self, fail
+        self.fail = fail
         self.aborted = threading.Event()
         self.aborts = 0
+        self.first = threading.Lock()
+        self.failed = False
 
-    def request(self, key, path, body, rows):
+    def generate_group(self, rows, params):
         if self.fail:
-            if key == 0:
+            with self.first:
+                first, self.failed = not self.failed, True
+            if first:
                 raise SGLangError("server said no")
-            return [answer([3], "length") for _ in range(rows)]
+            return [parse_row(answer([3], "length")) for _ in rows]
         self.aborted.wait()
-        return [answer([3], "abort") for _ in range(rows)]
+        return [parse_row(answer([3], "abort")) for _ in rows]
 
     def abort_requests(self):
         self.aborts += 1

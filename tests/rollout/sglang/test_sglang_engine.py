@@ -208,30 +208,6 @@ def test_distributed_sync_payloads_and_broadcast_order(monkeypatch):
     assert torch.equal(flat_all, want) and all(g == "fake-group" and s == 0 for _, g, s in sent)
 
 
-@pytest.mark.parametrize("device,backend", [("cuda", "nccl"), ("cpu", "gloo")])
-def test_distributed_sync_group_backend_follows_the_servers_device(monkeypatch, device, backend):
-    """GPU servers join an NCCL group; CPU servers (a CPU trainer's) the same group over gloo, with
-    the buckets broadcast from CPU memory (tests/recipes runs the async recipe's sync this way)."""
-    import sys
-    import types
-
-    sess = FakeSession()
-    eng = engine(sess, weight_sync="distributed", bucket_size_mb=1, device=device)
-    groups = []
-    fake_utils = types.SimpleNamespace(init_custom_process_group=lambda **kw: groups.append(kw) or "group")
-    monkeypatch.setitem(sys.modules, "sglang.srt.utils", fake_utils)
-    eng._init_nccl_group()
-    assert [g["backend"] for g in groups] == [backend]
-    assert [b["backend"] for _, b in sess.posts("/init_weights_update_group")] == [backend] * len(URLS)
-    assert eng._sync_device == device
-    if device == "cpu":  # and the buckets go out from CPU memory
-        sent = []
-        monkeypatch.setattr(torch.distributed, "broadcast",
-                            lambda t, group=None, group_src=None: sent.append(t.device.type))
-        eng.update_weights(iter(named_weights()))
-        assert sent and set(sent) == {"cpu"}
-
-
 @pytest.mark.skipif(not SGLANG_AVAILABLE, reason="sglang not installed")
 def test_tensor_sync_single_process_payloads():
     from sglang.srt.utils import MultiprocessingSerializer

@@ -50,8 +50,8 @@ def _ignored_signals(pid: int) -> int:
 def test_server_outlives_slurms_stop_signal(tmp_path):
     """SLURM's `--signal=USR1@600` reaches every process of the job step: a launched server ignores
     SIGUSR1/SIGUSR2 (the trainer stops it itself), and it is the process we started (exec, no
-    shell in between). Mutation: without sglang_launch._ignoring_stop_signals the stand-in dies
-    of the SIGUSR1 and /health fails."""
+    shell, no guard in between: server_guard.py execs it). Mutation: without the guard's ignored
+    signals the stand-in dies of the SIGUSR1 and /health fails."""
     import signal
     port = free_port()
     h = start_process([sys.executable, STANDIN, "--host", "127.0.0.1", "--port", str(port)],

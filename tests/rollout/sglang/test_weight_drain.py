@@ -15,6 +15,7 @@ from hapo_megatron.training.memory.engine_memory import EngineMemory
 from .collective_worker import URLS, named_weights
 from .fake_sglang import FakeSession
 from tests.rollout.sglang.engines import sglang_engine
+from tests.rollout.standin_engine import StandInEngine
 
 
 class Stream:
@@ -86,15 +87,12 @@ class _Actor:
         return self.stream
 
 
-class _HalfReader:
+class _HalfReader(StandInEngine):
     """An engine breaking the contract: it stops after half the tensors."""
 
-    def update_weights(self, named):
+    def update_weights(self, named_tensors, *, weight_version=None, flush_cache=True):
         for _ in range(2):
-            next(named)
-
-    def resume_memory(self):
-        pass
+            next(named_tensors)
 
 
 def test_sync_weights_drains_without_an_engine_and_refuses_an_engine_that_stops_early():

@@ -18,32 +18,33 @@ from hapo_megatron.data.sampler import PromptSampler
 from hapo_megatron.rollout.engine import Sample
 from hapo_megatron.training.asynchronous.buffer import BufferClosed
 from hapo_megatron.training.asynchronous.producer import AsyncRollout
+from tests.rollout.standin_engine import StandInEngine
 
 B, N, PROMPTS = 2, 2, 40  # groups per batch, responses per group
 
 
-class FakeEngine:
+class FakeEngine(StandInEngine):
     """Answers each group with ``N`` 3-token responses of the weight version it holds; records
     the pause / continue calls. ``fail`` raises in generate."""
 
     def __init__(self):
-        self.version, self.calls, self.fail = 0, [], None
+        self.version, self.events, self.fail = 0, [], None
         self.lock = threading.Lock()
 
-    def generate(self, prompts, params):
+    def generate(self, prompt_ids, params, on_samples=None):
         if self.fail is not None:
             raise self.fail
         with self.lock:
-            self.calls.append(("generate", prompts[0][1]))
+            self.events.append(("generate", prompt_ids[0][1]))
         return [[Sample(prompt_ids=p, response_ids=[5, 6, 7], rollout_logprobs=[-1.0] * 3, temperatures=[],
                         finish_reason="length", prompt_index=0, sample_index=k, weight_versions=[self.version] * 3)
-                 for k in range(params.n)] for p in prompts]
+                 for k in range(params.n)] for p in prompt_ids]
 
-    def pause_generation(self, mode):
-        self.calls.append(("pause", mode))
+    def pause_generation(self, mode="retract"):
+        self.events.append(("pause", mode))
 
     def continue_generation(self):
-        self.calls.append(("continue", None))
+        self.events.append(("continue", None))
 
 
 class FakeScorer:
@@ -123,7 +124,7 @@ def test_batches_in_prompt_order_within_the_lag(k):
     assert max(g[1]["rollout/staleness_max"] for g in got) <= k
     for key in ("timing/trainer_wait_s", "rollout/generation_overlap_frac", "rollout/staleness_mean"):
         assert key in got[-1][1]
-    pauses = [c for c in rt.engine.calls if c[0] != "generate"]
+    pauses = [c for c in rt.engine.events if c[0] != "generate"]
     assert pauses == [("pause", "retract"), ("continue", None)] * 5
 
 
@@ -186,7 +187,7 @@ class _LateRequestEngine(FakeEngine):
         super().__init__()
         self.started, self.aborts, self.cond = 0, 0, threading.Condition()
 
-    def generate(self, prompts, params):
+    def generate(self, prompt_ids, params, on_samples=None):
         with self.cond:
             self.started += 1
             self.cond.notify_all()
@@ -215,14 +216,14 @@ def test_close_aborts_again_the_requests_sent_after_its_first_abort():
     assert not ar._thread.is_alive()
 
 
-class _SyncEngine:
-    """Reads every tensor; records the call (a synchronous engine takes no keyword arguments)."""
+class _SyncEngine(StandInEngine):
+    """Reads every tensor; records the call and the keywords the loop passed."""
 
     def __init__(self):
-        self.calls = []
+        self.updates = []
 
-    def update_weights(self, named, **kw):
-        self.calls.append((sum(1 for _ in named), kw))
+    def update_weights(self, named_tensors, *, weight_version=None, flush_cache=True):
+        self.updates.append((sum(1 for _ in named_tensors), weight_version, flush_cache))
 
 
 def _sync_rt(k, async_rollout=None):
@@ -240,7 +241,7 @@ def test_weight_sync_is_untouched_without_staleness_and_versioned_with_it():
     from hapo_megatron.training import stages
     rt = _sync_rt(0)
     stages.sync_weights(rt)
-    assert rt.engine.calls == [(3, {})]
+    assert rt.engine.updates == [(3, None, True)]
     events = []
 
     class Producer:
@@ -254,7 +255,7 @@ def test_weight_sync_is_untouched_without_staleness_and_versioned_with_it():
             return P()
     rt = _sync_rt(1, Producer())
     stages.sync_weights(rt)
-    assert rt.engine.calls == [(3, {"weight_version": 7, "flush_cache": True})]
+    assert rt.engine.updates == [(3, 7, True)]
     assert events == [("pause", 7), ("continue", 7)]
 
 
@@ -269,9 +270,9 @@ def test_pause_in_place_reaches_the_servers_and_keeps_their_cache():
         _train(ar, rt, 2)
     finally:
         ar.close()
-    assert [c for c in rt.engine.calls if c[0] == "pause"] == [("pause", "in_place")] * 2
+    assert [c for c in rt.engine.events if c[0] == "pause"] == [("pause", "in_place")] * 2
     sync = _sync_rt(1, ar)  # the next update, through the producer's pause (on rt.engine)
     sync.cfg.rollout.sglang.pause_mode = "in_place"
     stages.sync_weights(sync)
-    assert sync.engine.calls == [(3, {"weight_version": 7, "flush_cache": False})]
-    assert rt.engine.calls[-2:] == [("pause", "in_place"), ("continue", None)]
+    assert sync.engine.updates == [(3, 7, False)]
+    assert rt.engine.events[-2:] == [("pause", "in_place"), ("continue", None)]
