@@ -100,7 +100,7 @@ TABLE: tuple[Counterpart, ...] = (
     Counterpart(
         "rollout.sglang.weight_sync=distributed", "an NCCL group of trainer rank 0 and every server rank",
         "the same group over gloo, buckets broadcast from CPU memory", "package",
-        "NCCL needs CUDA (SGLangEngine picks the group's backend from the servers' device)",
+        "NCCL needs CUDA (rollout/sglang/sync_group.py: sync_backend / sync_buffer_device of the servers' device)",
         applies=lambda cfg: _sglang(cfg) and _weight_sync(cfg) == "distributed"),
     Counterpart(
         "rollout.sglang.server_tp_size", "server_tp_size GPUs per server (with --ep-size: experts spread "

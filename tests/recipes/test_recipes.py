@@ -41,11 +41,9 @@ RECIPES = ("qwen2.5-math-1.5b", "qwen2.5-math-7b", "qwen2.5-math-7b-async", "qwe
 STEPS = 2
 #: a run's time limit (a loaded 2-core machine starts a CPU server in up to 2 minutes)
 RUN_TIMEOUT_S = 1200
-#: known defects fixed on other branches: these runs fail within this limit instead of hanging
-KNOWN_DEFECT_TIMEOUT_S = {
-    # (a) branch `syncrun`: the distributed weight sync's TCPStore is never hosted under torchrun
-    "qwen2.5-math-7b-async": 600,
-}
+#: recipes blocked by a known defect fixed on another branch: they fail within this limit instead
+#: of hanging (empty since main has `syncrun`'s hosted weight-sync store)
+KNOWN_DEFECT_TIMEOUT_S: dict[str, float] = {}
 #: recipes whose shrunk config equals another's: they assert it and share that recipe's run
 SAME_RUN = {"qwen2.5-math-7b-sglang": "qwen2.5-math-7b"}
 #: the server endpoint of each weight-sync mode
@@ -91,6 +89,13 @@ def size_overrides(data: dict, model_dir: str, run_dir: str) -> list[str]:
             f"model.hf_model_path={model_dir}", "data.max_prompt_length=64", "data.train_batch_size=2",
             "trainer.ppo_mini_batch_size=1", "rollout.n=4", "rollout.max_response_length=16", "rollout.val_n=2",
             "reward.overlong_buffer_len=4", f"trainer.total_steps={STEPS}", f"trainer.run_dir={run_dir}"]
+
+
+def port_override() -> str:
+    """Launched servers listen from a port free on this machine (the recipes' 30000 may be taken
+    by another job's servers on a shared machine)."""
+    from hapo_megatron.rollout.sglang.launch import free_port
+    return f"rollout.sglang.port_base={free_port()}"
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -139,10 +144,11 @@ class RecipeRun:
         self.missing = cpu.unmatched(base)
         self.ranks, layout, self.layout_lines = layout_overrides(base)
         self.overrides = size_overrides(data, self.model_dir, self.run_dir) + layout + table_overrides
-        self.cfg = load_config(tiny.recipe_config_path(recipe), self.overrides)
-        # servers started by the recipe's own script, the trainer attached to them by URL
         self.attached = os.path.isfile(os.path.join(tiny.EXAMPLES, recipe, "launch_servers.sh"))
-        if self.attached:
+        if not self.attached:
+            self.overrides.append(port_override())
+        self.cfg = load_config(tiny.recipe_config_path(recipe), self.overrides)
+        if self.attached:  # servers started by the recipe's own script, the trainer attached by URL
             self.layout_lines.append("launch_servers.sh: NUM_SERVERS 8 -> 1, SERVER_HOST=127.0.0.1 (the serving "
                                      "node is this machine)")
         self.output, self.returncode, self.wall_s, self.left_over = "", None, 0.0, []
@@ -327,8 +333,9 @@ def _check_same_config(recipe: str, other: str, prepared) -> None:
     """``recipe`` resolves to ``other``'s config with the same shrinking (run names aside)."""
     from tests.test_recipes_agree import NAMES, _flat
 
-    a, b = (RecipeRun(r, prepared, "/nonexistent").cfg.to_dict() for r in (recipe, other))
-    differ = {k: (v, dict(_flat(b)).get(k)) for k, v in _flat(a) if k[:2] not in NAMES and dict(_flat(b)).get(k) != v}
+    a, b = (dict(_flat(RecipeRun(r, prepared, "/nonexistent").cfg.to_dict())) for r in (recipe, other))
+    ports = ("rollout", "sglang", "port_base")  # a free port each (port_override)
+    differ = {k: (v, b.get(k)) for k, v in a.items() if k[:2] not in NAMES and k != ports and b.get(k) != v}
     assert differ == {}
 
 
