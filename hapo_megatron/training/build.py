@@ -13,7 +13,7 @@ import torch.distributed as dist
 from hapo_megatron.config import HapoConfig
 from hapo_megatron.data import PromptSampler
 from hapo_megatron.dtypes import torch_dtype
-from hapo_megatron.config.validate import ModelSpec
+from hapo_megatron.config.validate import ModelSpec, rollout_dtype
 from hapo_megatron.parallel.collectives import all_gather_objects
 from hapo_megatron.parallel.groups import ParallelGroups
 from hapo_megatron.rewards import get_reward_fn
@@ -111,7 +111,7 @@ def engine_settings(cfg, hf_config, *, on_gpu: bool):
     """The rollout section the engine is built from and its dtype: ``rollout.dtype``, else the
     model's on a GPU and fp32 on CPU; launched SGLang servers also get the context length
     (`sglang_context_args`) and, when training replays or measures routes, the routes flag."""
-    dtype = torch_dtype(cfg.rollout.dtype or (cfg.model.dtype if on_gpu else "fp32"))
+    dtype = torch_dtype(rollout_dtype(cfg, on_gpu=on_gpu))
     rollout = cfg.rollout
     if rollout.engine == "sglang":
         from dataclasses import replace
