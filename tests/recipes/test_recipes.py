@@ -237,15 +237,17 @@ class RecipeRun:
 
     def server_posts(self, endpoint: str) -> dict[str, int]:
         """Per server log: how many ``POST /endpoint`` it answered 200."""
-        logs = os.path.join(self.run_dir, "sglang_logs")
         pattern = re.compile(rf'"POST /{endpoint} HTTP/1.1" 200')
-        return {name: len(pattern.findall(open(os.path.join(logs, name), errors="replace").read()))
-                for name in sorted(os.listdir(logs)) if name.endswith(".log")} if os.path.isdir(logs) else {}
+        return {name: len(pattern.findall(text)) for name, text in self.server_logs().items()}
+
+    def server_logs(self) -> dict[str, str]:
+        """Each server's log text by file name."""
+        logs = os.path.join(self.run_dir, "sglang_logs")
+        return {n: open(os.path.join(logs, n), errors="replace").read() for n in sorted(os.listdir(logs))
+                if n.endswith(".log")} if os.path.isdir(logs) else {}
 
     def server_log_text(self) -> str:
-        logs = os.path.join(self.run_dir, "sglang_logs")
-        return "".join(open(os.path.join(logs, n), errors="replace").read() for n in sorted(os.listdir(logs))
-                       if n.endswith(".log")) if os.path.isdir(logs) else ""
+        return "".join(self.server_logs().values())
 
 
 @pytest.fixture(scope="module")
@@ -355,6 +357,7 @@ def _check_async(run: RecipeRun, recs: list[dict]) -> None:
 def _check_moe(run: RecipeRun, recs: list[dict]) -> None:
     """Routing replay: the servers returned their routes (started with the flag) and every step
     measured them against the actor's; the router's load-balancing loss was logged."""
-    assert "--enable-return-routed-experts" in run.server_log_text()
+    logs = run.server_logs()
+    assert logs and all("'enable_return_routed_experts': True" in text for text in logs.values())  # server args
     for r in recs:
         assert "rollout/routing_mismatch" in r and "actor/moe_aux_loss" in r, sorted(r)
