@@ -63,18 +63,6 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
     return out
 
 
-def truncate_jsonl(path: str, max_step: int) -> None:
-    """Keep only records with ``step <= max_step`` (used on resume, so re-run steps are not doubled)."""
-    if not os.path.exists(path):
-        return
-    keep = [r for r in read_jsonl(path) if int(r.get("step", -1)) <= max_step]
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for r in keep:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
-
-
 def strip_timing(record: Mapping[str, Any]) -> dict[str, Any]:
     """The record without wall-clock-dependent keys (for run comparisons)."""
     return {k: v for k, v in record.items() if not k.startswith(TIMING_PREFIXES)}
@@ -117,12 +105,10 @@ class MetricsLogger:
         return self._bar
 
     def resume(self, step: int) -> None:
-        """Continue after a checkpoint of ``step``: drop JSONL records of later (re-run) steps
-        and move the progress bar."""
+        """Continue after a checkpoint of ``step``: move the progress bar. (The JSONL lines of later
+        steps were set aside before: training/run_records.py; the file is only appended to.)"""
         if not self.enabled:
             return
-        if self.jsonl_path:
-            truncate_jsonl(self.jsonl_path, step)
         self._bar_args["initial"] = step
         if self._bar is not None:
             self._bar.n = self._bar.last_print_n = self._bar.initial = step  # ETA from the new rate

@@ -1,13 +1,13 @@
-"""Metric sinks: JSONL records, truncation on resume, TensorBoard and wandb (offline) files, Timer."""
+"""Metric sinks: JSONL records, TensorBoard and wandb (offline) files, Timer. (What a resume does to
+metrics.jsonl: tests/training/test_run_records.py.)"""
 
 import glob
-import json
 import math
 import os
 import time
 
 from hapo_megatron.config import LoggingConfig
-from hapo_megatron.training.metrics.sinks import MetricsLogger, Timer, read_jsonl, strip_timing, truncate_jsonl
+from hapo_megatron.training.metrics.sinks import MetricsLogger, Timer, read_jsonl, strip_timing
 
 
 def test_jsonl_console_tensorboard_wandb(tmp_path, capsys):
@@ -34,16 +34,6 @@ def test_disabled_logger_writes_nothing(tmp_path):
     log.log(1, {"a/b": 1.0})
     log.close()
     assert not os.path.exists(tmp_path / "r")
-
-
-def test_truncate_jsonl(tmp_path):
-    path = str(tmp_path / "m.jsonl")
-    with open(path, "w") as f:
-        for s in range(1, 6):
-            f.write(json.dumps({"step": s}) + "\n")
-        f.write('{"step": 6, "torn')
-    truncate_jsonl(path, 3)
-    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3]
 
 
 def test_timer():
