@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
@@ -63,6 +64,11 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
     return out
 
 
+def on_terminal() -> bool:
+    """Whether progress bars go to a terminal (tqdm writes to stderr); a log file gets lines."""
+    return sys.stderr.isatty()
+
+
 def strip_timing(record: Mapping[str, Any]) -> dict[str, Any]:
     """The record without wall-clock-dependent keys (for run comparisons)."""
     return {k: v for k, v in record.items() if not k.startswith(TIMING_PREFIXES)}
@@ -98,8 +104,9 @@ class MetricsLogger:
                           dir=run_dir, config=dict(config or {}), resume="allow")
 
     def _progress(self):
-        """The progress bar, created on first use (so an earlier bar, e.g. SFT, closes first)."""
-        if self._bar is None and self.console and self.enabled:
+        """The progress bar, created on first use (so an earlier bar, e.g. SFT, closes first); only
+        on a terminal: a log file gets one plain ``step N | ...`` line per logged step instead."""
+        if self._bar is None and self.console and self.enabled and on_terminal():
             from tqdm import tqdm
             self._bar = tqdm(**self._bar_args, dynamic_ncols=True, unit="step", mininterval=0)
         return self._bar
@@ -134,6 +141,8 @@ class MetricsLogger:
             self._bar.update(1)
             if step % self.log_interval == 0:
                 self._bar.write(self.line(record))
+        elif advance and self.console and step % self.log_interval == 0:
+            print(self.line(record), flush=True)
 
     @staticmethod
     def _fmt(record: Mapping[str, Any], key: str, short: str, spec: str = ".3f") -> str | None:

@@ -66,3 +66,19 @@ def test_logging_config_reaches_wandb_init(tmp_path, monkeypatch):
     (kw,) = calls
     assert (kw["entity"], kw["project"], kw["name"], kw["mode"]) == ("team", "proj", "exp", "online")
     assert kw["config"]["logging"]["wandb_entity"] == "team"
+
+
+def test_a_log_file_gets_one_plain_line_per_step_and_no_bar(tmp_path, capsys):
+    """Without a terminal (a log file; here pytest's capture) every step is one line starting with
+    `step N ` and nothing of a progress bar (mutation: the bar whatever the stream writes its
+    carriage-return redraws and `step/s` into the log)."""
+    log = MetricsLogger(LoggingConfig(console=True, jsonl=False), str(tmp_path), total_steps=3)
+    for step in (1, 2, 3):
+        log.log(step, {"rollout/reward_mean": 0.1 * step, "perf/step_time_s": 2.0})
+    log.write("a message")
+    log.close()
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert [line.split(" |")[0] for line in text.splitlines() if line.startswith("step ")] == [
+        "step 1", "step 2", "step 3"]
+    assert "\r" not in text and "step/s" not in text and "a message" in text
