@@ -26,13 +26,14 @@ import tempfile
 import time
 from typing import Sequence
 
+from hapo_megatron.refusal import OneLineParser
 from hapo_megatron.config.base import DTYPES
 
 logger = logging.getLogger("hapo.eval")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hapo eval", description=__doc__.split("\n\n")[0],
+    ap = OneLineParser(prog="hapo eval", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF model dir or Megatron checkpoint/run dir")
     ap.add_argument("--data", nargs="+", required=True, help="benchmark files (.parquet/.jsonl)")
