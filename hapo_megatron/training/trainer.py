@@ -90,6 +90,8 @@ def _fit(cfg: HapoConfig, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
         with timer("old_logprob"):
             minis, step_entropy_stats, ent_metrics = stages.old_logprob_pass(rt, minis)
         _stop_if_agreed(rt, stop, before)
+        minis, eda_metrics = stages.edge_eda(rt, minis, batch.meta)  # EDGE-GRPO: advantages x mean_g P / P_i
+        ent_metrics = {**ent_metrics, **eda_metrics}
         with timer("update"):
             minis, upd_metrics = stages.ppo_update(rt, minis, step_entropy_stats)
         with timer("diagnostics"):  # diag/* metrics; rollouts/ every logging.save_rollouts_interval
