@@ -225,7 +225,8 @@ class PolicyLossConfig:
             return
         if self.kl_loss_coef <= 0:
             raise ValueError("archer=true puts a KL term to the reference model on the low-entropy tokens: it "
-                             f"needs kl_loss_coef > 0 (which loads the reference), got kl_loss_coef={self.kl_loss_coef}")
+                             "needs kl_loss_coef > 0 (which loads the reference), got "
+                             f"kl_loss_coef={self.kl_loss_coef}")
         if self.adaptive_clip:
             raise ValueError("archer=true sets each token's clip range by its entropy side, and so does "
                              "adaptive_clip=true: set one of them")

@@ -162,7 +162,7 @@ PRESET_DESCRIPTIONS: dict[str, str] = {
     "forking-tokens": "DAPO trained on the top 20% highest-entropy tokens of the step batch (80/20 rule)",
     "clip-cov": "Clip-Cov: 0.02% of tokens with covariance in (1, 5), chosen at random, lose their gradient",
     "kl-cov": "KL-Cov: the 0.02% of tokens of largest covariance get a |logp - logp_old| penalty (coef 1)",
-    "archer": "ArcherCodeR: per-response entropy split at q0.8; low side clip 0.2 + KL 0.001, high side clip 0.5, no KL",
+    "archer": "ArcherCodeR: per-response entropy split at q0.8; low side clip 0.2 + KL 0.001, high side 0.5, no KL",
     "edge-grpo": "EDGE-GRPO: each response's advantage x mean group entropy / its entropy (EDA; GEC not implemented)",
 }
 
