@@ -207,6 +207,8 @@ OBJECTIVE_PRESETS = {
     "forking-tokens": ("dapo", {"forking_tokens": True}),
     "clip-cov": ("grpo", {"policy_loss": "clip_cov"}),
     "kl-cov": ("grpo", {"policy_loss": "kl_cov"}),
+    "archer": ("grpo", {"archer": True, "clip_ratio_c": 10.0, "kl_loss_coef": 0.001}),
+    "edge-grpo": ("grpo", {"edge_eda": True}),
 }
 
 

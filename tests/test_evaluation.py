@@ -312,6 +312,12 @@ common = ["--data", *data, "--n", "2", "--max-new-tokens", "5", "--seed", "3", "
 assert evaluate(["--model", root + "/mg", "--convert-dir", root + "/mg_hf",
                  "--out", root + "/mg.json", *common]) == 0
 assert evaluate(["--model", model, "--out", root + "/hf.json", *common]) == 0
+# without --convert-dir: converted into a temporary directory, removed after success and after an error
+assert evaluate(["--model", root + "/mg", "--out", root + "/mg2.json", *common]) == 0
+try:
+    evaluate(["--model", root + "/mg", "--out", root + "/mg3.json", "--data", root + "/no_such.jsonl"])
+except Exception as e:
+    print("failed as expected:", type(e).__name__, e)
 """
 
 
@@ -326,10 +332,16 @@ def test_hapo_eval_megatron_checkpoint_matches_hf(tiny_model_and_data, tmp_path)
 
     _, model_dir, data = tiny_model_and_data
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "TMPDIR": str(tmp_path / "tmp")}
     proc = subprocess.run([sys.executable, "-c", _MEGATRON_EVAL_SCRIPT, model_dir, *data,
                            str(tmp_path)], env=env, capture_output=True, text=True, cwd=repo)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "failed as expected" in proc.stdout, proc.stdout[-2000:]
+    # the conversions without --convert-dir left nothing in the temp dir (mutation: mkdtemp, as
+    # before, leaves a hapo_eval_hf_* directory per evaluation)
+    assert [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("hapo_eval_hf_")] == []
     mg = json.loads((tmp_path / "mg.json").read_text())
     hf = json.loads((tmp_path / "hf.json").read_text())
     assert mg["model_source"].startswith("megatron:") and hf["model_source"] == "hf"

@@ -49,6 +49,8 @@ from hapo_megatron.algo.entropy import (
     stats_from_reductions,
     token_entropy,
 )
+from hapo_megatron.algo.archer import archer_clip_ranges, archer_low_side, archer_metrics, archer_quantiles
+from hapo_megatron.algo.edge import EDA_ENTROPY_FLOOR, eda_scales, sequence_entropy_sums
 from hapo_megatron.algo.forking import (
     check_forking_rho,
     forking_count,
@@ -108,6 +110,13 @@ __all__ = [
     "step_seed",
     "token_covariance",
     "SEQUENCE_RATIO_LOSSES",
+    "EDA_ENTROPY_FLOOR",
+    "archer_clip_ranges",
+    "archer_low_side",
+    "archer_metrics",
+    "archer_quantiles",
+    "eda_scales",
+    "sequence_entropy_sums",
     "check_forking_rho",
     "cispo_token_losses",
     "forking_count",

@@ -38,6 +38,12 @@ loss/selected_frac (forking tokens)    loss/num_selected_tokens               lo
 loss/selected_entropy                  loss/selected_entropy_sum              loss/num_selected_tokens
 loss/unselected_entropy                loss/unselected_entropy_sum            loss/num_unselected_tokens
 loss/cov_selected_frac (Clip/KL-Cov)   loss/num_cov_selected_tokens           loss/num_tokens
+loss/archer_low_frac (entropy <= q)    loss/num_archer_low_tokens             loss/num_tokens
+loss/archer_high_frac                  loss/num_archer_high_tokens            loss/num_tokens
+loss/archer_low_entropy                loss/archer_low_entropy_sum            loss/num_archer_low_tokens
+loss/archer_high_entropy               loss/archer_high_entropy_sum           loss/num_archer_high_tokens
+loss/archer_low_clipfrac (any bound)   loss/archer_low_clipfrac_sum           loss/num_archer_low_tokens
+loss/archer_high_clipfrac              loss/archer_high_clipfrac_sum          loss/num_archer_high_tokens
 =====================================  =====================================  ==========================
 
 Counts (``loss/num_tokens``, ``loss/num_seqs``, ``loss/num_high_entropy_tokens``,
@@ -66,6 +72,7 @@ from hapo_megatron.algo.redistribution import redistribute_advantages
 from hapo_megatron.algo.loss_config import PolicyLossConfig
 from hapo_megatron.algo.cov import cov_selection, kl_cov_token_losses
 from hapo_megatron.algo.forking import selection_metrics
+from hapo_megatron.algo.archer import archer_clip_ranges, archer_low_side, archer_metrics, archer_quantiles
 from hapo_megatron.algo.objectives import objective_token_losses, sequence_ratio_metrics, sequence_ratio_terms
 from hapo_megatron.algo.rollout_is import behaviour_log_ratio, rollout_is_weights
 #: log-ratios are clamped to this range before exp (numerical safety; exp(20) ~ 4.9e8)
@@ -100,9 +107,16 @@ LOSS_METRIC_MEANS: Dict[str, Tuple[str, str]] = {
     "loss/cov_selected_frac": ("loss/num_cov_selected_tokens", "loss/num_tokens"),
     "loss/selected_entropy": ("loss/selected_entropy_sum", "loss/num_selected_tokens"),
     "loss/unselected_entropy": ("loss/unselected_entropy_sum", "loss/num_unselected_tokens"),
+    "loss/archer_low_frac": ("loss/num_archer_low_tokens", "loss/num_tokens"),
+    "loss/archer_high_frac": ("loss/num_archer_high_tokens", "loss/num_tokens"),
+    "loss/archer_low_entropy": ("loss/archer_low_entropy_sum", "loss/num_archer_low_tokens"),
+    "loss/archer_high_entropy": ("loss/archer_high_entropy_sum", "loss/num_archer_high_tokens"),
+    "loss/archer_low_clipfrac": ("loss/archer_low_clipfrac_sum", "loss/num_archer_low_tokens"),
+    "loss/archer_high_clipfrac": ("loss/archer_high_clipfrac_sum", "loss/num_archer_high_tokens"),
 }
 LOSS_METRIC_COUNTS = ("loss/num_tokens", "loss/num_seqs", "loss/num_high_entropy_tokens", "loss/num_low_entropy_tokens",
-                      "loss/num_selected_tokens", "loss/num_unselected_tokens", "loss/num_cov_selected_tokens")
+                      "loss/num_selected_tokens", "loss/num_unselected_tokens", "loss/num_cov_selected_tokens",
+                      "loss/num_archer_low_tokens", "loss/num_archer_high_tokens")
 
 
 @dataclass(frozen=True)
@@ -247,7 +261,7 @@ def _check_tensor(name: str, t, shape) -> None:
 
 
 def _policy_token_losses(logprobs, old_logprobs, advantages, valid, h_hat, cfg: PolicyLossConfig,
-                         seq_terms_sum=None, seq_lengths=None, kl_select=None):
+                         seq_terms_sum=None, seq_lengths=None, kl_select=None, archer_low=None):
     """Per-token loss ``[B, T]`` of ``cfg.policy_loss`` (0 on padding) and detached intermediates."""
     zero = torch.zeros((), device=logprobs.device)
     log_ratio = logprobs.to(torch.float32) - old_logprobs.detach().to(torch.float32)
@@ -257,6 +271,9 @@ def _policy_token_losses(logprobs, old_logprobs, advantages, valid, h_hat, cfg: 
     eps_l, eps_r = float(cfg.clip_ratio_low), float(cfg.clip_ratio_high)
     if cfg.adaptive_clip:
         low, high = adaptive_clip_ranges(h_hat, eps_l, eps_r, cfg.clip_alpha)
+    elif cfg.archer:
+        low, high = archer_clip_ranges(archer_low, cfg.archer_low_clip_ratio_low, cfg.archer_low_clip_ratio_high,
+                                       cfg.archer_high_clip_ratio_low, cfg.archer_high_clip_ratio_high)
     else:
         low, high = torch.full_like(adv, eps_l), torch.full_like(adv, eps_r)
     adv_p = adv
@@ -385,6 +402,7 @@ def hapo_policy_loss(
     select_entropy: Optional[torch.Tensor] = None,
     cov_select: Optional[torch.Tensor] = None,
     cov_keys: Optional[torch.Tensor] = None,
+    archer_low: Optional[torch.Tensor] = None,
     return_token_fields: bool = False,
 ):
     """HAPO policy loss (docs/algorithm.md, "Policy loss") as ``(loss_sum, normalizer, metrics)``.
@@ -428,6 +446,8 @@ def hapo_policy_loss(
             there: ``algo.cov.select_with_stats`` of the step's statistics).
         cov_keys: ``[B, T]`` the tokens' random keys (``cov_scope: micro_batch``, required there;
             ``algo.cov.position_keys``): the selection is made here, over this call's tokens.
+        archer_low: ``[B, T]`` bool, Archer's low-entropy side (default with ``archer``: each row's
+            ``archer_quantile`` of ``entropy``, :func:`~hapo_megatron.algo.archer.archer_low_side`).
 
     Returns:
         ``loss_sum`` (0-dim float32, differentiable), ``normalizer`` (0-dim float32; 0 when nothing
@@ -449,6 +469,12 @@ def hapo_policy_loss(
     if token_select is not None and (not torch.is_tensor(token_select) or token_select.shape != logprobs.shape):
         raise ValueError(f"token_select must be a tensor of shape {tuple(logprobs.shape)}")
     valid = loss_mask.detach() != 0
+    if cfg.archer and archer_low is None:
+        if entropy is None:
+            raise ValueError("entropy (or archer_low) is required when archer is on")
+        archer_low = archer_low_side(entropy, valid, archer_quantiles(entropy, valid, cfg.archer_quantile))
+    if archer_low is not None:
+        archer_low = archer_low.detach().bool() & valid
     seq_lengths = None if seq_token_counts is None else seq_token_counts.detach().float()
     seq_log_ratio = None
     if cfg.policy_loss in SEQUENCE_RATIO_LOSSES:
@@ -462,7 +488,8 @@ def hapo_policy_loss(
     if cov_on:
         cov_select = cov_selection(cfg, advantages, logprobs, valid, cov_select, cov_keys, clipped=None)
     pg_mat, aux = _policy_token_losses(
-        logprobs, old_logprobs, advantages, valid, h_hat, cfg, seq_ratio_terms_sum, seq_lengths, kl_select=cov_select)
+        logprobs, old_logprobs, advantages, valid, h_hat, cfg, seq_ratio_terms_sum, seq_lengths, kl_select=cov_select,
+        archer_low=archer_low)
     zero = torch.zeros((), device=logprobs.device)
     if cov_on and cfg.policy_loss == "clip_cov":
         cov_select = cov_selection(cfg, advantages, logprobs, valid, cov_select, cov_keys,
@@ -484,7 +511,11 @@ def hapo_policy_loss(
         pg_mat = pg_mat * is_w
     loss_mat = pg_mat
     kl_mat = None if ref_logprobs is None else kl_penalty(logprobs, ref_logprobs, cfg.kl_loss_type)
-    if kl_mat is not None and cfg.kl_loss_coef > 0:
+    if kl_mat is not None and cfg.archer:  # the low side's coefficient, and the high side's
+        coef = torch.where(archer_low, torch.full((), float(cfg.kl_loss_coef), device=logprobs.device),
+                           torch.full((), float(cfg.archer_high_kl_coef), device=logprobs.device))
+        loss_mat = loss_mat + coef * torch.where(valid, kl_mat, zero)
+    elif kl_mat is not None and cfg.kl_loss_coef > 0:
         loss_mat = loss_mat + float(cfg.kl_loss_coef) * torch.where(valid, kl_mat, zero)
     if entropy is not None and cfg.entropy_coeff != 0.0:
         loss_mat = loss_mat - float(cfg.entropy_coeff) * torch.where(valid, entropy.float(), zero)
@@ -500,6 +531,9 @@ def hapo_policy_loss(
         metrics.update(selection_metrics(valid, token_select.detach().bool(), select_entropy))
     if cov_on:
         metrics["loss/num_cov_selected_tokens"] = cov_select.sum().to(torch.float64)
+    if cfg.archer:
+        metrics.update(archer_metrics(valid, archer_low, entropy,
+                                      aux["clip_low"] | aux["clip_high"] | aux["clip_dual"]))
     if not return_token_fields:
         return loss_sum, normalizer, metrics
     fields = PolicyTokenFields(ratio=aux["ratio"], adv_after=aux["adv_p"].detach(), clip_low=aux["clip_low"],

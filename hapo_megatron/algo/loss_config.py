@@ -123,6 +123,28 @@ class PolicyLossConfig:
     the normaliser still counts every valid token."""
     forking_rho: float = 0.2
     """Share of the step batch's valid tokens, by entropy from the top, that forking_tokens trains, in (0, 1]."""
+    archer: bool = False
+    """ArcherCodeR's dual-token constraints (docs/algorithm.md, "Archer"): each response's tokens are split
+    at its archer_quantile of the current entropy; the low side (entropy <= quantile) is clipped at
+    archer_low_clip_ratio_low/high and gets the KL term kl_loss_coef (needs > 0: a reference model), the
+    high side is clipped at archer_high_clip_ratio_low/high and gets archer_high_kl_coef."""
+    archer_quantile: float = 0.8
+    """Archer: the per-response entropy quantile splitting the tokens, in (0, 1]."""
+    archer_low_clip_ratio_low: float = 0.2
+    """Archer: eps_L (>= 0) of the low-entropy tokens."""
+    archer_low_clip_ratio_high: float = 0.2
+    """Archer: eps_R (>= 0) of the low-entropy tokens."""
+    archer_high_clip_ratio_low: float = 0.5
+    """Archer: eps_L (>= 0) of the high-entropy tokens."""
+    archer_high_clip_ratio_high: float = 0.5
+    """Archer: eps_R (>= 0) of the high-entropy tokens."""
+    archer_high_kl_coef: float = 0.0
+    """Archer: KL coefficient (>= 0) of the high-entropy tokens (ArcherCodeR: 0, no KL there)."""
+    edge_eda: bool = False
+    """EDGE-GRPO's entropy-driven advantage (docs/algorithm.md, "EDGE-GRPO"): each response's advantage
+    divided by its mean token entropy P_i over the mean of P over its group (all ranks, exact)."""
+    edge_gec: bool = False
+    """EDGE-GRPO's guided error correction of wrong responses: not implemented (refused when true)."""
 
     def __post_init__(self) -> None:
         for name in ("adaptive_clip", "adaptive_advantage"):
@@ -170,6 +192,7 @@ class PolicyLossConfig:
         _finite("forking_rho", self.forking_rho)
         if not 0 < self.forking_rho <= 1:
             raise ValueError(f"forking_rho must be in (0, 1], got {self.forking_rho!r}")
+        self._check_edge_archer()
         pl = self.policy_loss
         if pl in SEQUENCE_RATIO_LOSSES and self.loss_agg_mode != "seq-mean-token-mean":
             raise ValueError(f"policy_loss={pl} is a mean over sequences of a sequence-level term: it needs "
@@ -183,6 +206,36 @@ class PolicyLossConfig:
         if self.forking_tokens and pl in SEQUENCE_RATIO_LOSSES:
             raise ValueError(f"forking_tokens=true selects tokens, but policy_loss={pl} weighs a whole "
                              "sequence by one ratio: set one of them")
+
+    def _check_edge_archer(self) -> None:
+        """Archer's and EDGE-GRPO's knobs and the combinations that mean nothing."""
+        for name in ("archer", "edge_eda", "edge_gec"):
+            _flag(name, getattr(self, name))
+        _finite("archer_quantile", self.archer_quantile)
+        if not 0 < self.archer_quantile <= 1:
+            raise ValueError(f"archer_quantile must be in (0, 1], got {self.archer_quantile!r}")
+        for name in ("archer_low_clip_ratio_low", "archer_low_clip_ratio_high", "archer_high_clip_ratio_low",
+                     "archer_high_clip_ratio_high", "archer_high_kl_coef"):
+            _finite_min(name, getattr(self, name), 0.0)
+        if self.edge_gec:
+            raise ValueError("edge_gec=true (EDGE-GRPO's guided error correction) needs a second generation "
+                             "round on wrong responses and the dataset's reference solutions; it is not "
+                             "implemented here: set edge_gec=false")
+        if not self.archer:
+            return
+        if self.kl_loss_coef <= 0:
+            raise ValueError("archer=true puts a KL term to the reference model on the low-entropy tokens: it "
+                             "needs kl_loss_coef > 0 (which loads the reference), got "
+                             f"kl_loss_coef={self.kl_loss_coef}")
+        if self.adaptive_clip:
+            raise ValueError("archer=true sets each token's clip range by its entropy side, and so does "
+                             "adaptive_clip=true: set one of them")
+        if self.policy_loss != "ppo":
+            raise ValueError(f"archer=true gives the clipped PPO surrogate two clip ranges, but policy_loss="
+                             f"{self.policy_loss} is another objective: set one of them")
+        if self.forking_tokens:
+            raise ValueError("archer=true constrains the low-entropy tokens that forking_tokens=true drops from "
+                             "the policy gradient: set one of them")
 
     @property
     def needs_h_hat(self) -> bool:

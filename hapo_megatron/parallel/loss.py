@@ -43,6 +43,8 @@ from hapo_megatron.algo import (
     COV_LOSSES,
     SEQUENCE_RATIO_LOSSES,
     CovStats,
+    archer_low_side,
+    archer_quantiles,
     compute_entropy_stats,
     forking_select,
     hapo_policy_loss,
@@ -191,6 +193,28 @@ def _cov_inputs(cfg: PolicyLossConfig, batch: MicroBatch, valid, stats: Optional
                              cfg.clip_cov_lb, cfg.clip_cov_ub), None
 
 
+def _archer_low(cfg: PolicyLossConfig, entropy: torch.Tensor, valid: torch.Tensor, cp_group):
+    """Archer's low-entropy side ``[b, s]`` of this shard (rows = sequences): each sequence's
+    ``archer_quantile`` of its valid tokens' current entropies, over every CP shard of it (the
+    shards' rows are all-gathered, padded with NaN to a common width; a quantile ignores order)."""
+    if not cfg.archer:
+        return None
+    e = torch.where(valid, entropy.detach().float(), torch.full((), float("nan"), device=entropy.device))
+    if _cp_size(cp_group) > 1:
+        width = torch.tensor([e.shape[-1]], device=e.device)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=cp_group)
+        pad = int(width) - e.shape[-1]
+        if pad:
+            e = torch.cat([e, torch.full((*e.shape[:-1], pad), float("nan"), device=e.device)], dim=-1)
+        parts = [torch.empty_like(e) for _ in range(_cp_size(cp_group))]
+        dist.all_gather(parts, e.contiguous(), group=cp_group)
+        full = torch.cat(parts, dim=-1)
+    else:
+        full = e
+    q = archer_quantiles(torch.nan_to_num(full, nan=0.0), ~torch.isnan(full), cfg.archer_quantile)
+    return archer_low_side(entropy, valid, q)
+
+
 TokenSink = Callable[[PolicyTokenFields], None]
 
 
@@ -265,6 +289,7 @@ def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: PolicyLossC
         row = batch.max_seqlen if batch.is_packed else shape[1] * _cp_size(cp_group)
         horizon = loss_scale_factor or float(row)
     t = per_token
+    archer_low = _archer_low(cfg, t["entropy"], valid, cp_group)
     loss_sum, normalizer, metrics, token_fields = hapo_policy_loss(
         t["logprobs"], t["old"], t["adv"], valid, t["h_hat"], cfg=cfg,
         loss_scale_factor=horizon, seq_token_counts=lengths, num_seqs=float(n_seq),
@@ -272,7 +297,7 @@ def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: PolicyLossC
         proximal_logprobs=t["proximal"], seq_is_log_ratio=_seq_is_log_ratio(cfg, t, cp_group),
         seq_ratio_terms_sum=_seq_ratio_terms_sum(cfg, t, cp_group), token_select=t["select"],
         select_entropy=t["select_entropy"], cov_select=t["cov_select"], cov_keys=t["cov_keys"],
-        return_token_fields=True)
+        archer_low=archer_low, return_token_fields=True)
     if layout is not None:
         token_fields = token_fields.apply(layout.to_packed)
     if on_token_fields is not None:

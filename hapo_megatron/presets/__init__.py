@@ -27,6 +27,11 @@ result does not depend on the dataclass defaults.
   entropy ("Beyond the 80/20 Rule").
 - ``clip-cov``, ``kl-cov``: GRPO settings with Clip-Cov / KL-Cov (arXiv 2505.22617) at verl's
   defaults (ratio 2e-4, covariance bounds 1 / 5, KL coefficient 1), statistics over the step batch.
+- ``archer``: GRPO settings with ArcherCodeR's dual-token constraints (per-response entropy quantile
+  0.8; low side clip 0.2/0.2 and a low_var_kl term 0.001 to the reference; high side clip 0.5/0.5,
+  no KL), dual clip 10.
+- ``edge-grpo``: GRPO settings with EDGE-GRPO's entropy-driven advantage (its guided error
+  correction is not implemented).
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ _HAPO_KNOBS = {
     "algo.entropy_coeff": 0.0,
     "algo.policy_loss": "ppo",
     "algo.forking_tokens": False,
+    "algo.archer": False,
+    "algo.edge_eda": False,
+    "algo.edge_gec": False,
 }
 
 _DYNAMIC_SAMPLING_AND_OVERLONG = {
@@ -127,6 +135,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "algo.clip_cov_ratio": 2e-4, "algo.clip_cov_lb": 1.0, "algo.clip_cov_ub": 5.0, "algo.cov_scope": "step"}),
     "kl-cov": _objective("kl_cov", 0.2, 0.2, "token-mean", **{
         "algo.kl_cov_ratio": 2e-4, "algo.kl_cov_coef": 1.0, "algo.cov_scope": "step"}),
+    # ArcherCodeR's script (scripts/train/run_archer_qwen2.5_1.5b_code.sh): per-response entropy
+    # quantile 0.8, low side clip 0.2/0.2 + low_var_kl 0.001, high side clip 0.5/0.5 and no KL
+    "archer": {**GRPO, "algo.clip_ratio_c": 10.0, "algo.archer": True, "algo.archer_quantile": 0.8,
+               "algo.archer_low_clip_ratio_low": 0.2, "algo.archer_low_clip_ratio_high": 0.2,
+               "algo.archer_high_clip_ratio_low": 0.5, "algo.archer_high_clip_ratio_high": 0.5,
+               "algo.archer_high_kl_coef": 0.0, "algo.kl_loss_coef": 0.001, "algo.kl_loss_type": "low_var_kl"},
+    # EDGE-GRPO's train_grpo.sh (TRL): GRPO advantages, clip 0.2/0.2, beta 0, token-mean (bnpo), EDA on;
+    # its guided error correction (GEC) is not implemented (edge_gec is refused)
+    "edge-grpo": {**GRPO, "algo.edge_eda": True},
 }
 
 PRESET_DESCRIPTIONS: dict[str, str] = {
@@ -145,6 +162,8 @@ PRESET_DESCRIPTIONS: dict[str, str] = {
     "forking-tokens": "DAPO trained on the top 20% highest-entropy tokens of the step batch (80/20 rule)",
     "clip-cov": "Clip-Cov: 0.02% of tokens with covariance in (1, 5), chosen at random, lose their gradient",
     "kl-cov": "KL-Cov: the 0.02% of tokens of largest covariance get a |logp - logp_old| penalty (coef 1)",
+    "archer": "ArcherCodeR: per-response entropy split at q0.8; low side clip 0.2 + KL 0.001, high side 0.5, no KL",
+    "edge-grpo": "EDGE-GRPO: each response's advantage x mean group entropy / its entropy (EDA; GEC not implemented)",
 }
 
 

@@ -5,7 +5,6 @@ KL reference; resuming when asked. The built state is a `training.runtime.Runtim
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -33,6 +32,7 @@ from hapo_megatron.training.memory.offload import make_actor_offloader
 from hapo_megatron.training.checkpointing.rl_state import RLState
 from hapo_megatron.training.batches.rollout_batch import DynamicSampler
 from hapo_megatron.training.rollout_protocol import Rank0Channel
+from hapo_megatron.training.run_records import read_summary, set_aside_after
 from hapo_megatron.training.runtime import Runtime
 from hapo_megatron.training.sources import build_datasets, initial_hf_weights, load_hf_config, load_tokenizer
 
@@ -63,22 +63,6 @@ def setup_reference(rt: Runtime) -> None:
             if rt.is_main:
                 open(os.path.join(ref_dir, COMPLETE), "w").close()
             dist.barrier()
-
-
-def start_fresh(run_dir: str, ckpt_root: str) -> None:
-    """A new run in an existing directory: old metrics and saved rollouts go, old checkpoints are
-    moved aside (so their step numbers cannot shadow the new run's) rather than deleted."""
-    import shutil
-    import time
-    for name in ("metrics.jsonl", "sft_metrics.jsonl", "summary.json"):
-        path = os.path.join(run_dir, name)
-        if os.path.exists(path):
-            os.remove(path)
-    shutil.rmtree(os.path.join(run_dir, "rollouts"), ignore_errors=True)
-    if os.path.isdir(ckpt_root) and os.listdir(ckpt_root):
-        old = f"{ckpt_root}.old-{time.strftime('%Y%m%d-%H%M%S')}"
-        os.rename(ckpt_root, old)
-        warnings.warn(f"starting a new run in {run_dir}: previous checkpoints moved to {old}")
 
 
 ROUTES_SERVER_FLAG = "--enable-return-routed-experts"  # SGLang answers return_routed_experts requests
@@ -164,6 +148,15 @@ def build_logger(cfg: HapoConfig, *, enabled: bool) -> MetricsLogger:
                          config=cfg.to_dict(), desc=cfg.trainer.experiment_name, initial_step=0)
 
 
+def set_aside_resumed_records(rt: Runtime) -> None:
+    """Rank 0 on resume: what the resumed run writes again (metrics lines and rollouts after its
+    step, the summary) goes to a dated folder, the summary kept for the new one (run_records.py)."""
+    rt.previous_summary = read_summary(rt.run_dir)
+    moved = set_aside_after(rt.run_dir, rt.rl.step)
+    if moved:
+        rt.logger.write(f"resume: the records of the run after step {rt.rl.step} are moved to {moved}")
+
+
 def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, datasets=None) -> Runtime:
     """Build datasets, actor, engine (rank 0), sinks and checkpoint manager; resume if asked."""
 
@@ -183,9 +176,7 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
         init_hf_path=init_hf, init_megatron_path=cfg.model.megatron_load_path,
         moe_aux_loss_coef=cfg.model.moe_aux_loss_coef, routing=routing_mode(cfg, hf_config))
     ckpt_root = os.path.join(cfg.trainer.run_dir, "checkpoints")
-    resume_from = resolve_resume(cfg.trainer.resume, ckpt_root)
-    if resume_from is None and rank == 0:
-        start_fresh(cfg.trainer.run_dir, ckpt_root)
+    resume_from = resolve_resume(cfg.trainer.resume, ckpt_root)  # a fresh start: train.start_records
     dist.barrier()
     logger = build_logger(cfg, enabled=rank == 0)
     rt = Runtime(
@@ -216,6 +207,8 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
             state = rt.ckpt.load(resume_from, load_model=actor.load)
         logger.write(resume_message(resume_from, read_checkpoint_info(resume_from), rt.ckpt.layout))
         rt.restore(state)
+        if rt.is_main:
+            set_aside_resumed_records(rt)
         logger.resume(rt.rl.step)
         logger.write(f"resumed from {resume_from} at step {rt.rl.step}")
     return rt

@@ -426,6 +426,41 @@ def forking_threshold(rt: Runtime, minis: Minis) -> Optional[float]:
     return global_forking_threshold(ent, mask, group=rt.groups.dp, rho=rt.cfg.algo.loss.forking_rho)
 
 
+def edge_eda(rt: Runtime, minis: Minis, meta: SequenceMeta) -> tuple[Minis, dict[str, float]]:
+    """``algo.edge_eda`` (EDGE-GRPO's entropy-driven advantage, docs/algorithm.md, "EDGE-GRPO"): every
+    sequence's advantage times ``mean_g P / P_i``, ``P`` the mean old entropy of a response. The
+    per-sequence sums are exact over the last stage's DP group (each sequence is held whole by one
+    DP rank, the others add zeros), so the factors do not depend on the layout."""
+    if not rt.cfg.algo.loss.edge_eda or not rt.groups.is_pipeline_last:
+        return minis, {}
+    from hapo_megatron.algo import eda_scales, sequence_entropy_sums
+    flat, dev, n = _flat(minis), rt.actor.device, len(meta.group_ids)
+    sums = torch.zeros(n, dtype=torch.float64, device=dev)
+    cnt = torch.zeros_like(sums)
+    for mb in flat:
+        s_, c_ = sequence_entropy_sums(mb.old_entropy.to(dev), mb.loss_mask.to(dev),
+                                       mb.tokens_of_sequences(mb.seq_index).to(dev), n)
+        sums += s_
+        cnt += c_
+    g = rt.groups.dp
+    if g is not None and dist.is_initialized() and dist.get_world_size(g) > 1:
+        dist.all_reduce(sums, group=g)
+        dist.all_reduce(cnt, group=g)
+    scale = eda_scales(sums, cnt, meta.group_ids)
+    out = []
+    for mb in flat:
+        idx = mb.seq_index.to(dev)
+        per_seq = torch.where(idx >= 0, scale[idx.clamp_min(0)], torch.ones_like(idx, dtype=scale.dtype))
+        tok = mb.tokens_of_sequences(per_seq.to(mb.advantages.device))
+        out.append(mb.with_(advantages=(mb.advantages.double() * tok).to(mb.advantages.dtype)))
+    has = cnt > 0
+    sc = scale[has]
+    metrics = {"adv/edge_eda_scale_mean": float(sc.mean()) if sc.numel() else 1.0,
+               "adv/edge_eda_scale_max": float(sc.max()) if sc.numel() else 1.0,
+               "adv/edge_eda_scale_min": float(sc.min()) if sc.numel() else 1.0}
+    return _regroup(out, minis), metrics
+
+
 def step_cov_stats(rt: Runtime, minis: Minis):
     """``algo.policy_loss`` clip_cov / kl_cov: the step's `CovStats` (docs/algorithm.md, "Clip-Cov and
     KL-Cov"), exact over the last stage's DP group like `forking_threshold`; with ``cov_scope:

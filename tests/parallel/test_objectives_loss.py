@@ -52,6 +52,15 @@ def _configs():
         # Clip-Cov with HAPO's components; KL-Cov (the step's selection, exact over ranks)
         (PolicyLossConfig(policy_loss="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=0.05), "token"),
         (PolicyLossConfig(policy_loss="kl_cov", kl_cov_ratio=0.2, kl_cov_coef=0.5, **OFF), 1.0),
+        # Archer: the per-response entropy quantile spans a sequence's CP shards; alone, and with
+        # HAPO's advantage redistribution under seq-mean-token-mean
+        (PolicyLossConfig(archer=True, archer_quantile=0.8, kl_loss_coef=0.05, archer_high_kl_coef=0.01,
+                          archer_low_clip_ratio_low=0.05, archer_low_clip_ratio_high=0.06,
+                          archer_high_clip_ratio_low=0.15, archer_high_clip_ratio_high=0.2, clip_ratio_c=10.0,
+                          **OFF), 1.0),
+        (PolicyLossConfig(archer=True, archer_quantile=0.5, kl_loss_coef=0.02, adaptive_clip=False,
+                          archer_low_clip_ratio_low=0.1, archer_high_clip_ratio_high=0.3,
+                          loss_agg_mode=SEQ_MEAN), "token"),
     ]
 
 
@@ -143,7 +152,7 @@ def _reference(logits, batch, cfg, stats, temperature):
         assert 0 < int(cov_sel.sum()) < int(batch.loss_mask.sum())
     loss_sum, norm, _ = hapo_policy_loss(logp, batch.old_logprobs, batch.advantages, batch.loss_mask, h_hat,
                                          cfg=cfg, entropy=token_entropy(x, temperature), token_select=sel,
-                                         cov_select=cov_sel)
+                                         cov_select=cov_sel, ref_logprobs=batch.ref_logprobs)
     (loss_sum / norm).backward()
     return (loss_sum / norm).item(), x.grad
 
@@ -217,5 +226,10 @@ def test_objectives_and_forking_tokens_are_layout_invariant():
             assert 0 < m1["loss/num_selected_tokens"] < m1["loss/num_tokens"]
             assert m1["loss/selected_entropy_sum"] / m1["loss/num_selected_tokens"] > \
                 m1["loss/unselected_entropy_sum"] / m1["loss/num_unselected_tokens"]
+        if cfg.archer:  # both sides populated, both clipped somewhere
+            assert 0 < m1["loss/num_archer_high_tokens"] < m1["loss/num_archer_low_tokens"]
+            assert m1["loss/archer_high_entropy_sum"] / m1["loss/num_archer_high_tokens"] > \
+                m1["loss/archer_low_entropy_sum"] / m1["loss/num_archer_low_tokens"]
+            assert m1["loss/archer_low_clipfrac_sum"] > 0 and m1["loss/archer_high_clipfrac_sum"] > 0
         if cfg.policy_loss in ("gspo", "gmpo"):
             assert m1["loss/num_seqs"] == 5 and math.isfinite(m1["loss/seq_ratio_sum"])

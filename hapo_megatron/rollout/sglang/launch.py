@@ -133,11 +133,6 @@ def server_env(*, cpu: bool, base: Optional[dict] = None) -> dict:
     for name in [k for k in env if k.startswith("TORCHELASTIC_")]:
         env.pop(name)
     paths = [_PACKAGE_PARENT]
-    # a SIGTERM to the server's main process alone (an operator's `kill PID`) would otherwise wait for
-    # every request in flight without a bound, forever when its scheduler is stuck; we stop a server
-    # only once we wait for none of its answers (docs/multinode.md, "Server lifetime"); SGLang 0.5.23
-    # reads this legacy name (tokenizer_manager.py, sigterm_watchdog) and warns that it is deprecated
-    env["SGL_FORCE_SHUTDOWN"] = "1"
     if cpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] = env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] = "0"

@@ -10,10 +10,14 @@ the server's process group. The watcher ends that whole group, SIGTERM first and
 - the trainer process is gone, however it ended (SIGKILL included, where no ``atexit`` runs):
   the server is then re-parented away from ``TRAINER_PID`` (checked in ``/proc`` every
   ``POLL_S``; a pidfd of the trainer wakes the watcher at once where the kernel has one);
-- the group gets SIGTERM (``launch.stop_process``): SGLang's own SIGTERM handler drains requests
-  in flight first and waits for them without a bound, so a server whose scheduler is stuck (in
+- the group gets SIGTERM (``launch.stop_process``): SGLang's main process handles SIGTERM by
+  draining the requests in flight without a bound, then waits for its HTTP clients to close their
+  connections (uvicorn's graceful shutdown), so a server whose scheduler or clients are stuck (in
   a weight-update rendezvous, say) would never end; after ``GRACE_S`` the watcher kills it;
 - the server has exited: what is left of its group (SGLang's subprocesses) is killed.
+
+The watcher is no descendant of the server: SGLang's shutdown kills every descendant of its main
+process (``kill_process_tree``), which would end the watcher before the server has ended.
 
 Why not ``prctl(PR_SET_PDEATHSIG)`` on the server: the kernel sends it when the launching THREAD
 exits, and a server is also launched from worker threads (a restart by the server supervisor,
@@ -34,14 +38,24 @@ import time
 POLL_S = 0.5  # how often the watcher looks at the trainer and the server
 
 
-def parent_of(pid: int) -> int:
-    """The parent pid of ``pid`` from ``/proc`` (0 once it is gone)."""
+def proc_stat(pid: int) -> tuple[str, int]:
+    """``(state, parent pid)`` of ``pid`` from ``/proc`` (``("X", 0)`` once it is gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
-        return 0
-    return int(stat[stat.rindex(b")") + 2:].split()[1])  # after "pid (comm) state"
+        return "X", 0
+    state, parent = stat[stat.rindex(b")") + 2:].split()[:2]  # after "pid (comm)"
+    return state.decode(), int(parent)
+
+
+def parent_of(pid: int) -> int:
+    """The parent pid of ``pid`` (0 once it is gone)."""
+    return proc_stat(pid)[1]
+
+
+def _alive(pid: int) -> bool:
+    return proc_stat(pid)[0] not in ("Z", "X")
 
 
 def _trainer_fd(trainer: int) -> int:
@@ -59,7 +73,7 @@ def end_group(server: int, grace_s: float, *, signalled: bool) -> None:
     if not signalled:
         os.killpg(0, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while os.getppid() == server and time.monotonic() < deadline:
+    while _alive(server) and time.monotonic() < deadline:
         time.sleep(0.1)
     os.killpg(0, signal.SIGKILL)
 
@@ -74,14 +88,30 @@ def watch(trainer: int, server: int, grace_s: float) -> None:
         signal.signal(sig, lambda *_: stop.append(True))
     pidfd = _trainer_fd(trainer)
     while True:
-        if os.getppid() != server:  # the server has exited: its leftovers go too
+        state, parent = proc_stat(server)
+        if state in ("Z", "X"):  # the server has exited: its leftovers go too
             os.killpg(0, signal.SIGKILL)
-        if stop or parent_of(server) != trainer:
+        if stop or parent != trainer:
             end_group(server, grace_s, signalled=bool(stop))
         if pidfd >= 0:
             select.select([pidfd], [], [], POLL_S)
         else:
             time.sleep(POLL_S)
+
+
+def _start_watcher(trainer: int, server: int, grace_s: float) -> None:
+    """Fork the watcher, detached from the server's process TREE (a grandchild whose parent has
+    exited) but in its process GROUP: SGLang's shutdown kills every descendant of its main process
+    (``kill_process_tree``) and would take the watcher along before the server has ended."""
+    middle = os.fork()
+    if middle == 0:
+        if os.fork() == 0:
+            try:
+                watch(trainer, server, grace_s)
+            finally:
+                os._exit(1)
+        os._exit(0)
+    os.waitpid(middle, 0)
 
 
 def main(argv: list[str]) -> None:
@@ -92,12 +122,7 @@ def main(argv: list[str]) -> None:
         signal.signal(getattr(signal, f"SIG{name}"), signal.SIG_IGN)
     if os.getppid() != trainer:
         sys.exit(f"server_guard: the trainer (pid {trainer}) is gone; not starting {cmd[0]}")
-    server = os.getpid()
-    if os.fork() == 0:
-        try:
-            watch(trainer, server, grace_s)
-        finally:
-            os._exit(1)
+    _start_watcher(trainer, os.getpid(), grace_s)
     os.execvp(cmd[0], cmd)
 
 

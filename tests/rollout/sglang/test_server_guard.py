@@ -85,6 +85,35 @@ def test_a_server_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
     assert h.process.wait(timeout=STOP_GRACE_S + 60) == -signal.SIGKILL
 
 
+# a server like SGLang's main process on SIGTERM: it kills every descendant of its own (SGLang's
+# kill_process_tree: its schedulers, and the guard's watcher were it one of them), then never ends
+# (SGLang waits for its HTTP clients to close their connections)
+STUCK_SHUTDOWN = """import signal, time, psutil
+def shutdown(*_):
+    for child in psutil.Process().children(recursive=True):
+        child.kill()
+signal.signal(signal.SIGTERM, shutdown)
+print("ready", flush=True)
+while True:
+    time.sleep(60)
+"""
+
+
+def test_stop_ends_a_server_whose_shutdown_kills_its_descendants_and_hangs(tmp_path):
+    """SIGTERM to the group (stop_process) of a server that kills its own descendants and hangs:
+    the watcher, no descendant of the server, SIGKILLs the group after STOP_GRACE_S.
+    Mutation: the watcher a child of the server (one fork): the server kills it and runs on (the
+    wait below reaches its bound)."""
+    log = tmp_path / "server.log"
+    h = start_process([sys.executable, "-c", STUCK_SHUTDOWN], "http://127.0.0.1:9", log_path=str(log))
+    while "ready" not in log.read_text():
+        assert h.process.poll() is None
+        subprocess.run(["sleep", "0.1"])
+    os.killpg(h.process.pid, signal.SIGTERM)
+    # the bound only turns a hang into a failure: the guard acts after STOP_GRACE_S
+    assert h.process.wait(timeout=STOP_GRACE_S + 60) == -signal.SIGKILL
+
+
 def test_the_watcher_ends_with_a_server_that_exits(tmp_path):
     """A server that exits by itself takes its watcher (and anything left in its group) with it;
     its exit code is the server's own."""
@@ -103,6 +132,11 @@ def test_the_guard_starts_nothing_once_its_trainer_is_gone(tmp_path):
     assert run.returncode == 1 and "is gone" in run.stderr and not marker.exists()
 
 
-def test_parent_of_reads_proc():
+def test_proc_readers():
     assert server_guard.parent_of(os.getpid()) == os.getppid()
-    assert server_guard.parent_of(2**22 + 12345) == 0
+    assert server_guard.proc_stat(2**22 + 12345) == ("X", 0)
+    child = subprocess.Popen(["sleep", "60"])
+    child.kill()
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: a zombie
+    assert server_guard.proc_stat(child.pid) == ("Z", os.getpid())
+    child.wait()

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The paper's baselines on the CPU tiny task: HAPO, DAPO, forking tokens (80/20), Archer and
+# EDGE-GRPO (EDA only: its guided error correction is not implemented), 5 seeds each, paired by
+# seed against DAPO; one HAPO seed rerun checks determinism. Writes docs/results/cpu_tiny_baselines/:
+# held-out accuracy per variant and seed, paired differences with 95% t-intervals (the paper-style
+# table), training curves with bands, token diagnostics. 26 runs one after another (a few hours on
+# 2 CPU cores); finished runs (same arguments) are kept, so an interrupted comparison continues.
+#   bash examples/cpu_tiny/compare_baselines.sh
+#   SEEDS="1 2" EXTRA="trainer.total_steps=3" OUT=/tmp/x RUNS=/tmp/r bash examples/cpu_tiny/compare_baselines.sh
+# Archer loads the reference model (its KL term, algo.kl_loss_coef 0.001): one more copy of the
+# tiny model in memory.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export VARIANTS=${VARIANTS:-"dapo hapo forking-tokens archer edge-grpo"}
+export OUT=${OUT:-docs/results/cpu_tiny_baselines}
+export RUNS=${RUNS:-runs/compare_cpu_tiny_baselines}
+export TITLE=${TITLE:-"CPU tiny task: HAPO and the baselines (DAPO, forking tokens, Archer, EDGE-GRPO)"}
+exec bash examples/cpu_tiny/compare.sh
