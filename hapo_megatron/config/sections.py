@@ -143,7 +143,8 @@ class SGLangConfig(_Section):
     mem_fraction_static: float = 0.7
     """SGLang's static GPU memory fraction (weights + KV cache), in (0, 1]."""
     weight_sync: str = "auto"
-    """How weights reach the servers: auto, tensor (CUDA IPC, colocated), distributed (a broadcast group that trainer rank 0 hosts: NCCL with GPU servers, gloo with CPU ones), disk."""
+    """How weights reach the servers: auto, tensor (CUDA IPC, colocated), distributed (a broadcast
+    group that trainer rank 0 hosts: NCCL with GPU servers, gloo with CPU ones), disk."""
     bucket_size_mb: int = 512
     """Size of one weight-update bucket (MiB)."""
     request_timeout_s: float = 600.0
