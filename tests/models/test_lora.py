@@ -214,7 +214,8 @@ ADAPTER_VALUES = 2 * 4 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 2 * (64 + 128)
 
 
 def _actor(rank, world_size):
-    """A LoRA actor at DP2 with the distributed optimizer: what its buffers and optimizer hold."""
+    """A LoRA actor at DP2 with the distributed optimizer: what its buffers and optimizer hold, and
+    its adapters-off reference against a base actor."""
     from hapo_megatron.config.training_sections import OptimConfig
     from hapo_megatron.models import tiny_hf_config
     from hapo_megatron.parallel.groups import destroy_parallel, initialize_parallel
@@ -231,11 +232,33 @@ def _actor(rank, world_size):
     held = sum(p.numel() for group in actor.optimizer.param_groups for p in group["params"])
     out = dict(in_buffers=sorted(in_buffers), trainable=sorted(trainable), held=held,
                metrics=actor.step_metrics(), reference=type(actor.base_reference()).__name__)
+    # the KL reference's log-probs (adapters off) are exactly a base actor's with the same weights
+    base = MegatronActor(tiny_hf_config(ARCH), groups=g, optim=OptimConfig(lr=1e-2, lr_warmup_steps=0),
+                         total_optimizer_steps=2, dtype="fp32", use_te=False, sequence_parallel=False,
+                         recompute_activations=False, use_distributed_optimizer=True, fused_output_layer=True,
+                         moe_aux_loss_coef=None)
+    base.model[0].module.load_state_dict({k: v for k, v in ddp.module.state_dict().items() if ".lora." not in k})
+    _set_adapters(ddp.module, 0, 1)
+    mbs = _micro_batches(tiny_hf_config(ARCH).vocab_size)
+    lp = {name: [x[0] for x in a.compute_logprobs_entropy(mbs, temperature=1.0, model=model)]
+          for name, a, model in (("policy", actor, None), ("reference", actor, actor.base_reference()),
+                                 ("base", base, None))}
+    out["reference_is_base"] = all(torch.equal(r, b) for r, b in zip(lp["reference"], lp["base"]))
+    out["policy_moved"] = min(float((p - b).abs().max()) for p, b in zip(lp["policy"], lp["base"]))
     destroy_parallel()
     return out
 
 
-def test_only_the_adapters_train_and_the_distributed_optimizer_shards_them():
+def _micro_batches(vocab: int) -> list:
+    """Two unequal micro-batches of response tokens."""
+    from hapo_megatron.training.batches.micro_batches import SequenceData, build_rank_micro_batches
+    gen = torch.Generator().manual_seed(0)
+    seqs = [SequenceData(torch.randint(4, vocab, (5 + i,), generator=gen).tolist(),
+                         torch.randint(4, vocab, (3 + 2 * i,), generator=gen).tolist(), index=i) for i in range(3)]
+    return build_rank_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batch_size=2, max_tokens_per_micro_batch=None)
+
+
+def test_only_the_adapters_train_and_the_reference_is_the_base_model():
     from hapo_megatron.models import tiny_hf_config
 
     ranks = run_distributed(_actor, 2, timeout=300)
@@ -250,6 +273,7 @@ def test_only_the_adapters_train_and_the_distributed_optimizer_shards_them():
         assert r["metrics"] == {"actor/trainable_params": ADAPTER_VALUES,
                                 "actor/total_params": total + ADAPTER_VALUES}
         assert r["reference"] == "AdaptersOff"
+        assert r["reference_is_base"] and r["policy_moved"] > 1e-3, r["policy_moved"]
     assert sum(r["held"] for r in ranks) == ADAPTER_VALUES
 
 
