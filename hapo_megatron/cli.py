@@ -23,6 +23,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from hapo_megatron.refusal import OneLineParser, path_error_line, refuse
+
 __all__ = ["main", "build_parser", "DISPATCH"]
 
 DISPATCH = {
@@ -35,9 +37,17 @@ DISPATCH = {
 }
 
 
+PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)
+
+
 def _dispatch(command: str, argv: list[str]) -> int:
+    """A path a command cannot use (missing, a directory, not writable) is one line naming it,
+    exit 2, whatever command met it (docs/troubleshooting.md, "Refusals")."""
     module_name, _ = DISPATCH[command]
-    rc = importlib.import_module(module_name).main(argv)
+    try:
+        rc = importlib.import_module(module_name).main(argv)
+    except PATH_ERRORS as err:
+        return refuse(f"hapo {command}", path_error_line(err), rank=int(os.environ.get("RANK", 0)))
     return int(rc or 0)
 
 
@@ -205,7 +215,7 @@ def _add_data_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="hapo", description="HAPO (Heterogeneous Adaptive Policy Optimization) on Megatron-Core.",
         epilog="Run 'hapo <command> --help' for the options of a command.")
     from hapo_megatron import __version__
@@ -229,8 +239,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:
+    except ValueError as err:
         print(f"hapo: error: {err}", file=sys.stderr)
+        return 2
+    except PATH_ERRORS as err:
+        print(f"hapo: error: {path_error_line(err)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `hapo config docs | head`: the reader left; not an error
         sys.stdout = open(os.devnull, "w")

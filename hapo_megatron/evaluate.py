@@ -26,13 +26,14 @@ import tempfile
 import time
 from typing import Sequence
 
+from hapo_megatron.refusal import OneLineParser
 from hapo_megatron.config.base import DTYPES
 
 logger = logging.getLogger("hapo.eval")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hapo eval", description=__doc__.split("\n\n")[0],
+    ap = OneLineParser(prog="hapo eval", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF model dir or Megatron checkpoint/run dir")
     ap.add_argument("--data", nargs="+", required=True, help="benchmark files (.parquet/.jsonl)")
@@ -139,7 +140,9 @@ def resolve_model(model: str, hf_config: str | None, convert_dir: str | None,
         if not hf_config:
             raise ValueError(f"--model {model!r} is a Megatron checkpoint without an hf/ config: "
                              "pass --hf-config with the HF model directory it was trained from")
-    out = convert_dir or tempfile.mkdtemp(prefix="hapo_eval_hf_")
+    out = convert_dir
+    if out is None:
+        raise ValueError("resolve_model: a Megatron checkpoint needs a convert_dir (run() passes a temporary one)")
     logger.info("converting Megatron checkpoint %s to HF in %s", ckpt, out)
     return convert_megatron_checkpoint(ckpt, hf_config, out, max_position_embeddings), f"megatron:{ckpt}"
 
@@ -198,7 +201,16 @@ def eval_context_length(cfg, model: str) -> int | None:
 
 
 def run(args) -> dict:
-    """Evaluate as described by parsed `args`; returns the JSON-ready results."""
+    """Evaluate as described by parsed `args`; returns the JSON-ready results. A Megatron
+    checkpoint is converted into ``--convert-dir``, else into a temporary ``hapo_eval_hf_*``
+    directory that is removed when the evaluation ends, whether it succeeded or failed."""
+    if args.convert_dir:
+        return _run(args, args.convert_dir)
+    with tempfile.TemporaryDirectory(prefix="hapo_eval_hf_") as scratch:
+        return _run(args, os.path.join(scratch, "hf"))
+
+
+def _run(args, convert_dir: str) -> dict:
     from transformers import AutoTokenizer
 
     from hapo_megatron.config import load_config
@@ -217,7 +229,7 @@ def run(args) -> dict:
         cfg.model.max_position_embeddings = context
         rollout_cfg = dataclasses.replace(rollout_cfg, sglang=dataclasses.replace(
             rollout_cfg.sglang, extra_server_args=sglang_context_args(cfg, rollout_cfg.sglang.extra_server_args)))
-    model_dir, source = resolve_model(args.model, args.hf_config, args.convert_dir, context)
+    model_dir, source = resolve_model(args.model, args.hf_config, convert_dir, context)
     # A converted checkpoint carries its tokenizer files (copied from its hf/ or --hf-config).
     tok_path = args.tokenizer or cfg.data.tokenizer_path or model_dir
     tokenizer = AutoTokenizer.from_pretrained(tok_path)

@@ -17,17 +17,24 @@ from typing import Optional, Sequence
 import torch
 
 from hapo_megatron.compat import activate_cpu_shims
-from hapo_megatron.training.checkpointing.checkpoint import CheckpointLoadError, resolve_resume
+from hapo_megatron.refusal import NOTHING_TO_DO, OneLineParser, refuse
+from hapo_megatron.training.checkpointing.checkpoint import CheckpointLoadError, read_rl_state, resolve_resume
+from hapo_megatron.training.run_records import finished_message, move_records_aside
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="hapo train", description="RL training (HAPO / DAPO / GRPO) on Megatron-Core.")
+    p = OneLineParser(prog="hapo train", description="RL training (HAPO / DAPO / GRPO) on Megatron-Core.")
     p.add_argument("--config", help="YAML config file")
     p.add_argument("--preset", help="algorithm preset (hapo, dapo, grpo, dapo+temp, ...)")
     p.add_argument("--resume", help="'auto' (newest checkpoint in the run dir), 'none', or a checkpoint path")
     p.add_argument("--allow-config-change", action="store_true",
                    help="resume the run directory's checkpoints even though the algorithm (algo.*, reward, model, "
                         "optim, sampling) differs from its saved config.yaml (config/run_identity.py)")
+    p.add_argument("--check", action="store_true",
+                   help="only the checks done before any process starts, for launcher scripts before torchrun: "
+                        f"exit 0 (go), 2 (refused, one line says why) or {NOTHING_TO_DO} (the run is finished)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="with --check: the ranks per node torchrun will start")
+    p.add_argument("--nnodes", type=int, default=1, help="with --check: the number of nodes")
     p.add_argument("overrides", nargs="*", help="dotted overrides such as algo.clip_ratio_high=0.28")
     return p.parse_intermixed_args(list(argv) if argv is not None else None)
 
@@ -112,6 +119,25 @@ def check_installs(cfg, *, cuda: Optional[bool] = None) -> None:
                              "install with TE (README.md), or set parallel.context_parallel_size=1")
 
 
+class RunFinished(Exception):
+    """The run directory holds a finished run and nothing asks for more steps (the message says
+    how to extend it); `main` prints it and exits 0 without touching the directory."""
+
+
+def check_not_finished(cfg, resumes_from: Optional[str]) -> None:
+    """Raise `RunFinished` when ``resumes_from`` (the checkpoint a resume would load) is at or past
+    trainer.total_steps and the run's summary covers it (training/run_records.py)."""
+    if resumes_from is None:
+        return
+    try:
+        step = int(read_rl_state(resumes_from)["step"])
+    except (OSError, ValueError, KeyError):
+        return  # the load reports a damaged checkpoint
+    why = finished_message(cfg.trainer.run_dir, step, cfg.trainer.total_steps)
+    if why:
+        raise RunFinished(why)
+
+
 def _load_model_config(path: Optional[str]):
     from hapo_megatron.training.sources import load_hf_config
     if not path:
@@ -165,6 +191,7 @@ def preflight(cfg, world_size: int, *, allow_config_change: bool = False):
     changed = check_same_algorithm(cfg, resumes_from, allow_change=allow_config_change)
     if changed and int(os.environ.get("RANK", 0)) == 0:
         warnings.warn(f"--allow-config-change: resuming {resumes_from} with a changed algorithm: " + "; ".join(changed))
+    check_not_finished(cfg, resumes_from)
     for i, f in enumerate(list(cfg.data.train_files) + list(cfg.data.val_files)):
         if not os.path.isfile(f):
             raise FileNotFoundError(f"data file {f!r} does not exist (data.train_files / data.val_files)")
@@ -236,6 +263,20 @@ def quiet_warnings() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+def start_records(cfg) -> None:
+    """Rank 0, every rank past its checks: a run that starts fresh (nothing to resume) moves the
+    records of the directory's earlier run into one dated folder first, so that none is
+    overwritten (training/run_records.py), and says where."""
+    run_dir = cfg.trainer.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    if resolve_resume(cfg.trainer.resume, os.path.join(run_dir, "checkpoints")) is not None:
+        return
+    moved = move_records_aside(run_dir)
+    if moved:
+        print(f"hapo train: a new run in {run_dir}: the records of the run before it are moved to {moved}",
+              flush=True)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `hapo train`; returns the exit code: 0 done, 1 stopped by a failure, 2 bad
     input (nothing was run), 75 stopped early by a signal or trainer.exit_after_minutes after
@@ -243,20 +284,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     quiet_warnings()
     from hapo_megatron.config import format_config, load_config, save_config
     args = parse_args(argv)
+    if args.check:  # the world torchrun will start (placement and layout checks read it)
+        os.environ.update(WORLD_SIZE=str(args.nproc_per_node * args.nnodes), LOCAL_WORLD_SIZE=str(args.nproc_per_node))
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     overrides = list(args.overrides) + ([f"trainer.resume={args.resume}"] if args.resume else [])
     try:
         cfg = load_config(args.config, overrides, preset=args.preset)
         tokenizer, datasets = preflight(cfg, world, allow_config_change=args.allow_config_change)
-    except (ValueError, FileNotFoundError) as e:
+    except RunFinished as e:
         if rank == 0:
-            print(f"hapo train: error: {e}", file=sys.stderr, flush=True)
-        return 2
+            print(f"hapo train: {e}", flush=True)
+        return NOTHING_TO_DO if args.check else 0
+    except (ValueError, OSError) as e:  # OSError: FileNotFoundError, IsADirectoryError, PermissionError...
+        return refuse("hapo train", e, rank=rank)
+    if args.check:
+        return 0
     _set_threads(cfg)
     activate_cpu_shims()  # megatron-core on CPU (gloo); a no-op where CUDA is available
     _init_distributed(cfg.trainer.dist_timeout_minutes)
     if rank == 0:
-        os.makedirs(cfg.trainer.run_dir, exist_ok=True)
+        start_records(cfg)
         print(format_config(cfg), flush=True)
         print_memory_plan(cfg, world)
         print(f"config saved to {save_config(cfg, os.path.join(cfg.trainer.run_dir, 'config.yaml'))}", flush=True)

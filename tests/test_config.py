@@ -193,25 +193,39 @@ def test_order_preset_then_yaml_then_overrides(tmp_path):
         load_config(preset="dapo2")
 
 
-SWITCHES = ("adv_estimator", "adaptive_temperature", "adaptive_advantage", "adaptive_clip")
+SWITCHES = ("adv_estimator", "adaptive_temperature", "adaptive_advantage", "adaptive_clip", "policy_loss",
+            "forking_tokens")
+#: the field's objectives (docs/algorithm.md): what each changes from its base preset
+OBJECTIVE_PRESETS = {
+    "gspo": ("grpo", {"policy_loss": "gspo", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4,
+                      "loss_agg_mode": "seq-mean-token-mean"}),
+    "gmpo": ("grpo", {"policy_loss": "gmpo", "clip_ratio_low": 0.4, "clip_ratio_high": 0.4,
+                      "loss_agg_mode": "seq-mean-token-mean"}),
+    "cispo": ("grpo", {"policy_loss": "cispo", "clip_ratio_low": 10.0}),
+    "sapo": ("grpo", {"policy_loss": "sapo", "loss_agg_mode": "seq-mean-token-mean"}),
+    "dr-grpo": ("grpo", {"norm_adv_by_std": False, "loss_agg_mode": "seq-mean-token-sum-norm"}),
+    "forking-tokens": ("dapo", {"forking_tokens": True}),
+    "clip-cov": ("grpo", {"policy_loss": "clip_cov"}),
+    "kl-cov": ("grpo", {"policy_loss": "kl_cov"}),
+}
 
 
 def test_presets_produce_intended_switches():
     hapo = load_config(preset="hapo")
-    assert [hapo.to_dict()["algo"][s] for s in SWITCHES] == ["hapo", True, True, True]
+    assert [hapo.to_dict()["algo"][s] for s in SWITCHES] == ["hapo", True, True, True, "ppo", False]
     h = hapo.algo.loss
     assert (h.clip_ratio_low, h.clip_ratio_high, h.clip_ratio_c) == (0.2, 0.2, 10.0)
     assert hapo.algo.filter_groups and hapo.algo.filter_groups_metric == "acc"
     assert hapo.reward.overlong_buffer_enable and hapo.algo.loss.kl_loss_coef == 0.0
 
     dapo = load_config(preset="dapo")
-    assert [dapo.to_dict()["algo"][s] for s in SWITCHES] == ["grpo", False, False, False]
+    assert [dapo.to_dict()["algo"][s] for s in SWITCHES] == ["grpo", False, False, False, "ppo", False]
     assert (dapo.algo.loss.clip_ratio_low, dapo.algo.loss.clip_ratio_high) == (0.2, 0.28)
     assert dapo.algo.filter_groups and dapo.reward.overlong_buffer_enable
     assert dapo.algo.loss.loss_agg_mode == "token-mean" and dapo.algo.loss.kl_loss_coef == 0.0
 
     grpo = load_config(preset="grpo")
-    assert [grpo.to_dict()["algo"][s] for s in SWITCHES] == ["grpo", False, False, False]
+    assert [grpo.to_dict()["algo"][s] for s in SWITCHES] == ["grpo", False, False, False, "ppo", False]
     assert (grpo.algo.loss.clip_ratio_low, grpo.algo.loss.clip_ratio_high) == (0.2, 0.2)
     assert not grpo.algo.filter_groups and not grpo.reward.overlong_buffer_enable
 
@@ -222,7 +236,18 @@ def test_presets_produce_intended_switches():
         base = dapo.to_dict()
         diff = {(s, k) for s in cfg for k in cfg[s] if cfg[s][k] != base[s][k]}
         assert diff == {("algo", switch)}, name
-    assert set(PRESETS) == {"hapo", "dapo", "grpo", *ablations}
+    assert set(PRESETS) == {"hapo", "dapo", "grpo", *ablations, *OBJECTIVE_PRESETS}
+
+
+def test_objective_presets_change_only_their_objective():
+    for name, (base, want) in OBJECTIVE_PRESETS.items():
+        cfg = load_config(preset=name).to_dict()
+        ref = load_config(preset=base).to_dict()
+        diff = {k: cfg[s][k] for s in cfg for k in cfg[s] if cfg[s][k] != ref[s][k]}
+        assert diff == want, name
+    sapo = load_config(preset="sapo").algo.loss
+    assert (sapo.sapo_tau_pos, sapo.sapo_tau_neg) == (1.0, 1.05)
+    assert load_config(preset="forking-tokens").algo.loss.forking_rho == 0.2
 
 
 def test_presets_do_not_depend_on_defaults():

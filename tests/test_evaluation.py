@@ -10,6 +10,7 @@ import pytest
 from hapo_megatron.training.benchmark_accuracy import (PromptResult, aggregate_results, avg_at_k,
                                                        default_k_values, evaluate, format_results_table,
                                                        generate_and_score, pass_at_k)
+from tests.rollout.standin_engine import StandInEngine
 
 
 def brute_pass_at_k(correct, k):
@@ -108,14 +109,14 @@ class CharTokenizer:
         return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 0))
 
 
-class FakeEngine:
+class FakeEngine(StandInEngine):
     """Returns canned responses per prompt (keyed by the prompt's text)."""
 
     def __init__(self, answers):
         self.answers = answers
         self.calls = []
 
-    def generate(self, prompt_ids, params):
+    def generate(self, prompt_ids, params, on_samples=None):
         self.calls.append((len(prompt_ids), params))
         out = []
         for i, ids in enumerate(prompt_ids):
@@ -125,9 +126,6 @@ class FakeEngine:
                                         finish_reason="stop" if t.endswith("}") else "length",
                                         prompt_index=i) for t in texts])
         return out
-
-    def update_weights(self, named_tensors):
-        pass
 
 
 class ListDataset:
@@ -248,13 +246,13 @@ def test_hapo_eval_cli_tiny_model(tiny_model_and_data, capsys):
     assert all(max(p["response_lengths"]) <= 4 for p in res["per_prompt"])
 
 
-class OracleEngine:
+class OracleEngine(StandInEngine):
     """Answers sample 0 correctly (from the prompt's expression), the others wrongly."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
 
-    def generate(self, prompt_ids, params):
+    def generate(self, prompt_ids, params, on_samples=None):
         import re
 
         from hapo_megatron.rollout.engine import Sample
@@ -273,9 +271,6 @@ class OracleEngine:
                                     finish_reason="stop", prompt_index=i, sample_index=j))
             out.append(group)
         return out
-
-    def shutdown(self):
-        pass
 
 
 def test_hapo_eval_cli_scores_with_real_reward(tiny_model_and_data, monkeypatch):
@@ -317,6 +312,12 @@ common = ["--data", *data, "--n", "2", "--max-new-tokens", "5", "--seed", "3", "
 assert evaluate(["--model", root + "/mg", "--convert-dir", root + "/mg_hf",
                  "--out", root + "/mg.json", *common]) == 0
 assert evaluate(["--model", model, "--out", root + "/hf.json", *common]) == 0
+# without --convert-dir: converted into a temporary directory, removed after success and after an error
+assert evaluate(["--model", root + "/mg", "--out", root + "/mg2.json", *common]) == 0
+try:
+    evaluate(["--model", root + "/mg", "--out", root + "/mg3.json", "--data", root + "/no_such.jsonl"])
+except Exception as e:
+    print("failed as expected:", type(e).__name__, e)
 """
 
 
@@ -331,10 +332,16 @@ def test_hapo_eval_megatron_checkpoint_matches_hf(tiny_model_and_data, tmp_path)
 
     _, model_dir, data = tiny_model_and_data
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "TMPDIR": str(tmp_path / "tmp")}
     proc = subprocess.run([sys.executable, "-c", _MEGATRON_EVAL_SCRIPT, model_dir, *data,
                            str(tmp_path)], env=env, capture_output=True, text=True, cwd=repo)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "failed as expected" in proc.stdout, proc.stdout[-2000:]
+    # the conversions without --convert-dir left nothing in the temp dir (mutation: mkdtemp, as
+    # before, leaves a hapo_eval_hf_* directory per evaluation)
+    assert [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("hapo_eval_hf_")] == []
     mg = json.loads((tmp_path / "mg.json").read_text())
     hf = json.loads((tmp_path / "hf.json").read_text())
     assert mg["model_source"].startswith("megatron:") and hf["model_source"] == "hf"

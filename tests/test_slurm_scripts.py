@@ -6,7 +6,10 @@ What a GPU user relies on (docs/multinode.md, "SLURM"; docs/troubleshooting.md, 
   (`--dependency=afterany`) or requeued job with a new job id continues with `--resume auto`;
 - the task srun starts on each node is torchrun itself (`exec`), so SLURM's stop signal reaches
   torchrun, not a shell whose death makes `srun --kill-on-bad-exit` kill the step;
-- trainer.exit_after_minutes is the job's time left minus STOP_MARGIN_MIN (time_budget.sh).
+- trainer.exit_after_minutes is the job's time left minus STOP_MARGIN_MIN (time_budget.sh);
+- hapo.sbatch runs `python -m hapo_megatron.train --check` with torchrun's arguments first: a
+  refusal is one line and exit 2 before any node starts, a finished run exits 0 (docs/troubleshooting.md,
+  "Refusals").
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ wait $!
 """,
     "scontrol": "#!/usr/bin/env bash\necho node-a; echo node-b\n",
     "squeue": "#!/usr/bin/env bash\necho \"$STANDIN_TIME_LEFT\"\n",
+    # the launcher's check: records its arguments, exits with STANDIN_CHECK_RC (0: go)
+    "python": """#!/usr/bin/env bash
+printf '%s\\n' "$@" > "$STANDIN_LOG/check.args"
+exit "${STANDIN_CHECK_RC:-0}"
+""",
     "torchrun": """#!/usr/bin/env bash
 echo $$ > "$STANDIN_LOG/torchrun.pid"
 printf '%s\\n' "$@" > "$STANDIN_LOG/torchrun.args"
@@ -134,3 +142,30 @@ def test_7b_launcher_passes_the_model_only_when_asked(tmp_path, standins):
     assert override(plain["argv"], "model.hf_model_path") is None
     asked = run_sbatch("7b-sglang", tmp_path, standins, job_id="22", extra_env={"MODEL_PATH": "/models/q7b"})
     assert override(asked["argv"], "model.hf_model_path") == "/models/q7b"
+
+
+def test_the_check_runs_first_with_the_trainers_arguments(tmp_path, standins):
+    """The check gets the world torchrun will start and exactly the trainer's arguments (mutation:
+    a check without the run_dir or --resume auto would check another run than the one trained)."""
+    got = run_sbatch("generic", tmp_path, standins, job_id="31", args=["--preset", "dapo"])
+    check = (tmp_path / "log-31" / "check.args").read_text().splitlines()
+    assert check[:8] == ["-m", "hapo_megatron.train", "--check", "--nnodes", "2", "--nproc-per-node", "8",
+                         "--config"]
+    argv = got["argv"]
+    assert check[7:] == argv[argv.index("hapo_megatron.train") + 1:]
+
+
+@pytest.mark.parametrize("check_rc, job_rc", [(2, 2), (3, 0)])
+def test_a_refused_or_finished_run_starts_no_torchrun(check_rc, job_rc, tmp_path, standins):
+    """Check exit 2 (refused): the job exits 2; 3 (finished): the job exits 0; neither starts
+    torchrun (mutation: without the check step torchrun starts on every node)."""
+    log = tmp_path / "log-41"
+    log.mkdir()
+    env = {"PATH": f"{standins}:{os.environ['PATH']}", "STANDIN_LOG": str(log), "STANDIN_TIME_LEFT": "10:00:00",
+           "SLURM_JOB_ID": "41", "SLURM_JOB_NAME": "x", "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_NNODES": "2",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_SUBMIT_DIR": str(REPO), "RUNS": str(tmp_path / "runs"),
+           "STANDIN_CHECK_RC": str(check_rc)}
+    proc = subprocess.run(["bash", str(REPO / "examples/slurm/hapo.sbatch"), "examples/qwen2.5-math-7b/config.yaml"],
+                          env=env, cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == job_rc, proc.stderr
+    assert (log / "check.args").exists() and not (log / "torchrun.args").exists()

@@ -28,5 +28,15 @@ if [[ " $* " != *" trainer.experiment_name="* && " $* " != *" trainer.run_dir="*
 fi
 
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
-exec torchrun --standalone --nproc-per-node "${NPROC:-2}" -m hapo_megatron.train \
-    --config "examples/${task}/config.yaml" ${extra[@]+"${extra[@]}"} "$@"
+train_args=(--config "examples/${task}/config.yaml" ${extra[@]+"${extra[@]}"} "$@")
+# The checks before any rank starts (config, paths, hardware, a finished run): a refusal is one
+# line and exit code 2, not torchrun's report of failed ranks; a finished run exits 0 here
+# (docs/troubleshooting.md, "Refusals").
+rc=0
+python -m hapo_megatron.train --check --nproc-per-node "${NPROC:-2}" "${train_args[@]}" || rc=$?
+case $rc in
+    0) ;;
+    3) exit 0 ;;   # finished: nothing to do (the check said how to extend it)
+    *) exit "$rc" ;;
+esac
+exec torchrun --standalone --nproc-per-node "${NPROC:-2}" -m hapo_megatron.train "${train_args[@]}"

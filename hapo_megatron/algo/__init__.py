@@ -21,9 +21,24 @@ from hapo_megatron.algo.choices import (
     KL_LOSS_TYPES,
     LOSS_AGG_MODES,
     OLD_LOGPROB_SOURCES,
+    COV_LOSSES,
+    COV_SCOPES,
+    POLICY_LOSSES,
     ROLLOUT_IS_MODES,
+    SEQUENCE_RATIO_LOSSES,
 )
 from hapo_megatron.algo.clipping import adaptive_clip_ranges
+from hapo_megatron.algo.cov import (
+    CovStats,
+    cov_count,
+    cov_stats,
+    kl_cov_token_losses,
+    micro_batch_select,
+    position_keys,
+    select_with_stats,
+    step_seed,
+    token_covariance,
+)
 from hapo_megatron.algo.entropy import (
     EntropyStats,
     check_h_hat_mode,
@@ -33,6 +48,13 @@ from hapo_megatron.algo.entropy import (
     normalize_entropy,
     stats_from_reductions,
     token_entropy,
+)
+from hapo_megatron.algo.forking import (
+    check_forking_rho,
+    forking_count,
+    forking_rank,
+    forking_select,
+    forking_threshold,
 )
 from hapo_megatron.algo.loss import (
     LOSS_METRIC_COUNTS,
@@ -44,6 +66,15 @@ from hapo_megatron.algo.loss import (
     kl_penalty,
 )
 from hapo_megatron.algo.loss_config import PolicyLossConfig
+from hapo_megatron.algo.objectives import (
+    cispo_token_losses,
+    gmpo_clipped_log_ratio,
+    gmpo_token_losses,
+    gspo_token_losses,
+    sapo_gate,
+    sapo_token_losses,
+    sequence_ratio_terms,
+)
 from hapo_megatron.algo.redistribution import redistribute_advantages
 from hapo_megatron.algo.rollout_is import (
     behaviour_log_ratio,
@@ -64,6 +95,31 @@ __all__ = [
     "LOSS_AGG_MODES",
     "OLD_LOGPROB_SOURCES",
     "ROLLOUT_IS_MODES",
+    "POLICY_LOSSES",
+    "COV_LOSSES",
+    "COV_SCOPES",
+    "CovStats",
+    "cov_count",
+    "cov_stats",
+    "kl_cov_token_losses",
+    "micro_batch_select",
+    "position_keys",
+    "select_with_stats",
+    "step_seed",
+    "token_covariance",
+    "SEQUENCE_RATIO_LOSSES",
+    "check_forking_rho",
+    "cispo_token_losses",
+    "forking_count",
+    "forking_rank",
+    "forking_select",
+    "forking_threshold",
+    "gmpo_clipped_log_ratio",
+    "gmpo_token_losses",
+    "gspo_token_losses",
+    "sapo_gate",
+    "sapo_token_losses",
+    "sequence_ratio_terms",
     "LOSS_METRIC_COUNTS",
     "LOSS_METRIC_MEANS",
     "PolicyLossConfig",

@@ -16,3 +16,13 @@ OLD_LOGPROB_SOURCES = ("recompute", "rollout")
 FILTER_GROUPS_METRICS = ("acc", "score")
 # off-policy correction between the behaviour (engine) and proximal (old-log-prob pass) policies
 ROLLOUT_IS_MODES = ("none", "token_tis", "token_mis", "seq_tis")
+# the per-token objective (docs/algorithm.md, "The field's objectives"): the clipped PPO/HAPO
+# surrogate, GSPO's and GMPO's sequence-level ratios, CISPO's clipped detached weight, SAPO's gate
+POLICY_LOSSES = ("ppo", "gspo", "gmpo", "cispo", "sapo", "clip_cov", "kl_cov")
+# objectives whose ratio is one per sequence (the sequence's mean token log-ratio)
+SEQUENCE_RATIO_LOSSES = ("gspo", "gmpo")
+# objectives that select tokens by their advantage x log-prob covariance (algo/cov.py)
+COV_LOSSES = ("clip_cov", "kl_cov")
+# over which tokens Clip-Cov / KL-Cov take their statistics: the step batch on every rank, or
+# each micro-batch on its rank (verl)
+COV_SCOPES = ("step", "micro_batch")

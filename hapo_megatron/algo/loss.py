@@ -31,6 +31,13 @@ loss/entropy                           loss/entropy_sum                       lo
 loss/kl                                loss/kl_sum                            loss/num_tokens
 loss/tis_weight                        loss/tis_weight_sum                    loss/num_tokens
 loss/rollout_is_weight                 loss/rollout_is_weight_sum             loss/num_tokens
+loss/sapo_gate_weight (SAPO's slope)   loss/sapo_gate_weight_sum              loss/num_tokens
+loss/seq_ratio_mean (GSPO/GMPO)        loss/seq_ratio_sum                     loss/num_seqs
+loss/seq_ratio_abs_dev (|s - 1|)       loss/seq_ratio_abs_dev_sum             loss/num_seqs
+loss/selected_frac (forking tokens)    loss/num_selected_tokens               loss/num_tokens
+loss/selected_entropy                  loss/selected_entropy_sum              loss/num_selected_tokens
+loss/unselected_entropy                loss/unselected_entropy_sum            loss/num_unselected_tokens
+loss/cov_selected_frac (Clip/KL-Cov)   loss/num_cov_selected_tokens           loss/num_tokens
 =====================================  =====================================  ==========================
 
 Counts (``loss/num_tokens``, ``loss/num_seqs``, ``loss/num_high_entropy_tokens``,
@@ -53,10 +60,13 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
-from hapo_megatron.algo.choices import KL_LOSS_TYPES, LOSS_AGG_MODES
+from hapo_megatron.algo.choices import COV_LOSSES, KL_LOSS_TYPES, LOSS_AGG_MODES, SEQUENCE_RATIO_LOSSES
 from hapo_megatron.algo.clipping import adaptive_clip_ranges, check_nonneg
 from hapo_megatron.algo.redistribution import redistribute_advantages
 from hapo_megatron.algo.loss_config import PolicyLossConfig
+from hapo_megatron.algo.cov import cov_selection, kl_cov_token_losses
+from hapo_megatron.algo.forking import selection_metrics
+from hapo_megatron.algo.objectives import objective_token_losses, sequence_ratio_metrics, sequence_ratio_terms
 from hapo_megatron.algo.rollout_is import behaviour_log_ratio, rollout_is_weights
 #: log-ratios are clamped to this range before exp (numerical safety; exp(20) ~ 4.9e8)
 LOG_RATIO_CLAMP = 20.0
@@ -83,8 +93,16 @@ LOSS_METRIC_MEANS: Dict[str, Tuple[str, str]] = {
     "loss/kl": ("loss/kl_sum", "loss/num_tokens"),
     "loss/tis_weight": ("loss/tis_weight_sum", "loss/num_tokens"),
     "loss/rollout_is_weight": ("loss/rollout_is_weight_sum", "loss/num_tokens"),
+    "loss/sapo_gate_weight": ("loss/sapo_gate_weight_sum", "loss/num_tokens"),
+    "loss/seq_ratio_mean": ("loss/seq_ratio_sum", "loss/num_seqs"),
+    "loss/seq_ratio_abs_dev": ("loss/seq_ratio_abs_dev_sum", "loss/num_seqs"),
+    "loss/selected_frac": ("loss/num_selected_tokens", "loss/num_tokens"),
+    "loss/cov_selected_frac": ("loss/num_cov_selected_tokens", "loss/num_tokens"),
+    "loss/selected_entropy": ("loss/selected_entropy_sum", "loss/num_selected_tokens"),
+    "loss/unselected_entropy": ("loss/unselected_entropy_sum", "loss/num_unselected_tokens"),
 }
-LOSS_METRIC_COUNTS = ("loss/num_tokens", "loss/num_seqs", "loss/num_high_entropy_tokens", "loss/num_low_entropy_tokens")
+LOSS_METRIC_COUNTS = ("loss/num_tokens", "loss/num_seqs", "loss/num_high_entropy_tokens", "loss/num_low_entropy_tokens",
+                      "loss/num_selected_tokens", "loss/num_unselected_tokens", "loss/num_cov_selected_tokens")
 
 
 @dataclass(frozen=True)
@@ -94,7 +112,9 @@ class PolicyTokenFields:
     padding) and which clip bound was active (bool, False on padding): ``clip_low`` (``A' < 0``,
     ``rho < 1 - eps_L_t``), ``clip_high`` (``A' > 0``, ``rho > 1 + eps_R_t``), ``clip_dual``
     (``A' < 0``, the dual-clip bound ``-A' c`` is the smaller). The ``loss/clipfrac_*_sum``
-    metrics are the sums of these flags: one computation, for the metrics and the diagnostics."""
+    metrics are the sums of these flags: one computation, for the metrics and the diagnostics.
+    With another ``policy_loss`` (docs/algorithm.md, "The field's objectives") ``ratio`` is the ratio
+    that objective clips (GSPO / GMPO: the sequence's) and the flags say where it clipped it."""
 
     ratio: torch.Tensor
     adv_after: torch.Tensor
@@ -226,8 +246,9 @@ def _check_tensor(name: str, t, shape) -> None:
         raise ValueError(f"{name} must be a floating tensor, got dtype {t.dtype}")
 
 
-def _policy_token_losses(logprobs, old_logprobs, advantages, valid, h_hat, cfg: PolicyLossConfig):
-    """Per-token clipped PPO/HAPO loss ``[B, T]`` (0 on padding) and detached intermediates."""
+def _policy_token_losses(logprobs, old_logprobs, advantages, valid, h_hat, cfg: PolicyLossConfig,
+                         seq_terms_sum=None, seq_lengths=None, kl_select=None):
+    """Per-token loss ``[B, T]`` of ``cfg.policy_loss`` (0 on padding) and detached intermediates."""
     zero = torch.zeros((), device=logprobs.device)
     log_ratio = logprobs.to(torch.float32) - old_logprobs.detach().to(torch.float32)
     log_ratio = torch.where(valid, log_ratio, zero)
@@ -242,6 +263,13 @@ def _policy_token_losses(logprobs, old_logprobs, advantages, valid, h_hat, cfg: 
     if cfg.adaptive_advantage:
         adv_p = redistribute_advantages(adv, h_hat.detach(), ratio.detach(), low, high, cfg.adv_beta)
         adv_p = torch.where(valid, adv_p, zero)
+    if cfg.policy_loss == "kl_cov":
+        return kl_cov_token_losses(logprobs, old_logprobs, adv, valid, kl_select, cfg.kl_cov_coef)
+    if cfg.policy_loss not in ("ppo", "clip_cov"):
+        loss, aux = objective_token_losses(cfg, logprobs, old_logprobs, adv_p, valid, low, high,
+                                           seq_terms_sum=seq_terms_sum, seq_lengths=seq_lengths)
+        aux["adv"] = adv  # before redistribution (CISPO composes with it)
+        return loss, aux
     l1 = -adv_p * ratio
     l2 = -adv_p * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     clipped = torch.maximum(l1, l2)
@@ -305,6 +333,8 @@ def _policy_metrics(valid, aux, h_hat, pg_mat, entropy, kl_mat, tis_w, n_seq,
         m["loss/tis_weight_sum"] = msum(tis_w)
     if is_w is not None:
         m["loss/rollout_is_weight_sum"] = msum(is_w)
+    if "gate_weight" in aux:
+        m["loss/sapo_gate_weight_sum"] = msum(aux["gate_weight"])
     return m
 
 
@@ -350,6 +380,11 @@ def hapo_policy_loss(
     rollout_logprobs: Optional[torch.Tensor] = None,
     proximal_logprobs: Optional[torch.Tensor] = None,
     seq_is_log_ratio: Optional[torch.Tensor] = None,
+    seq_ratio_terms_sum: Optional[torch.Tensor] = None,
+    token_select: Optional[torch.Tensor] = None,
+    select_entropy: Optional[torch.Tensor] = None,
+    cov_select: Optional[torch.Tensor] = None,
+    cov_keys: Optional[torch.Tensor] = None,
     return_token_fields: bool = False,
 ):
     """HAPO policy loss (docs/algorithm.md, "Policy loss") as ``(loss_sum, normalizer, metrics)``.
@@ -360,7 +395,9 @@ def hapo_policy_loss(
     Per valid token: ``rho = exp(logprobs - old_logprobs)`` (log-ratio clamped to +-20), clip ranges
     from :func:`adaptive_clip_ranges` if ``adaptive_clip`` else the constants, ``A'`` from
     :func:`redistribute_advantages` if ``adaptive_advantage`` else ``A``;
-    ``l = max(-A' rho, -A' clip(rho, 1 - eps_L_t, 1 + eps_R_t))``, and ``min(l, -A' c)`` where ``A' < 0``.
+    ``l = max(-A' rho, -A' clip(rho, 1 - eps_L_t, 1 + eps_R_t))``, and ``min(l, -A' c)`` where ``A' < 0``;
+    another ``cfg.policy_loss`` replaces ``l`` by its objective (``algo/objectives.py``), and
+    ``forking_tokens`` keeps ``l`` at the ``token_select`` tokens only.
     Optional extras: truncated importance sampling (``tis_cap``: ``l *= min(exp(old - rollout), cap)``),
     the off-policy correction (``rollout_is``: ``l *= w``, ``w`` from ``proximal_logprobs -
     rollout_logprobs`` by :func:`~hapo_megatron.algo.rollout_is.rollout_is_weights`, capped at
@@ -380,6 +417,17 @@ def hapo_policy_loss(
             distribution (``rollout_is``; default ``old_logprobs``).
         seq_is_log_ratio: ``[B]`` full-sequence sums of ``proximal - rollout`` (``seq_tis`` when a
             sequence is split over context-parallel ranks; default: the sum over this row).
+        seq_ratio_terms_sum: ``[B]`` full-sequence sums of
+            :func:`~hapo_megatron.algo.objectives.sequence_ratio_terms` (``policy_loss`` gspo / gmpo
+            when a sequence is split over context-parallel ranks; default: the sum over this row);
+            the sequence's length is ``seq_token_counts`` (default: this row's valid tokens).
+        token_select: ``[B, T]`` bool, the tokens whose policy-gradient term counts (``forking_tokens``;
+            required with it); the others still count in the normaliser.
+        select_entropy: ``[B, T]`` the entropy the selection was made by (for the metrics only).
+        cov_select: ``[B, T]`` bool, Clip-Cov's / KL-Cov's tokens (``cov_scope: step``, required
+            there: ``algo.cov.select_with_stats`` of the step's statistics).
+        cov_keys: ``[B, T]`` the tokens' random keys (``cov_scope: micro_batch``, required there;
+            ``algo.cov.position_keys``): the selection is made here, over this call's tokens.
 
     Returns:
         ``loss_sum`` (0-dim float32, differentiable), ``normalizer`` (0-dim float32; 0 when nothing
@@ -396,10 +444,32 @@ def hapo_policy_loss(
                         ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
                         proximal_logprobs=proximal_logprobs)
     _check_inputs(cfg, rollout_is, entropy, ref_logprobs, rollout_logprobs)
+    if cfg.forking_tokens and token_select is None:
+        raise ValueError("token_select (the forking tokens) is required when forking_tokens is on")
+    if token_select is not None and (not torch.is_tensor(token_select) or token_select.shape != logprobs.shape):
+        raise ValueError(f"token_select must be a tensor of shape {tuple(logprobs.shape)}")
     valid = loss_mask.detach() != 0
+    seq_lengths = None if seq_token_counts is None else seq_token_counts.detach().float()
+    seq_log_ratio = None
+    if cfg.policy_loss in SEQUENCE_RATIO_LOSSES:
+        if seq_ratio_terms_sum is None:
+            seq_ratio_terms_sum = sequence_ratio_terms(
+                cfg.policy_loss, logprobs, old_logprobs, advantages, valid,
+                float(cfg.clip_ratio_low), float(cfg.clip_ratio_high)).sum(-1)
+        lens = valid.sum(-1).float() if seq_lengths is None else seq_lengths
+        seq_log_ratio = seq_ratio_terms_sum.detach().float() / lens.clamp_min(1.0)
+    cov_on = cfg.policy_loss in COV_LOSSES
+    if cov_on:
+        cov_select = cov_selection(cfg, advantages, logprobs, valid, cov_select, cov_keys, clipped=None)
     pg_mat, aux = _policy_token_losses(
-        logprobs, old_logprobs, advantages, valid, h_hat, cfg)
+        logprobs, old_logprobs, advantages, valid, h_hat, cfg, seq_ratio_terms_sum, seq_lengths, kl_select=cov_select)
     zero = torch.zeros((), device=logprobs.device)
+    if cov_on and cfg.policy_loss == "clip_cov":
+        cov_select = cov_selection(cfg, advantages, logprobs, valid, cov_select, cov_keys,
+                                   clipped=aux["clip_low"] | aux["clip_high"])
+        pg_mat = torch.where(cov_select, zero, pg_mat)
+    if token_select is not None:
+        pg_mat = torch.where(token_select.detach().bool(), pg_mat, zero)
     tis_w = None
     if cfg.tis_cap is not None:
         d = old_logprobs.detach().float() - rollout_logprobs.detach().float()
@@ -422,6 +492,14 @@ def hapo_policy_loss(
                                     seq_token_counts=seq_token_counts, num_seqs=num_seqs)
     n_seq = _num_seqs(valid.sum(dim=-1), seq_token_counts, num_seqs)
     metrics = _policy_metrics(valid, aux, h_hat, pg_mat, entropy, kl_mat, tis_w, n_seq, is_w)
+    if seq_log_ratio is not None:
+        lens = valid.sum(-1).float() if seq_lengths is None else seq_lengths
+        counted = (lens > 0) & (num_seqs is None or num_seqs > 0)  # a CP-split sequence counts on one rank
+        metrics.update(sequence_ratio_metrics(seq_log_ratio, counted))
+    if token_select is not None:
+        metrics.update(selection_metrics(valid, token_select.detach().bool(), select_entropy))
+    if cov_on:
+        metrics["loss/num_cov_selected_tokens"] = cov_select.sum().to(torch.float64)
     if not return_token_fields:
         return loss_sum, normalizer, metrics
     fields = PolicyTokenFields(ratio=aux["ratio"], adv_after=aux["adv_p"].detach(), clip_low=aux["clip_low"],

@@ -14,7 +14,7 @@ from typing import Optional
 
 from hapo_megatron.algo.choices import (
     ENTROPY_STATS_SCOPES, H_HAT_ENTROPIES, H_HAT_MODES, KL_LOSS_TYPES, LOSS_AGG_MODES, OLD_LOGPROB_SOURCES,
-    ROLLOUT_IS_MODES,
+    COV_SCOPES, POLICY_LOSSES, ROLLOUT_IS_MODES, SEQUENCE_RATIO_LOSSES,
 )
 
 #: ``rollout_is`` value the run resolves from the rollout section (``with_default_rollout_is``)
@@ -90,6 +90,39 @@ class PolicyLossConfig:
     unless tis_cap or old_logprob_source: rollout already decide the weighting, else none."""
     rollout_is_cap: float = 2.0
     """Cap of the rollout_is weight (> 0)."""
+    policy_loss: str = "ppo"
+    """The per-token objective (docs/algorithm.md, "The field's objectives"): ppo (the clipped
+    surrogate with dual clip; HAPO's adaptive clip and redistribution act on it), gspo (sequence
+    ratio exp(mean token log-ratio), clipped at 1 -/+ clip_ratio_low/high), gmpo (geometric mean of
+    the token ratios clipped in log space at -clip_ratio_low/+clip_ratio_high), cispo (REINFORCE
+    weighted by the detached clipped ratio), sapo (a sigmoid gate of the ratio instead of the clip),
+    clip_cov / kl_cov (the tokens of largest advantage x log-prob covariance lose their gradient /
+    get a KL penalty)."""
+    sapo_tau_pos: float = 1.0
+    """SAPO: temperature (> 0) of the gate sigmoid(tau (rho - 1)) * 4 / tau for tokens with A > 0."""
+    sapo_tau_neg: float = 1.05
+    """SAPO: temperature (> 0) of the gate for tokens with A <= 0."""
+    clip_cov_ratio: float = 2e-4
+    """Clip-Cov: share of the valid tokens, in (0, 1], whose policy gradient is dropped (chosen at random
+    among those with clip_cov_lb < covariance < clip_cov_ub)."""
+    clip_cov_lb: float = 1.0
+    """Clip-Cov: lower bound of the covariance of the tokens it may drop."""
+    clip_cov_ub: float = 5.0
+    """Clip-Cov: upper bound (> clip_cov_lb) of the covariance of the tokens it may drop."""
+    kl_cov_ratio: float = 2e-4
+    """KL-Cov: share of the valid tokens, in (0, 1], of largest covariance that get the KL penalty."""
+    kl_cov_coef: float = 1.0
+    """KL-Cov: coefficient (>= 0) of the penalty |logp - logp_old| on the selected tokens."""
+    cov_scope: str = "step"
+    """Clip-Cov / KL-Cov statistics and selection over the step batch on every rank from the old
+    log-probs ("step", exact for every layout) or per micro-batch on each rank from the current
+    ones ("micro_batch", verl's computation; docs/algorithm.md)."""
+    forking_tokens: bool = False
+    """Train only the forking tokens ("Beyond the 80/20 Rule", arXiv 2506.01939): the loss of a token
+    counts only if its old entropy is in the top forking_rho of the step batch (all ranks, exact);
+    the normaliser still counts every valid token."""
+    forking_rho: float = 0.2
+    """Share of the step batch's valid tokens, by entropy from the top, that forking_tokens trains, in (0, 1]."""
 
     def __post_init__(self) -> None:
         for name in ("adaptive_clip", "adaptive_advantage"):
@@ -111,11 +144,45 @@ class PolicyLossConfig:
             _finite_min("tis_cap", self.tis_cap, 0.0, strict=True)
         _choice("rollout_is", self.rollout_is, (ROLLOUT_IS_AUTO,) + ROLLOUT_IS_MODES)
         _finite_min("rollout_is_cap", self.rollout_is_cap, 0.0, strict=True)
+        self._check_objective()
         if self.rollout_is not in ("none", ROLLOUT_IS_AUTO) and self.tis_cap is not None:
             raise ValueError("tis_cap and rollout_is both weight the loss by the rollout log-probs; set one")
         if self.rollout_is not in ("none", ROLLOUT_IS_AUTO) and self.old_logprob_source != "recompute":
             raise ValueError(f"rollout_is={self.rollout_is} compares the recomputed (proximal) log-probs with "
                              "the rollout's: it needs old_logprob_source=recompute")
+
+    def _check_objective(self) -> None:
+        """The objective's knobs, and the combinations that mean nothing (docs/algorithm.md)."""
+        _choice("policy_loss", self.policy_loss, POLICY_LOSSES)
+        for name in ("sapo_tau_pos", "sapo_tau_neg"):
+            _finite_min(name, getattr(self, name), 0.0, strict=True)
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            _finite(name, getattr(self, name))
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+        _finite("clip_cov_lb", self.clip_cov_lb)
+        _finite("clip_cov_ub", self.clip_cov_ub)
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(f"clip_cov_ub must be > clip_cov_lb ({self.clip_cov_lb}), got {self.clip_cov_ub}")
+        _finite_min("kl_cov_coef", self.kl_cov_coef, 0.0)
+        _choice("cov_scope", self.cov_scope, COV_SCOPES)
+        _flag("forking_tokens", self.forking_tokens)
+        _finite("forking_rho", self.forking_rho)
+        if not 0 < self.forking_rho <= 1:
+            raise ValueError(f"forking_rho must be in (0, 1], got {self.forking_rho!r}")
+        pl = self.policy_loss
+        if pl in SEQUENCE_RATIO_LOSSES and self.loss_agg_mode != "seq-mean-token-mean":
+            raise ValueError(f"policy_loss={pl} is a mean over sequences of a sequence-level term: it needs "
+                             f"loss_agg_mode=seq-mean-token-mean, got loss_agg_mode={self.loss_agg_mode}")
+        if pl not in ("ppo", "cispo", "clip_cov"):
+            for name in ("adaptive_clip", "adaptive_advantage"):
+                if getattr(self, name):
+                    why = "clips one ratio per sequence" if pl in SEQUENCE_RATIO_LOSSES else "has no clip range"
+                    raise ValueError(f"{name}=true adapts a token's clip range by its entropy, but "
+                                     f"policy_loss={pl} {why}: set one of them")
+        if self.forking_tokens and pl in SEQUENCE_RATIO_LOSSES:
+            raise ValueError(f"forking_tokens=true selects tokens, but policy_loss={pl} weighs a whole "
+                             "sequence by one ratio: set one of them")
 
     @property
     def needs_h_hat(self) -> bool:

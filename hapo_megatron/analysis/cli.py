@@ -19,6 +19,7 @@ import sys
 from typing import Sequence
 
 from hapo_megatron.algo.loss_config import PolicyLossConfig
+from hapo_megatron.refusal import OneLineParser, path_error_line
 
 __all__ = ["main", "rollouts_main", "build_parser"]
 
@@ -186,7 +187,7 @@ COMMANDS = {
 
 
 def build_parser(prog: str = "hapo analyze") -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description="Offline analysis of HAPO runs (docs/evaluation.md).")
+    ap = OneLineParser(prog=prog, description="Offline analysis of HAPO runs (docs/evaluation.md).")
     sub = ap.add_subparsers(dest="analyze_command", metavar="{" + ",".join(COMMANDS) + "}", required=True)
     for name, (help_text, add_arguments, run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text[:1].upper() + help_text[1:] + ".")
@@ -200,6 +201,9 @@ def _run(args, prog: str) -> int:
         return args.func(args)
     except ValueError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as err:
+        print(f"{prog}: error: {path_error_line(err)}", file=sys.stderr)  # one line naming the path
         return 2
 
 

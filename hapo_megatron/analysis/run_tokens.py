@@ -34,11 +34,32 @@ from hapo_megatron.analysis.run_metrics import load_metrics, series
 QUANTILES = (0.1, 0.5, 0.8, 0.9, 0.99)
 
 
+def no_rollouts_reason(run_dir: str) -> str:
+    """Why ``run_dir`` has no saved rollouts, for the error: its logging.save_rollouts_interval."""
+    import yaml
+    try:
+        with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as f:
+            interval = ((yaml.safe_load(f) or {}).get("logging") or {}).get("save_rollouts_interval", 0)
+    except (OSError, yaml.YAMLError):
+        interval = None
+    if interval == 0:
+        return ("its logging.save_rollouts_interval is 0 (the default): train with logging.save_rollouts_interval=N "
+                "to save every N-th step's rollouts")
+    return f"logging.save_rollouts_interval={interval}" if interval else "no config.yaml says how it saved them"
+
+
 def load_records(run_dirs: Sequence[str]) -> list[dict]:
-    """Saved-rollout records of every `rollouts/step_*.jsonl` of the runs, in order."""
+    """Saved-rollout records of every `rollouts/step_*.jsonl` of the runs, in order. A run that is
+    no directory or saved no rollouts is refused (ValueError naming it)."""
     records = []
     for d in run_dirs:
+        if not os.path.isdir(d):
+            why = "is not a directory" if os.path.exists(d) else "does not exist"
+            raise ValueError(f"run directory {d!r} {why}")
         paths = sorted(glob.glob(os.path.join(d, "rollouts", "step_*.jsonl*")))
+        if not paths:
+            raise ValueError(f"{d} has no saved rollouts ({os.path.join(d, 'rollouts', 'step_*.jsonl')}): "
+                             + no_rollouts_reason(d))
         for p in paths:
             records.extend(read_rollouts(p))
     return records

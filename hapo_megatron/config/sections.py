@@ -165,9 +165,10 @@ class SGLangConfig(_Section):
     """How generation pauses for a weight update under rollout.max_staleness >= 1 (SGLang's
     /pause_generation): retract (running requests go back to the queue, their KV cache is recomputed
     after), in_place (they stay, keeping their KV cache from the old weights; SGLang cannot flush its
-    cache while they run, so the update keeps it: later requests may also reuse prompt prefixes
-    cached under older weights unless the servers run with --disable-radix-cache), abort (they end
-    and the producer sends them again)."""
+    cache while they run, so the update keeps it, and every request sent from the update on uses a
+    radix-cache namespace of its own, SGLang's cache_salt: no new request reuses prompt-prefix KV
+    computed under older weights), abort (they end; each row resumes from its own tokens under the
+    new weights, AReaL's interruptible generation)."""
 
     def _validate(self) -> None:
         p = self._path

@@ -4,8 +4,9 @@
 here only); ``check_layout`` holds the rules the Megatron layout puts on that shape (TP divides the
 heads, KV heads and FFN, PP the layers, EP the experts, ETP each expert's FFN, no expert split of a
 dense model), for the model builder and the converter as well; ``validate_run`` adds the rules of
-training (MoE under TP needs sequence parallelism, no context parallelism with MoE) and the world
-size's. ``hapo train`` runs it before ``init_process_group``, ``hapo doctor --config`` too.
+training (MoE under TP needs sequence parallelism, no context parallelism with MoE), the world
+size's, and what the servers the trainer launches need of the hardware (FP8 needs CUDA servers).
+``hapo train`` runs it before ``init_process_group``, ``hapo doctor --config`` too.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Mapping, Optional
 
 from hapo_megatron.config.base import _fail
 
-__all__ = ["ModelSpec", "check_layout", "validate_run", "CONFIG_NAMES"]
+__all__ = ["ModelSpec", "check_layout", "validate_run", "CONFIG_NAMES", "CPU_FP8_REFUSED", "check_fp8_launch",
+           "rollout_dtype"]
 
 #: the parallel sizes under their config keys, as ``validate_run``'s messages name them
 CONFIG_NAMES = {"tp": "parallel.tensor_model_parallel_size", "pp": "parallel.pipeline_model_parallel_size",
@@ -94,9 +96,47 @@ def check_layout(spec: ModelSpec, *, tp: Optional[int] = None, pp: Optional[int]
         _fail(f"{names['etp']}={etp} must divide the model's moe_intermediate_size={spec.moe_ffn}")
 
 
-def validate_run(cfg, model_spec: ModelSpec, world_size: int) -> int:
-    """Every check of ``cfg`` (a ``HapoConfig``) against the model and the world size that needs no
-    process group; returns the data-parallel size. ValueError naming the config fields."""
+#: why a CPU server cannot serve block FP8 (measured: docs/testing.md, "FP8 rollouts on CPU")
+CPU_FP8_REFUSED = ("rollout.quantization='fp8' needs CUDA servers: SGLang 0.5.23's CPU backend runs block-FP8 "
+                   "layers only on CPUs with AMX, through sgl_kernel's CPU build (docs/fp8.md)")
+_HALF_DTYPES = ("bfloat16", "float16", "bf16", "fp16")
+
+
+def rollout_dtype(cfg, *, on_gpu: bool) -> str:
+    """The rollout engine's dtype name: ``rollout.dtype``, else the model's on a GPU and fp32 on CPU."""
+    return cfg.rollout.dtype or (cfg.model.dtype if on_gpu else "fp32")
+
+
+def check_fp8_launch(quantization: str, *, device: str, dtype) -> None:
+    """ValueError when servers cannot be launched with ``quantization`` on ``device`` in ``dtype``
+    (a name or a torch dtype): FP8 on a CPU server, or FP8 with float32 activations (SGLang's
+    Fp8Config takes bf16 / fp16)."""
+    if quantization == "fp8":
+        if device == "cpu":
+            _fail(CPU_FP8_REFUSED)
+        if str(dtype).replace("torch.", "") not in _HALF_DTYPES:
+            _fail(f"rollout.quantization='fp8' runs the servers in bf16 or fp16, not {dtype}: "
+                  "set rollout.dtype to bf16")
+
+
+def _check_launched_servers(cfg, cuda: bool) -> None:
+    """What the servers the trainer launches need of this machine (attached servers, ``server_urls``,
+    run elsewhere and decide for themselves)."""
+    r = cfg.rollout
+    if r.engine != "sglang" or r.sglang.server_urls:
+        return
+    check_fp8_launch(r.quantization, device="cuda" if cuda else "cpu", dtype=rollout_dtype(cfg, on_gpu=cuda))
+
+
+def validate_run(cfg, model_spec: ModelSpec, world_size: int, *, cuda: Optional[bool] = None) -> int:
+    """Every check of ``cfg`` (a ``HapoConfig``) against the model, the world size and this
+    machine's hardware (``cuda``: whether the run has GPUs; None: whether this machine has one)
+    that needs no process group; returns the data-parallel size. ValueError naming the config
+    fields, one line (the CLI prints it as its error)."""
+    if cuda is None:
+        import torch
+        cuda = torch.cuda.is_available()
+    _check_launched_servers(cfg, cuda)
     p = cfg.parallel
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
     check_layout(model_spec, tp=tp, pp=p.pipeline_model_parallel_size, ep=p.expert_model_parallel_size,

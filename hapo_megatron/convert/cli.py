@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 
 from hapo_megatron.dtypes import TORCH_DTYPES, short_name, torch_dtype
+from hapo_megatron.refusal import OneLineParser
 from hapo_megatron.models.hf_config import SUPPORTED_ARCHS
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. 12 + 30 = 42."
@@ -311,7 +312,7 @@ def tiny_model(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hapo convert", description=__doc__,
+    p = OneLineParser(prog="hapo convert", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("hf-to-megatron", help="HF safetensors -> Megatron torch_dist")

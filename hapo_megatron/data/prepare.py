@@ -233,9 +233,15 @@ def prepare(name: str, out_dir: str, *, from_paths: Optional[dict[str, str]] = N
     unknown = sorted(set(from_paths) - set(names))
     if unknown:
         raise ValueError(f"--from names {unknown}, which {name!r} does not prepare (it prepares {list(names)})")
+    created = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    reports = [prepare_set(n, out_dir, from_path=from_paths.get(n), tokenizer=tokenizer,
-                           max_prompt_length=max_prompt_length, apply_chat_template=apply_chat_template,
-                           progress=progress) for n in names]
+    try:
+        reports = [prepare_set(n, out_dir, from_path=from_paths.get(n), tokenizer=tokenizer,
+                               max_prompt_length=max_prompt_length, apply_chat_template=apply_chat_template,
+                               progress=progress) for n in names]
+    except BaseException:  # a refused source or an interruption: no empty --out left behind
+        if created and not os.listdir(out_dir):
+            os.rmdir(out_dir)
+        raise
     print(format_summary(reports, tokenizer_name if tokenizer is not None else None, max_prompt_length))
     return reports

@@ -10,9 +10,10 @@ torch extension, sgl_kernel, flashinfer, SGLang (apex optional); TE layer spec v
 tiny GPTModel (GPU); the MoE fused paths (grouped MLP, permute fusion, RoPE fusion) vs unfused
 on a tiny Qwen3-MoE (GPU) and that model trained at EP=2 (2 GPUs); fused log-prob + entropy vs
 float64 (+ memory bandwidth on a GPU); TP=2 and CP=2 on two ranks (two GPUs, else gloo on CPU);
-a real SGLang server (GPU); the trainer's colocated sync sequence on a TP=2 server checked against
-transformers (2+ GPUs); FP8 rollouts against bf16 (greedy tokens, log-prob gap, tokens/s; GPU,
-docs/fp8.md); the memory plan.
+a real SGLang server per weight-sync mode with an in-place pause + tagged update and an
+abort/resume (on one GPU sharing the trainer's GPU, the distributed sync skipped); the trainer's
+colocated sync sequence on a TP=2 server checked against transformers (2+ GPUs); FP8 rollouts
+against bf16 (greedy tokens, log-prob gap, tokens/s; GPU, docs/fp8.md); the memory plan.
 """
 
 from __future__ import annotations

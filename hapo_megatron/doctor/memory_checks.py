@@ -41,7 +41,7 @@ def check_memory_plan(config: str, overrides=(), *, world_size: int | None = Non
     # ETP x EP x PP does not divide it, EP the experts, TP the heads...) fails here with the fields
     # to change, as `hapo train` refuses it at start
     try:
-        validate_run(cfg, ModelSpec.of(hf_config), world)
+        validate_run(cfg, ModelSpec.of(hf_config), world, cuda=True)  # the plan is for GPUs, whatever runs it
     except ValueError as e:
         e.fix = (f"plan for the run's world size (--world-size NODES x GPUS_PER_NODE; {world} was "
                  f"{'given' if world_size else 'assumed'}) or change the parallel.* fields the message names")

@@ -2,7 +2,10 @@
 only; docs/moe.md, "GPU speed settings"): a tiny Qwen3-MoE with TE's layer spec, built once with
 every fused path off and once with one of them on (grouped MLP, fused token permutation, fused
 RoPE), the same HF weights in both; bf16 logits of a padded batch and of a packed (THD) row, and
-the gradient norm of a padded batch, compared."""
+the gradient norm of a padded batch, compared. The padded batch goes in with its padding mask, as
+the trainer sends it (`MegatronActor`, `models/moe_padding.py`): TE's fused permute then sees pads
+in every router call (a routing map that loses their rows failed there, docs/moe.md "Padding and
+fillers")."""
 
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ def _build(hf_config, state, fused: dict):
     return m
 
 
-def _outputs(model, hf_config):
+def _outputs(model, hf_config, device: str = "cuda"):
     """(padded logits, packed-row logits of the same sequences, gradient norm of the padded pass)."""
     from hapo_megatron.training.actor import packed_seq_params_of
     from hapo_megatron.training.batches.micro_batches import SequenceData, collate, collate_packed
@@ -37,14 +40,16 @@ def _outputs(model, hf_config):
     seqs = [SequenceData(torch.randint(0, v, (p,), generator=gen).tolist(),
                          torch.randint(0, v, (r,), generator=gen).tolist(), index=i)
             for i, (p, r) in enumerate([(7, 50), (3, 9), (12, 31)])]
-    padded = collate(seqs).to("cuda")
+    padded = collate(seqs).to(device)
+    assert bool(padded.padding_mask.any()), "the padded batch has no pad"
     model.zero_grad(set_to_none=True)
-    logits = model(padded.input_ids, padded.position_ids, None)
+    logits = model(padded.input_ids, padded.position_ids, None, padding_mask=padded.padding_mask)
     logits.float().logsumexp(-1).mean().backward()
     grad = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None))
-    packed = collate_packed(seqs, seq_multiple=8, row_multiple=8).to("cuda")  # TE's cuDNN THD likes multiples
+    packed = collate_packed(seqs, seq_multiple=8, row_multiple=8).to(device)  # TE's cuDNN THD likes multiples
     with torch.no_grad():
-        row = model(packed.input_ids, packed.position_ids, None, packed_seq_params=packed_seq_params_of(packed))
+        row = model(packed.input_ids, packed.position_ids, None, packed_seq_params=packed_seq_params_of(packed),
+                    padding_mask=packed.padding_mask)
     cu = packed.cu_seqlens.tolist()
     parts = [row[0, cu[i]:cu[i] + s.num_tokens, :v].float() for i, s in enumerate(seqs)]
     return logits.detach()[..., :v].float(), parts, float(grad)

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 from hapo_megatron.config.validate import ModelSpec
 from hapo_megatron.models.hf_config import moe_layer_pattern
+from hapo_megatron.models.moe_padding import real_rows
 from hapo_megatron.parallel.collectives import all_reduce_tensor, rank_and_world
 
 # Megatron's name of the router load-balancing loss in its aux-loss tracker (moe_utils).
@@ -83,9 +84,10 @@ class ExpertLoadMonitor:
     def _hook(self, router, inputs, output) -> None:
         if not self.recording or not torch.is_grad_enabled():
             return
-        _, routing_map = output  # [tokens, experts] bool; padding routes nowhere (models/moe_padding.py)
+        # [tokens, experts] bool; pads are dispatched with weight 0 and not counted (models/moe_padding.py)
+        routing_map = real_rows(inputs, output[1].detach())
         layer = router.layer_number - 1
-        routed = routing_map.detach().sum(0).to(self.device, torch.int64)
+        routed = routing_map.sum(0).to(self.device, torch.int64)
         self.counts[layer] += routed
         self.calls[layer] += routed.sum() > 0  # a filler micro-batch (all padding) is no call; stays on the device
 
@@ -94,10 +96,12 @@ class ExpertLoadMonitor:
             h.remove()
         self.handles = []
 
-    def _reduced_totals(self, *, tp_group=None, pp_group=None, dp_group=None,
+    def _reduced_totals(self, *, tp_group=None, pp_group=None, dp_cp_group=None,
                         sequence_parallel: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(counts ``[L, E]``, router calls ``[L]``, summed aux losses ``[L]``), float64 on
-        `device`, summed over the groups (collective over every group given); resets."""
+        `device`, summed over the groups (collective over every group given); resets. Over
+        data x context parallel: each CP rank routes its own slice of the sequences, and its aux
+        loss is a partial sum over megatron-core's TP x CP reduce group (router.py `_apply_aux_loss`)."""
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
         stats = torch.cat([self.counts.flatten().to(torch.float64), self.calls])  # counts < 2^53: exact
@@ -106,10 +110,11 @@ class ExpertLoadMonitor:
                else torch.zeros(self.num_layers, dtype=torch.float64, device=self.device))
         if tracker is not None:
             tracker["values"].zero_()
-        for group in (pp_group, tp_group if sequence_parallel else None, dp_group):
+        groups = (pp_group, tp_group if sequence_parallel else None, dp_cp_group)
+        for group in groups:
             if group is not None:
                 all_reduce_tensor(stats, group)
-        for group in (pp_group, tp_group if sequence_parallel else None, dp_group):  # partial sums of one loss
+        for group in groups:  # partial sums of one loss over TP (SP) and CP; whole losses over DP
             if group is not None:
                 all_reduce_tensor(aux, group)
         self.counts.zero_()
@@ -117,22 +122,27 @@ class ExpertLoadMonitor:
         n = self.counts.numel()
         return stats[:n].view(self.num_layers, self.num_experts), stats[n:], aux
 
-    def step_metrics(self, *, tp_group=None, pp_group=None, dp_group=None,
+    def step_metrics(self, *, tp_group=None, pp_group=None, dp_cp_group=None, cp_size: int = 1,
                      sequence_parallel: bool) -> dict[str, float]:
         """`actor/moe_aux_loss`: the router load-balancing loss (before its coefficient), mean over
         MoE layers, micro-batches and data-parallel ranks; `actor/moe_expert_load_{max,min}`: the
         most / least loaded expert's share of routed tokens over the uniform share 1/E, and
         `actor/moe_expert_load_cv` their coefficient of variation, per layer over the whole step
-        and all ranks, averaged over MoE layers. Collective over every group given; resets."""
+        and all ranks, averaged over MoE layers. ``dp_cp_group``: the data x context parallel group
+        (`ParallelGroups.dp_cp`), of which ``cp_size`` ranks share each sequence. Collective over
+        every group given; resets."""
         counts, calls, aux = (t.cpu() for t in self._reduced_totals(
-            tp_group=tp_group, pp_group=pp_group, dp_group=dp_group, sequence_parallel=sequence_parallel))
+            tp_group=tp_group, pp_group=pp_group, dp_cp_group=dp_cp_group, sequence_parallel=sequence_parallel))
         layers = calls > 0
         if not bool(layers.any()):
             return {}
-        dp = rank_and_world(dp_group)[1] if dp_group is not None else 1
-        # calls were summed over dp (and tp under SP) ranks: micro-batches per rank = calls / that
-        ranks = dp * (rank_and_world(tp_group)[1] if sequence_parallel and tp_group is not None else 1)
-        per_layer_aux = aux[layers] / (calls[layers] / ranks) / dp
+        dp_cp = rank_and_world(dp_cp_group)[1] if dp_cp_group is not None else 1
+        if dp_cp % cp_size:
+            raise ValueError(f"data x context parallel size {dp_cp} is not a multiple of cp_size {cp_size}")
+        # calls were summed over dp x cp (and tp under SP) ranks: micro-batches per rank = calls / that;
+        # the aux loss over tp (SP) x cp ranks is one loss per data-parallel rank and micro-batch
+        ranks = dp_cp * (rank_and_world(tp_group)[1] if sequence_parallel and tp_group is not None else 1)
+        per_layer_aux = aux[layers] / (calls[layers] / ranks) / (dp_cp // cp_size)
         share = counts[layers] / counts[layers].sum(1, keepdim=True).clamp_min(1) * self.num_experts
         return {"actor/moe_aux_loss": float(per_layer_aux.mean()),
                 "actor/moe_expert_load_max": float(share.max(1).values.mean()),

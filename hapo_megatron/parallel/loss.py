@@ -40,10 +40,17 @@ from hapo_megatron.algo import (
     EntropyStats,
     PolicyLossConfig,
     PolicyTokenFields,
+    COV_LOSSES,
+    SEQUENCE_RATIO_LOSSES,
+    CovStats,
     compute_entropy_stats,
+    forking_select,
     hapo_policy_loss,
     normalize_entropy,
+    position_keys,
+    select_with_stats,
     sequence_log_ratio,
+    sequence_ratio_terms,
 )
 from hapo_megatron.parallel.linear import HiddenStates, logprobs_entropy_from_hidden
 from hapo_megatron.parallel.micro_batch import MicroBatch
@@ -140,6 +147,50 @@ def _seq_is_log_ratio(cfg: PolicyLossConfig, t: dict, cp_group) -> Optional[torc
     return sums
 
 
+def _seq_ratio_terms_sum(cfg: PolicyLossConfig, t: dict, cp_group) -> Optional[torch.Tensor]:
+    """GSPO / GMPO: each sequence's sum of its per-token log-ratio terms ``[b]`` over all its valid
+    tokens, summed over the CP ranks that hold its chunks (detached: the gradient of each token
+    flows through its own log-prob, docs/algorithm.md, "The field's objectives")."""
+    if cfg.policy_loss not in SEQUENCE_RATIO_LOSSES:
+        return None
+    terms = sequence_ratio_terms(cfg.policy_loss, t["logprobs"], t["old"], t["adv"], t["valid"],
+                                 float(cfg.clip_ratio_low), float(cfg.clip_ratio_high))
+    sums = terms.sum(dim=-1)
+    if _cp_size(cp_group) > 1:
+        dist.all_reduce(sums, group=cp_group)
+    return sums
+
+
+def _forking_select(cfg: PolicyLossConfig, batch: MicroBatch, valid, threshold: Optional[float]):
+    """The forking tokens of this micro-batch ``[b, s]`` (None when ``forking_tokens`` is off)."""
+    if not cfg.forking_tokens:
+        return None
+    if batch.old_entropy is None:
+        raise ValueError("batch.old_entropy is required with forking_tokens (the selection's entropy)")
+    if threshold is None and bool(valid.any()):
+        raise ValueError("forking_threshold is required with forking_tokens (from "
+                         "parallel.stats.global_forking_threshold over the step batch)")
+    return forking_select(batch.old_entropy, valid, threshold)
+
+
+def _cov_inputs(cfg: PolicyLossConfig, batch: MicroBatch, valid, stats: Optional[CovStats]):
+    """Clip-Cov / KL-Cov: ``(cov_select, cov_keys)`` of this micro-batch (this rank's CP shard):
+    the step scope's selection from the step's `CovStats`, or the micro-batch scope's keys."""
+    if cfg.policy_loss not in COV_LOSSES:
+        return None, None
+    if stats is None:
+        raise ValueError(f"cov_stats is required with policy_loss={cfg.policy_loss} (from "
+                         "parallel.cov.global_cov_stats, or only its seed with cov_scope=micro_batch)")
+    if batch.seq_index is None:
+        raise ValueError(f"batch.seq_index is required with policy_loss={cfg.policy_loss} (the tokens' "
+                         "positions in the step batch seed their random keys)")
+    keys = position_keys(stats.seed, batch.tokens_of_sequences(batch.seq_index), batch.position_ids)
+    if cfg.cov_scope == "micro_batch":
+        return None, keys
+    return select_with_stats(cfg.policy_loss, stats, batch.advantages, batch.old_logprobs, valid, keys,
+                             cfg.clip_cov_lb, cfg.clip_cov_ub), None
+
+
 TokenSink = Callable[[PolicyTokenFields], None]
 
 
@@ -148,7 +199,9 @@ def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: PolicyLossC
                           temperature: Union[float, torch.Tensor],
                           on_token_fields: Optional[TokenSink] = None,
                           loss_scale_factor: Optional[float] = None,
-                          logprob_chunk_size: Optional[int] = DEFAULT_LOGPROB_CHUNK):
+                          logprob_chunk_size: Optional[int] = DEFAULT_LOGPROB_CHUNK,
+                          forking_threshold: Optional[float] = None,
+                          cov_stats: Optional[CovStats] = None):
     """HAPO loss of one micro-batch as `(loss_sum, num_tokens, metrics)` for Megatron.
 
     Args:
@@ -167,6 +220,11 @@ def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: PolicyLossC
             sequence length of the batch).
         logprob_chunk_size: tokens per chunk of the fused log-prob/entropy (None = no chunking);
             its peak extra memory is about `2 * chunk * V/tp * 4` bytes.
+        forking_threshold: with `forking_tokens`, the step batch's log-entropy threshold
+            (`parallel.stats.global_forking_threshold` of the old entropies; None only when no
+            token of the step is valid).
+        cov_stats: with `policy_loss` clip_cov / kl_cov, the step's `CovStats`
+            (`parallel.cov.global_cov_stats`; with `cov_scope: micro_batch` only its seed is read).
 
     Returns:
         `loss_sum` (0-dim float32, differentiable), `num_tokens` (0-dim int32, see the module
@@ -191,7 +249,10 @@ def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: PolicyLossC
     h_hat, _ = _h_hat(cfg, stats, batch, entropy, valid)
     per_token = dict(logprobs=logprobs, old=batch.old_logprobs, adv=batch.advantages, valid=valid,
                      h_hat=h_hat, entropy=entropy, ref=batch.ref_logprobs, rollout=batch.rollout_logprobs,
-                     proximal=batch.proximal_logprobs if rollout_is != "none" else None)
+                     proximal=batch.proximal_logprobs if rollout_is != "none" else None,
+                     select=_forking_select(cfg, batch, valid, forking_threshold),
+                     select_entropy=batch.old_entropy if cfg.forking_tokens else None)
+    per_token["cov_select"], per_token["cov_keys"] = _cov_inputs(cfg, batch, valid, cov_stats)
     layout = batch.sequence_layout()
     if layout is not None:  # one row per sequence: the seq-mean modes count sequences, not rows
         per_token = {k: None if v is None else layout.to_rows(v) for k, v in per_token.items()}
@@ -209,6 +270,8 @@ def hapo_loss_from_logits(logits: Output, batch: MicroBatch, *, cfg: PolicyLossC
         loss_scale_factor=horizon, seq_token_counts=lengths, num_seqs=float(n_seq),
         entropy=t["entropy"], ref_logprobs=t["ref"], rollout_logprobs=t["rollout"],
         proximal_logprobs=t["proximal"], seq_is_log_ratio=_seq_is_log_ratio(cfg, t, cp_group),
+        seq_ratio_terms_sum=_seq_ratio_terms_sum(cfg, t, cp_group), token_select=t["select"],
+        select_entropy=t["select_entropy"], cov_select=t["cov_select"], cov_keys=t["cov_keys"],
         return_token_fields=True)
     if layout is not None:
         token_fields = token_fields.apply(layout.to_packed)

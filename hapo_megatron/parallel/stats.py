@@ -43,6 +43,7 @@ from hapo_megatron.algo.entropy import (
     nearest_rank_index,
     stats_from_reductions,
 )
+from hapo_megatron.algo.forking import check_forking_rho, forking_rank
 from hapo_megatron.parallel.collectives import all_reduce_tensor
 
 _DIGIT_BITS = 16
@@ -101,8 +102,9 @@ def _digit(keys: torch.Tensor, round_idx: int) -> torch.Tensor:
     return (keys >> shift) & (_BINS - 1)
 
 
-def _select_pivot(keys: torch.Tensor, entropy_pivot: float, group) -> tuple[Optional[int], int]:
-    """Radix select of the `entropy_pivot` nearest-rank quantile: (unsigned key or None, n)."""
+def _select_pivot(keys: torch.Tensor, entropy_pivot: float, group, rank_of=None) -> tuple[Optional[int], int]:
+    """Radix select of the `entropy_pivot` nearest-rank quantile: (unsigned key or None, n);
+    `rank_of(n)` instead picks the element of that 0-based ascending rank."""
     cand = keys
     prefix = 0
     k = None
@@ -115,7 +117,7 @@ def _select_pivot(keys: torch.Tensor, entropy_pivot: float, group) -> tuple[Opti
             n = int(hist.sum())
             if n == 0:
                 return None, 0
-            k = nearest_rank_index(n, entropy_pivot)
+            k = nearest_rank_index(n, entropy_pivot) if rank_of is None else rank_of(n)
         cum = torch.cumsum(hist, 0)
         b = int(torch.searchsorted(cum, torch.tensor([k], dtype=cum.dtype, device=cum.device),
                                    right=True)[0])
@@ -208,3 +210,16 @@ def global_entropy_stats(entropy: torch.Tensor, mask: torch.Tensor, *, group=Non
     sum_sq = exact_global_sum(d * d, group=group)
     return stats_from_reductions(pivot=pivot, sum_sq_dev=sum_sq, count=n,
                                  max_dev=ext[0] - pivot, min_dev=-ext[1] - pivot)
+
+
+def global_forking_threshold(entropy: torch.Tensor, mask: torch.Tensor, *, group=None,
+                             rho: float) -> Optional[float]:
+    """`algo.forking_threshold` over every valid token of every rank of `group` (exact: the radix
+    select above, 4 collectives; `group` as for `global_entropy_stats`). None when no rank has a
+    valid token. Identical on every rank and for every layout."""
+    check_forking_rho(rho)
+    if not torch.is_tensor(entropy) or not torch.is_tensor(mask) or entropy.shape != mask.shape:
+        raise ValueError("entropy and mask must be tensors of the same shape")
+    x = log_entropy(entropy)[mask.detach() != 0]
+    key, _ = _select_pivot(_float_to_key(x), 0.5, group, rank_of=lambda n: forking_rank(n, rho))
+    return None if key is None else _key_to_float(key)

@@ -16,6 +16,17 @@ result does not depend on the dataclass defaults.
   ablations: DAPO settings plus exactly one HAPO component (adaptive temperature sampling,
   token-level group average advantages, differential advantage redistribution, asymmetric
   adaptive clipping respectively).
+- The field's objectives (docs/algorithm.md, "The field's objectives"), each on GRPO settings (no
+  dynamic sampling, no overlong shaping, every HAPO component off) with the defaults of verl's
+  example recipes: ``gspo`` (sequence ratio, clip 3e-4/4e-4, seq-mean-token-mean), ``gmpo``
+  (geometric-mean ratio clipped in log space at -/+0.4, seq-mean-token-mean), ``cispo`` (clipped
+  detached weight, bounds 10 (no lower bound) / 0.2, token-mean), ``sapo`` (sigmoid gate, tau
+  1.0/1.05, seq-mean-token-mean), ``dr-grpo`` (advantages without std normalisation, token sums over
+  the constant horizon rollout.max_response_length).
+- ``forking-tokens``: DAPO with the policy gradient on the top 20% of the step batch's tokens by
+  entropy ("Beyond the 80/20 Rule").
+- ``clip-cov``, ``kl-cov``: GRPO settings with Clip-Cov / KL-Cov (arXiv 2505.22617) at verl's
+  defaults (ratio 2e-4, covariance bounds 1 / 5, KL coefficient 1), statistics over the step batch.
 """
 
 from __future__ import annotations
@@ -36,6 +47,8 @@ _HAPO_KNOBS = {
     "algo.loss_agg_mode": "token-mean",
     "algo.kl_loss_coef": 0.0,
     "algo.entropy_coeff": 0.0,
+    "algo.policy_loss": "ppo",
+    "algo.forking_tokens": False,
 }
 
 _DYNAMIC_SAMPLING_AND_OVERLONG = {
@@ -85,6 +98,12 @@ GRPO: dict[str, Any] = {
     "reward.overlong_buffer_enable": False,
 }
 
+def _objective(policy_loss: str, low: float, high: float, agg: str, **extra: Any) -> dict[str, Any]:
+    """GRPO settings with another per-token objective."""
+    return {**GRPO, "algo.policy_loss": policy_loss, "algo.clip_ratio_low": low, "algo.clip_ratio_high": high,
+            "algo.loss_agg_mode": agg, **extra}
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "hapo": HAPO,
     "dapo": DAPO,
@@ -93,6 +112,21 @@ PRESETS: dict[str, dict[str, Any]] = {
     "dapo+tlga": {**DAPO, "algo.adv_estimator": "hapo"},
     "dapo+redistribution": {**DAPO, "algo.adaptive_advantage": True},
     "dapo+clip": {**DAPO, "algo.adaptive_clip": True},
+    # verl's GSPO recipe: the paper's clip (GSPO, arXiv 2507.18071, section 5.1)
+    "gspo": _objective("gspo", 3e-4, 4e-4, "seq-mean-token-mean"),
+    # verl's GMPO recipe: the clip range (e^-0.4, e^0.4) of GMPO (arXiv 2507.20673)
+    "gmpo": _objective("gmpo", 0.4, 0.4, "seq-mean-token-mean"),
+    # verl's CISPO recipe: a lower bound of 1 - 10 never binds (only the upper one, MiniMax-M1)
+    "cispo": _objective("cispo", 10.0, 0.2, "token-mean"),
+    "sapo": _objective("sapo", 0.2, 0.2, "seq-mean-token-mean", **{"algo.sapo_tau_pos": 1.0,
+                                                                    "algo.sapo_tau_neg": 1.05}),
+    "dr-grpo": _objective("ppo", 0.2, 0.2, "seq-mean-token-sum-norm", **{"algo.norm_adv_by_std": False}),
+    "forking-tokens": {**DAPO, "algo.forking_tokens": True, "algo.forking_rho": 0.2},
+    # verl's defaults for the covariance methods (arXiv 2505.22617)
+    "clip-cov": _objective("clip_cov", 0.2, 0.2, "token-mean", **{
+        "algo.clip_cov_ratio": 2e-4, "algo.clip_cov_lb": 1.0, "algo.clip_cov_ub": 5.0, "algo.cov_scope": "step"}),
+    "kl-cov": _objective("kl_cov", 0.2, 0.2, "token-mean", **{
+        "algo.kl_cov_ratio": 2e-4, "algo.kl_cov_coef": 1.0, "algo.cov_scope": "step"}),
 }
 
 PRESET_DESCRIPTIONS: dict[str, str] = {
@@ -103,6 +137,14 @@ PRESET_DESCRIPTIONS: dict[str, str] = {
     "dapo+tlga": "ablation: DAPO + token-level group average advantages",
     "dapo+redistribution": "ablation: DAPO + differential advantage redistribution",
     "dapo+clip": "ablation: DAPO + asymmetric adaptive clipping",
+    "gspo": "GSPO: sequence-level ratio exp(mean token log-ratio), clip 3e-4/4e-4, seq-mean-token-mean",
+    "gmpo": "GMPO: geometric mean of token ratios clipped in log space at -/+0.4, seq-mean-token-mean",
+    "cispo": "CISPO: REINFORCE weighted by the detached ratio clipped above at 1.2, token-mean",
+    "sapo": "SAPO: soft sigmoid gate of the ratio instead of the clip, tau 1.0/1.05",
+    "dr-grpo": "Dr.GRPO: no std normalisation, token sums over the constant max response length",
+    "forking-tokens": "DAPO trained on the top 20% highest-entropy tokens of the step batch (80/20 rule)",
+    "clip-cov": "Clip-Cov: 0.02% of tokens with covariance in (1, 5), chosen at random, lose their gradient",
+    "kl-cov": "KL-Cov: the 0.02% of tokens of largest covariance get a |logp - logp_old| penalty (coef 1)",
 }
 
 

@@ -232,11 +232,13 @@ class RowRequest:
 class RowResult:
     """What one row of a `RolloutEngine.generate_group` call returned: the new tokens, their
     log-probs, and ``"stop"``, ``"length"`` or ``"abort"`` (`ABORT`: the tokens so far; none when
-    it never started)."""
+    it never started); ``weight_versions``: the weight version of each new token when the engine
+    reports them (SGLang, updates tagged with ``weight_version``), else empty."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str
+    weight_versions: tuple[int, ...] = ()
 
 
 ABORT = "abort"

@@ -223,7 +223,7 @@ class MegatronActor:
             packed = packed_seq_params_of(mb)
             if packed is not None:
                 kw["packed_seq_params"] = packed
-            if self.moe_monitor is not None and mb.padding_mask is not None:  # MoE: padding routed nowhere
+            if self.moe_monitor is not None and mb.padding_mask is not None:  # MoE: padding weighs 0, uncounted
                 kw["padding_mask"] = stage_padding_mask(
                     mb.padding_mask, pre_process=g.is_pipeline_first, tp_rank=g.tp_rank, tp_size=g.tp_size,
                     sequence_parallel=bool(self.config.sequence_parallel))
@@ -424,7 +424,7 @@ class MegatronActor:
         if self.moe_monitor is None:
             return {}
         g = self.groups
-        return self.moe_monitor.step_metrics(tp_group=g.tp, pp_group=g.pp, dp_group=g.dp,
+        return self.moe_monitor.step_metrics(tp_group=g.tp, pp_group=g.pp, dp_cp_group=g.dp_cp, cp_size=g.cp_size,
                                              sequence_parallel=bool(self.config.sequence_parallel))
 
     def _sharded_state_dict(self, is_loading: bool, optimizer_format: str, chained_prefix: bool = False) -> dict:

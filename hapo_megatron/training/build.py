@@ -5,7 +5,6 @@ KL reference; resuming when asked. The built state is a `training.runtime.Runtim
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -14,7 +13,7 @@ from hapo_megatron.config import HapoConfig
 from hapo_megatron.data import PromptSampler
 from hapo_megatron.dtypes import torch_dtype
 from hapo_megatron.models.lora import lora_settings
-from hapo_megatron.config.validate import ModelSpec
+from hapo_megatron.config.validate import ModelSpec, rollout_dtype
 from hapo_megatron.parallel.collectives import all_gather_objects
 from hapo_megatron.parallel.groups import ParallelGroups
 from hapo_megatron.rewards import get_reward_fn
@@ -34,6 +33,7 @@ from hapo_megatron.training.memory.offload import make_actor_offloader
 from hapo_megatron.training.checkpointing.rl_state import RLState
 from hapo_megatron.training.batches.rollout_batch import DynamicSampler
 from hapo_megatron.training.rollout_protocol import Rank0Channel
+from hapo_megatron.training.run_records import read_summary, set_aside_after
 from hapo_megatron.training.runtime import Runtime
 from hapo_megatron.training.sources import build_datasets, initial_hf_weights, load_hf_config, load_tokenizer
 
@@ -70,22 +70,6 @@ def setup_reference(rt: Runtime) -> None:
             dist.barrier()
 
 
-def start_fresh(run_dir: str, ckpt_root: str) -> None:
-    """A new run in an existing directory: old metrics and saved rollouts go, old checkpoints are
-    moved aside (so their step numbers cannot shadow the new run's) rather than deleted."""
-    import shutil
-    import time
-    for name in ("metrics.jsonl", "sft_metrics.jsonl", "summary.json"):
-        path = os.path.join(run_dir, name)
-        if os.path.exists(path):
-            os.remove(path)
-    shutil.rmtree(os.path.join(run_dir, "rollouts"), ignore_errors=True)
-    if os.path.isdir(ckpt_root) and os.listdir(ckpt_root):
-        old = f"{ckpt_root}.old-{time.strftime('%Y%m%d-%H%M%S')}"
-        os.rename(ckpt_root, old)
-        warnings.warn(f"starting a new run in {run_dir}: previous checkpoints moved to {old}")
-
-
 ROUTES_SERVER_FLAG = "--enable-return-routed-experts"  # SGLang answers return_routed_experts requests
 
 
@@ -116,7 +100,7 @@ def engine_settings(cfg, hf_config, *, on_gpu: bool):
     """The rollout section the engine is built from and its dtype: ``rollout.dtype``, else the
     model's on a GPU and fp32 on CPU; launched SGLang servers also get the context length
     (`sglang_context_args`) and, when training replays or measures routes, the routes flag."""
-    dtype = torch_dtype(cfg.rollout.dtype or (cfg.model.dtype if on_gpu else "fp32"))
+    dtype = torch_dtype(rollout_dtype(cfg, on_gpu=on_gpu))
     rollout = cfg.rollout
     if rollout.engine == "sglang":
         from dataclasses import replace
@@ -169,6 +153,15 @@ def build_logger(cfg: HapoConfig, *, enabled: bool) -> MetricsLogger:
                          config=cfg.to_dict(), desc=cfg.trainer.experiment_name, initial_step=0)
 
 
+def set_aside_resumed_records(rt: Runtime) -> None:
+    """Rank 0 on resume: what the resumed run writes again (metrics lines and rollouts after its
+    step, the summary) goes to a dated folder, the summary kept for the new one (run_records.py)."""
+    rt.previous_summary = read_summary(rt.run_dir)
+    moved = set_aside_after(rt.run_dir, rt.rl.step)
+    if moved:
+        rt.logger.write(f"resume: the records of the run after step {rt.rl.step} are moved to {moved}")
+
+
 def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, datasets=None) -> Runtime:
     """Build datasets, actor, engine (rank 0), sinks and checkpoint manager; resume if asked."""
 
@@ -189,9 +182,7 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
         moe_aux_loss_coef=cfg.model.moe_aux_loss_coef, routing=routing_mode(cfg, hf_config),
         lora=lora_settings(cfg.model.lora))
     ckpt_root = os.path.join(cfg.trainer.run_dir, "checkpoints")
-    resume_from = resolve_resume(cfg.trainer.resume, ckpt_root)
-    if resume_from is None and rank == 0:
-        start_fresh(cfg.trainer.run_dir, ckpt_root)
+    resume_from = resolve_resume(cfg.trainer.resume, ckpt_root)  # a fresh start: train.start_records
     dist.barrier()
     logger = build_logger(cfg, enabled=rank == 0)
     rt = Runtime(
@@ -222,6 +213,8 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
             state = rt.ckpt.load(resume_from, load_model=actor.load)
         logger.write(resume_message(resume_from, read_checkpoint_info(resume_from), rt.ckpt.layout))
         rt.restore(state)
+        if rt.is_main:
+            set_aside_resumed_records(rt)
         logger.resume(rt.rl.step)
         logger.write(f"resumed from {resume_from} at step {rt.rl.step}")
     return rt

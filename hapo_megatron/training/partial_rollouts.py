@@ -46,12 +46,19 @@ class PartialRow:
     finish: Optional[str] = None
     resumes: int = 0  # how many times it was continued after an abort
 
-    def extend(self, res: RowResult, version: int, max_tokens: int) -> None:
+    def extend(self, res: RowResult, version: int, max_tokens: int, stop_ids: tuple[int, ...] = ()) -> None:
+        """Append one request's answer. ``stop_ids``: the tokens that end a response (the request's
+        ``stop_token_ids``, the EOS among them). An abort that lands in the decode step that sampled
+        one returns it as the last token (SGLang appends the step's token before its stop check):
+        the response is complete ("stop"), not resumed past its end (docs/algorithm.md,
+        "Over-sampling and partial rollouts")."""
         self.tokens += res.token_ids
         self.logprobs += res.logprobs
         self.versions += [int(version)] * len(res.token_ids)
         if res.finish_reason != ABORT:
             self.finish = res.finish_reason
+        elif self.tokens and self.tokens[-1] in stop_ids:  # aborted in the step that sampled a stop token
+            self.finish = "stop"
         elif len(self.tokens) >= max_tokens:  # aborted at the budget: nothing left to generate
             self.finish = "length"
 
@@ -187,7 +194,7 @@ def rollout_rank0(rt, step: int, stop_check: Optional[Callable[[], bool]], stop_
             with lock:
                 for k, res in zip(rows_of[i], results):
                     g.rows[k].resumes += int(bool(g.rows[k].tokens))
-                    g.rows[k].extend(res, version, max_tokens)
+                    g.rows[k].extend(res, version, max_tokens, params[i].stop_token_ids)
                     rnd.aborted += int(res.finish_reason == ABORT)
                     if g.rows[k].finish is not None:
                         rnd.completed_lengths.append(len(g.rows[k].tokens))

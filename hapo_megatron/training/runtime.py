@@ -53,6 +53,7 @@ class Runtime:
     memory: EngineMemory = field(default_factory=EngineMemory)  # engine regions + actor offloader (named moves)
     scorer: Optional[RewardScorer] = None  # rank 0: the reward with its worker pool (rewards.scoring)
     control: Any = None  # rollout_protocol.Rank0Channel: rank 0's messages while it alone works (CPU group)
+    previous_summary: Optional[dict] = None  # rank 0, resumed: the summary it set aside (run_records.py)
     async_rollout: Any = None  # rank 0 with rollout.max_staleness >= 1: training.asynchronous.producer.AsyncRollout
 
     @property

@@ -19,6 +19,7 @@ from hapo_megatron.parallel.collectives import sum_metrics
 from hapo_megatron.parallel.loss import DEFAULT_LOGPROB_CHUNK, logprobs_entropy_from_logits
 from hapo_megatron.parallel.micro_batch import MicroBatch
 from hapo_megatron.training.batches.micro_batches import SequenceData, build_rank_micro_batches
+from hapo_megatron.training.metrics.sinks import on_terminal
 
 
 def reference_response(record: Any) -> str:
@@ -65,7 +66,7 @@ def run_sft(rt) -> dict[str, float]:
                             seed=cfg.data.seed + 7919, shuffle=True)
     make_loss = cross_entropy_loss_factory(g.tp)
     bar = None
-    if rt.is_main and cfg.logging.console:
+    if rt.is_main and cfg.logging.console and on_terminal():  # a log file: the summary line only
         from tqdm import tqdm
         bar = tqdm(total=steps, desc="sft warm start", unit="step", dynamic_ncols=True)
     path = os.path.join(rt.run_dir, "sft_metrics.jsonl")

@@ -413,8 +413,44 @@ def _routing_mismatch(rt: Runtime) -> Optional[float]:
     return tot["differing"] / tot["compared"] if tot["compared"] else None
 
 
-def policy_loss_factory(rt: Runtime, stats: EntropyStats,
-                        on_token_fields: Optional[TokenSink] = None) -> LossFactory:
+def forking_threshold(rt: Runtime, minis: Minis) -> Optional[float]:
+    """``algo.forking_tokens``: the step batch's log-entropy threshold of the forking tokens, exact
+    over every rank (docs/algorithm.md, "Forking tokens"; collective over the last stage's DP
+    group, where the loss runs and every CP rank holds whole sequences, as for the statistics)."""
+    if not rt.cfg.algo.loss.forking_tokens or not rt.groups.is_pipeline_last:
+        return None
+    from hapo_megatron.parallel.stats import global_forking_threshold
+    flat, dev = _flat(minis), rt.actor.device
+    ent = torch.cat([mb.old_entropy.reshape(-1) for mb in flat]).to(dev)
+    mask = torch.cat([mb.loss_mask.reshape(-1) for mb in flat]).to(dev)
+    return global_forking_threshold(ent, mask, group=rt.groups.dp, rho=rt.cfg.algo.loss.forking_rho)
+
+
+def step_cov_stats(rt: Runtime, minis: Minis):
+    """``algo.policy_loss`` clip_cov / kl_cov: the step's `CovStats` (docs/algorithm.md, "Clip-Cov and
+    KL-Cov"), exact over the last stage's DP group like `forking_threshold`; with ``cov_scope:
+    micro_batch`` only the step's seed (the loss selects per micro-batch)."""
+    from hapo_megatron.algo import COV_LOSSES, CovStats, position_keys, step_seed
+    loss = rt.cfg.algo.loss
+    if loss.policy_loss not in COV_LOSSES or not rt.groups.is_pipeline_last:
+        return None
+    seed = step_seed(rt.cfg.trainer.seed, rt.rl.step)
+    if loss.cov_scope == "micro_batch":
+        return CovStats(0.0, 0.0, seed, None)
+    from hapo_megatron.parallel.cov import global_cov_stats
+    flat, dev = _flat(minis), rt.actor.device
+
+    def cat(fn):
+        return torch.cat([fn(mb).reshape(-1) for mb in flat]).to(dev)
+    keys = cat(lambda mb: position_keys(seed, mb.tokens_of_sequences(mb.seq_index), mb.position_ids))
+    ratio = loss.clip_cov_ratio if loss.policy_loss == "clip_cov" else loss.kl_cov_ratio
+    return global_cov_stats(loss.policy_loss, cat(lambda mb: mb.advantages), cat(lambda mb: mb.old_logprobs),
+                            cat(lambda mb: mb.loss_mask), keys, group=rt.groups.dp, seed=seed, ratio=ratio,
+                            lb=loss.clip_cov_lb, ub=loss.clip_cov_ub)
+
+
+def policy_loss_factory(rt: Runtime, stats: EntropyStats, on_token_fields: Optional[TokenSink] = None,
+                        forking_threshold: Optional[float] = None, cov_stats=None) -> LossFactory:
     """``make_loss(mb)`` for `MegatronActor.train_step` with the HAPO loss of `parallel.loss`;
     ``on_token_fields`` receives each micro-batch's `PolicyTokenFields` (this rank's CP shard)."""
     from hapo_megatron.parallel.loss import make_loss_func
@@ -424,7 +460,8 @@ def policy_loss_factory(rt: Runtime, stats: EntropyStats,
     return lambda mb: make_loss_func(mb, cfg=rt.cfg.algo.loss, stats=stats, tp_group=g.tp,
                                      cp_group=g.cp if g.cp_size > 1 else None,
                                      temperature=rt.cfg.rollout.temperature, on_token_fields=on_token_fields,
-                                     loss_scale_factor=float(rt.cfg.rollout.max_response_length))
+                                     loss_scale_factor=float(rt.cfg.rollout.max_response_length),
+                                     forking_threshold=forking_threshold, cov_stats=cov_stats)
 
 
 def ppo_update(rt: Runtime, minis: Minis, stats: EntropyStats) -> tuple[Minis, dict[str, float]]:
@@ -434,7 +471,9 @@ def ppo_update(rt: Runtime, minis: Minis, stats: EntropyStats) -> tuple[Minis, d
     metrics."""
     from hapo_megatron.algo import finalize_loss_metrics
     recorded: list[PolicyTokenFields] = []
-    make_loss = policy_loss_factory(rt, stats, on_token_fields=recorded.append)
+    make_loss = policy_loss_factory(rt, stats, on_token_fields=recorded.append,
+                                    forking_threshold=forking_threshold(rt, minis),
+                                    cov_stats=step_cov_stats(rt, minis))
     sums: dict[str, float] = {}
     norms, skipped, lr = [], 0, 0.0
     for _ in range(rt.cfg.trainer.ppo_epochs):

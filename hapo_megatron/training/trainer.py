@@ -5,7 +5,6 @@ Every rank runs `fit`; rank 0 also drives the rollout engine, the metric sinks a
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any, Optional
@@ -20,6 +19,7 @@ from hapo_megatron.training.checkpointing.preemption import (RunStopped, StopReq
                                                              shield_checkpoint_writer)
 from hapo_megatron.training.build import build_runtime, setup_reference
 from hapo_megatron.training.rollout_protocol import RolloutAbandoned
+from hapo_megatron.training.run_records import SUMMARY, write_json_atomic
 from hapo_megatron.training.runtime import Runtime, StepSnapshot
 from hapo_megatron.training.sft import run_sft
 from hapo_megatron.training.asynchronous.producer import start_async_rollout, stop_async_rollout
@@ -178,14 +178,35 @@ def _finish(rt: Runtime, t0: float, start_eval: dict, sft_s: float) -> dict[str,
     summary = {**summarize(rt.run_dir, step, time.time() - t0, start_eval, end_eval), "sft_time_s": sft_s}
     rt.logger.close()
     if rt.is_main:
-        with open(os.path.join(rt.run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
+        summary = carry_summary(summary, rt.previous_summary, rt.start_step)
+        write_json_atomic(os.path.join(rt.run_dir, SUMMARY), summary)
         print(format_summary(summary), flush=True)
     if rt.engine is not None:
         rt.engine.shutdown()
     if rt.scorer is not None:
         rt.scorer.close()
     return summary
+
+
+def carry_summary(summary: dict[str, Any], previous: Optional[dict], start_step: int) -> dict[str, Any]:
+    """The summary of a run resumed at ``start_step``: what happened before it (the evaluation
+    before RL, the warm start) comes from the summary it set aside (``previous``), or, for the
+    evaluation, from the step-0 lines of metrics.jsonl; the wall time adds the previous one when
+    that summary ended where this run resumed (an extension by trainer.total_steps)."""
+    if start_step == 0:
+        return summary
+    out = dict(summary)
+    previous = previous or {}
+    if not out["eval_start"]:
+        out["eval_start"] = previous.get("eval_start") or {
+            k: v for r in read_jsonl(os.path.join(summary["run_dir"], "metrics.jsonl")) if r.get("step") == 0
+            for k, v in r.items() if k.startswith("eval/")}
+    if not out.get("sft_time_s"):
+        out["sft_time_s"] = previous.get("sft_time_s", 0.0)
+    if previous.get("steps") == start_step and previous.get("wall_time_s") is not None:
+        out["wall_time_s"] = summary["wall_time_s"] + previous["wall_time_s"]
+    out["resumed_at_step"] = start_step
+    return out
 
 
 def summarize(run_dir: str, steps: int, wall_s: float, start_eval: dict, end_eval: dict,

@@ -56,6 +56,9 @@ def test_cpu_subset_prints_its_table(capsys, qwen7b_config_dir):
     if importlib.util.find_spec("sglang") is not None:  # a real CPU server, both CPU weight-sync modes
         assert rows["SGLang server"][0] == PASS, rows["SGLang server"]
         assert "tensor: generate" in rows["SGLang server"][1] and "disk: generate" in rows["SGLang server"][1]
+        # what the asynchronous and over-sampling loops ask of a server (tests/doctor/test_sglang_plan.py)
+        sglang_row = rows["SGLang server"][1]
+        assert "async: in-place pause" in sglang_row and "abort/resume: abort at" in sglang_row
     assert rows["SGLang colocated sync (TP=2)"][0] == "SKIP"  # GPU only (tests/doctor/test_colocated.py)
     assert rows["memory plan"][0] == PASS and "GiB" in rows["memory plan"][1]
     assert "trainer state offloaded during generation: yes" in out  # the plan itself is printed

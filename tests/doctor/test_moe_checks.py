@@ -42,3 +42,40 @@ def test_ep2_body_runs_on_two_cpu_ranks(tmp_path):
     assert r0["metrics"] == r1["metrics"] and "actor/moe_aux_loss" in r0["metrics"]
     assert all(math.isfinite(v) for v in r0["metrics"].values())
     assert r0["padded"] == r1["padded"] < 0  # summed over both ranks' response tokens
+
+
+def _padded_body(rank, world):
+    """`moe_checks._outputs` on CPU with the local spec (the GPU check's body without TE): every
+    router call gets a padding mask with pads in it and routes every position to its top-k (what
+    TE's fused permute needs: ``num_out_tokens == routing_map.sum()``)."""
+    from hapo_megatron.doctor.moe_checks import _outputs
+    from hapo_megatron.models import build_gpt_model
+    from hapo_megatron.models.hf_config import tiny_hf_config
+    from hapo_megatron.parallel.groups import destroy_parallel, initialize_parallel
+
+    initialize_parallel(tp=1, seed=0)
+    cfg = tiny_hf_config("qwen3_moe")
+    model = build_gpt_model(cfg, use_te=False, sequence_parallel=False)
+    calls = []
+
+    def hook(router, inputs, output):
+        pad = inputs[1] if len(inputs) > 1 else None
+        calls.append((None if pad is None else int(pad.sum()), output[1].shape[0] * router.topk,
+                      int(output[1].sum())))
+    handles = [m.register_forward_hook(hook) for m in model.modules() if type(m).__name__ == "TopKRouter"]
+    padded, parts, grad = _outputs(model, cfg, device="cpu")
+    for h in handles:
+        h.remove()
+    destroy_parallel()
+    return calls, bool(torch.isfinite(padded).all()), len(parts), grad
+
+
+def test_the_fused_checks_pass_padding_like_the_trainer():
+    """Fails when `_outputs` leaves the padding mask out (tried: the routers then see no pad, as
+    before; the fused permute's condition was never exercised with pads)."""
+    from tests.distributed import run_distributed
+
+    ((calls, finite, parts, grad),) = run_distributed(_padded_body, 1, timeout=300)
+    assert calls and finite and parts == 3 and grad > 0
+    assert all(pads is not None and pads > 0 for pads, _, _ in calls), calls  # padded and packed passes
+    assert all(expected == routed for _, expected, routed in calls), calls

@@ -20,7 +20,10 @@ import socket
 import weakref
 
 LOG_ENV = "HAPO_TEST_NETWORK_LOG"
-_routed_only = weakref.WeakSet()  # UDP sockets connected to a remote address: may not send
+# UDP sockets connected to a remote address -> that address: may not send. Kept apart from the
+# socket's peer: on a machine without a route the connect itself fails (ENETUNREACH), and a send
+# on that socket must still be refused naming the address.
+_routed_only = weakref.WeakKeyDictionary()
 _LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback", ""}
 
 
@@ -70,14 +73,14 @@ def _check_address(sock, address) -> None:
     if not _remote(sock.family, address):
         return
     if sock.type == socket.SOCK_DGRAM:  # a UDP connect sends nothing (it picks the route: node_ip);
-        _routed_only.add(sock)          # what is sent on it is checked
+        _routed_only[sock] = address    # what is sent on it is checked
         return
     raise NetworkAccessBlocked(_record(f"connect to {address!r}"))
 
 
 def _check_send(sock, address=None) -> None:
     if sock in _routed_only or (address is not None and _remote(sock.family, address)):
-        raise NetworkAccessBlocked(_record(f"send to {address or sock.getpeername()!r}"))
+        raise NetworkAccessBlocked(_record(f"send to {address or _routed_only[sock]!r}"))
 
 
 def _check_name(host) -> None:

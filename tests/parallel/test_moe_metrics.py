@@ -4,8 +4,13 @@
   `parallel/collectives.py` rejects a CPU tensor on a non-gloo (NCCL) group, and the monitor's
   real reductions run on its device (simulated here with the ``meta`` device and an NCCL backend);
 - the aux loss is counted once under activation recompute (Megatron tracks it only under grad),
-  and the per-expert counts kept on the device equal the per-call host copies of the old monitor.
+  and the per-expert counts kept on the device equal the per-call host copies of the old monitor;
+- under context parallelism (each CP rank routes its slice of the sequences, its aux loss is a
+  partial sum over megatron-core's TP x CP group) the metrics are reduced over data x context
+  parallel and equal the single-process answer at DP1 x CP1, DP1 x CP2 and DP2 x CP2.
 """
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -55,8 +60,8 @@ def test_monitor_reduces_on_the_model_device(monkeypatch):
                         {"values": torch.zeros(2, device="meta")})
     monitor = ExpertLoadMonitor([], num_layers=2, num_experts=4, device="meta")
     monitor.recording = True
-    monitor._hook(_Router(1), None, (None, torch.zeros(5, 4, dtype=torch.bool, device="meta")))
-    totals = monitor._reduced_totals(tp_group=tp, pp_group=pp, dp_group=dp, sequence_parallel=True)
+    monitor._hook(_Router(1), (), (None, torch.zeros(5, 4, dtype=torch.bool, device="meta")))
+    totals = monitor._reduced_totals(tp_group=tp, pp_group=pp, dp_cp_group=dp, sequence_parallel=True)
     assert all(t.device.type == "meta" for t in totals)
     assert [d for d, _ in seen] == ["meta"] * 6
     assert [g for _, g in seen] == [pp, tp, dp, pp, tp, dp]
@@ -129,3 +134,72 @@ def test_aux_loss_counted_once_under_recompute(tmp_path):
     # the same forward computations in one process: recompute changes no metric beyond rounding
     for key, value in out[False]["metrics"].items():
         np.testing.assert_allclose(out[True]["metrics"][key], value, rtol=1e-12, err_msg=key)
+
+
+CP_LAYERS, CP_EXPERTS, CP_TOPK, CP_MICRO_BATCHES, CP_TOKENS = 2, 4, 2, 4, 12
+
+
+def _cp_routing(mb: int, layer: int) -> torch.Tensor:
+    """Micro-batch ``mb``'s routing map ``[tokens, experts]`` in MoE layer ``layer`` (seeded)."""
+    g = torch.Generator().manual_seed(100 * mb + layer)
+    scores = torch.rand(CP_TOKENS, CP_EXPERTS, generator=g) ** (layer + 1 + mb % 3)  # uneven loads
+    top = scores.topk(CP_TOPK, dim=1).indices
+    return torch.zeros(CP_TOKENS, CP_EXPERTS, dtype=torch.bool).scatter_(1, top, True)
+
+
+def _cp_aux(routing: torch.Tensor) -> float:
+    """A micro-batch's load-balancing loss stand-in: any function of its whole routing map."""
+    share = routing.sum(0).double() / routing.sum()
+    return float((share ** 2).sum())
+
+
+def _cp_ranks(rank, world, cp):
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    from hapo_megatron.models.moe import AUX_LOSS_NAME, ExpertLoadMonitor
+    from hapo_megatron.parallel.groups import destroy_parallel, initialize_parallel
+    from hapo_megatron.training.actor import MegatronActor
+
+    g = initialize_parallel(cp=cp, seed=1)
+    dp = g.dp_cp_size // g.cp_size
+    assert (g.dp_cp_size, g.cp_size) == (world, cp)
+    values = torch.zeros(CP_LAYERS, dtype=torch.float32)
+    get_moe_layer_wise_logging_tracker()[AUX_LOSS_NAME] = {"values": values}
+    monitor = ExpertLoadMonitor([], num_layers=CP_LAYERS, num_experts=CP_EXPERTS)
+    monitor.recording = True
+    dp_rank = g.dp_cp_rank // cp
+    span = CP_TOKENS // cp
+    with torch.enable_grad():
+        for mb in range(dp_rank, CP_MICRO_BATCHES, dp):  # this data-parallel rank's micro-batches
+            for layer in range(CP_LAYERS):
+                routing = _cp_routing(mb, layer)
+                mine = routing[g.cp_rank * span:(g.cp_rank + 1) * span]  # this CP rank's slice
+                monitor._hook(_Router(layer + 1), (), (None, mine))
+                values[layer] += _cp_aux(routing) * span / CP_TOKENS  # a partial sum over CP
+    # the actor's call with its groups (a stand-in for the rest of the actor)
+    actor = SimpleNamespace(moe_monitor=monitor, groups=g, config=SimpleNamespace(sequence_parallel=False))
+    metrics = MegatronActor.moe_step_metrics(actor)
+    destroy_parallel()
+    return metrics
+
+
+def test_metrics_reduced_over_data_and_context_parallel():
+    """Fails when the actor hands the monitor the pure data-parallel group (tried: each CP rank
+    reports only its slice's load and its partial aux loss) or the monitor divides the aux loss
+    by DP x CP (tried)."""
+    maps = [[_cp_routing(mb, layer) for layer in range(CP_LAYERS)] for mb in range(CP_MICRO_BATCHES)]
+    aux = np.mean([np.mean([_cp_aux(maps[mb][layer]) for mb in range(CP_MICRO_BATCHES)])
+                   for layer in range(CP_LAYERS)])
+    counts = torch.stack([sum(maps[mb][layer].sum(0) for mb in range(CP_MICRO_BATCHES))
+                          for layer in range(CP_LAYERS)]).double()
+    share = counts / counts.sum(1, keepdim=True) * CP_EXPERTS
+    expected = {"actor/moe_aux_loss": aux, "actor/moe_expert_load_max": float(share.max(1).values.mean()),
+                "actor/moe_expert_load_min": float(share.min(1).values.mean()),
+                "actor/moe_expert_load_cv": float(share.std(1, unbiased=False).mean())}
+    assert expected["actor/moe_expert_load_max"] > 1.1  # uneven loads: a missing slice shows
+    for world, cp in ((1, 1), (2, 2), (4, 2)):
+        for rank, got in enumerate(run_distributed(_cp_ranks, world, cp, timeout=120)):
+            assert got.keys() == expected.keys()
+            for k, v in expected.items():
+                # float32 partial sums of the aux loss (the tracker's dtype): a few ulps of O(1)
+                assert got[k] == pytest.approx(v, rel=1e-6), (world, cp, rank, k)

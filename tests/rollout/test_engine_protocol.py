@@ -34,14 +34,16 @@ URLS = ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
 
 
 def _scripted_engines() -> list[type]:
-    """The tests' scripted engines that the loops get (imported where they are defined)."""
+    """The tests' scripted engines (imported where they are defined)."""
     from tests.rollout.sglang.test_partial_generation import FakeEngine as PartialFake
     from tests.rollout.sglang.test_weight_drain import _HalfReader
     from tests.training.asynchronous.test_producer import FakeEngine, _LateRequestEngine, _SyncEngine
     from tests.training.test_partial_rollouts import ScriptedServers, SyncOnly
+    from tests.test_evaluation import FakeEngine as EvalFake
+    from tests.test_evaluation import OracleEngine
     from tests.training.test_reward_counts import _Engine
     return [StandInEngine, PartialFake, _HalfReader, FakeEngine, _LateRequestEngine, _SyncEngine, ScriptedServers,
-            SyncOnly, _Engine]
+            SyncOnly, _Engine, EvalFake, OracleEngine]
 
 
 def _shape(fn) -> list[tuple]:

@@ -317,3 +317,58 @@ def test_config_correct_turns_the_correction_on():
     masked = load_config(overrides=SGLANG + ["rollout.over_sampling=1.5", "rollout.partial_mode=mask_prefix"])
     assert masked.algo.loss.rollout_is == "none"
     assert load_config(overrides=SGLANG).algo.loss.rollout_is == "none"  # over-sampling off: as before
+
+
+EOS, OTHER_STOP = 2, 1
+PROMPT_LEN = 3  # the bench's prompts: [1, a, b]
+
+
+class AbortedAtTheEnd(StandInEngine):
+    """A stand-in server whose every call comes back aborted; row 0 of each group in the decode
+    step that sampled the EOS (the EOS its last token, as SGLang returns it), the other rows
+    after two tokens of a longer response. Records every request's inputs."""
+
+    send_sampling_seed = True
+
+    def __init__(self):
+        self.inputs = []
+
+    def generate_group(self, rows, params):
+        """The group's body as the SGLang engine sends it, answered as above, parsed as the SGLang
+        engine parses it."""
+        out = []
+        for k, ids in enumerate(group_payload(rows, params)["input_ids"]):
+            self.inputs.append(list(ids))
+            toks = [40, EOS] if k == 0 and len(ids) == PROMPT_LEN else [41, 42]  # row 0 on its first call
+            out.append({"output_ids": toks, "meta_info": {"finish_reason": {"type": "abort"},
+                                                         "output_token_logprobs": [[-0.5, t, None] for t in toks]}})
+        return [parse_row(item) for item in out]
+
+
+def test_a_row_aborted_with_its_eos_last_is_complete_and_not_resumed():
+    """Fails without the stop check in `PartialRow.extend` (tried): row 0 is resumed with its
+    EOS in the input, and its response grows past the EOS."""
+    bench = load_tool("bench/oversampling")
+    engine = AbortedAtTheEnd()
+    rt = bench.build_rt(None, over_sampling=1.0 + 1e-9, batch=1, n=2, max_len=6, prompts=20, engine=engine)
+    rt.tokenizer.eos_token_id = EOS
+    (result,) = bench.run_steps(rt, 1)
+    assert engine.inputs and all(EOS not in ids[PROMPT_LEN:] for ids in engine.inputs), engine.inputs
+    kept = result["kept"]
+    assert len(kept) == 2  # one group of n=2: row 1 resumed to the budget (length), row 0 ended at once
+    assert list(kept.response_ids[0]) == [40, EOS] and kept.finish_reasons[0] == "stop"
+    assert list(kept.response_ids[1]) == [41, 42] * 3 and kept.finish_reasons[1] == "length"
+
+
+@pytest.mark.parametrize("stop_ids,finish", [((EOS,), "stop"), ((EOS, OTHER_STOP), "stop"), ((), None)])
+def test_row_extend_stops_on_any_stop_token(stop_ids, finish):
+    from hapo_megatron.rollout.sglang.partial import RowResult
+    from hapo_megatron.training.partial_rollouts import PartialRow
+
+    row = PartialRow()
+    row.extend(RowResult((40, OTHER_STOP if OTHER_STOP in stop_ids else EOS), (-0.1, -0.2), "abort"), 0, 16,
+               stop_ids)
+    assert row.finish == finish
+    mid = PartialRow()  # a stop token inside the response, not last: still unfinished
+    mid.extend(RowResult((EOS, 40), (-0.1, -0.2), "abort"), 0, 16, (EOS,))
+    assert mid.finish is None

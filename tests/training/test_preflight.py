@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 
@@ -9,6 +10,11 @@ from hapo_megatron.train import main
 from tests.training.tiny_setup import ROOT, tiny_overrides
 
 CONFIG = os.path.join(ROOT, "examples", "cpu_tiny", "config.yaml")
+
+
+def torch_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def _fails(capsys, tiny, run_dir, *extra, match):
@@ -121,3 +127,42 @@ def test_cpu_threads_leave_a_core_to_asynchronous_rollouts():
     from hapo_megatron.train import cpu_threads
     assert [cpu_threads(2, 1, 0), cpu_threads(2, 1, 1), cpu_threads(2, 2, 0), cpu_threads(2, 2, 1)] == [2, 1, 1, 1]
     assert [cpu_threads(16, 2, 0), cpu_threads(16, 2, 2), cpu_threads(1, 1, 1)] == [8, 7, 1]
+
+
+def test_fp8_servers_on_a_cpu_machine_are_refused_before_any_process_group(tiny, tmp_path, capsys):
+    """rollout.quantization=fp8 with servers the trainer would launch on this CPU machine: the
+    preflight (`validate_run`) refuses it in one line, before any process group exists
+    (mutation: without `_check_launched_servers` in validate_run the run starts, and the refusal
+    came from every launching rank as a traceback once its servers started)."""
+    import torch.distributed as dist
+
+    from hapo_megatron.config.validate import CPU_FP8_REFUSED
+    if torch_cuda():
+        pytest.skip("a CUDA machine launches FP8 servers")
+    err = _fails(capsys, tiny, tmp_path / "run", "rollout.engine=sglang", "rollout.quantization=fp8",
+                 "rollout.dtype=bf16", match=CPU_FP8_REFUSED)
+    assert "Traceback" not in err and not dist.is_initialized()
+    assert err.strip().count("\n") == 0, err  # one line
+
+
+def test_validate_run_decides_the_fp8_hardware_rules():
+    """The rules themselves, on any machine (``cuda`` given): CPU servers refused, CUDA servers
+    need bf16/fp16, attached servers (server_urls) decide for themselves."""
+    from hapo_megatron.config import load_config
+    from hapo_megatron.config.validate import CPU_FP8_REFUSED, ModelSpec, validate_run
+    from hapo_megatron.models import tiny_hf_config
+
+    spec = ModelSpec.of(tiny_hf_config("qwen3"))
+
+    def run(*overrides, cuda):
+        cfg = load_config(CONFIG, ["parallel.tensor_model_parallel_size=1", "rollout.engine=sglang", *overrides])
+        return validate_run(cfg, spec, 1, cuda=cuda)
+
+    with pytest.raises(ValueError, match=re.escape(CPU_FP8_REFUSED)):
+        run("rollout.quantization=fp8", "rollout.dtype=bf16", cuda=False)
+    with pytest.raises(ValueError, match="bf16 or fp16, not fp32"):
+        run("rollout.quantization=fp8", "rollout.dtype=fp32", cuda=True)
+    assert run("rollout.quantization=fp8", "rollout.dtype=bf16", cuda=True) == 1
+    assert run("rollout.quantization=fp8", "rollout.dtype=bf16", "rollout.sglang.server_urls=[http://h:1]",
+               cuda=False) == 1
+    assert run(cuda=False) == 1

@@ -3,10 +3,19 @@ backoff, health checks, and a clear error when a server process dies.
 
 The transport is injectable (``session=``: anything with ``requests.Session``'s ``post`` / ``get``)
 so the tests drive every path with a fake, without a server.
+
+Connection pool: requests keeps 10 connections per host by default, while a rollout has hundreds
+of ``/generate`` calls in flight (the partial and asynchronous loops: one per group). Every call
+past the pool's size opened a fresh connection and dropped it when done ("Connection pool is
+full, discarding connection"). On a ``requests.Session`` the client sizes the pool from the calls
+in flight: the first call past the size mounts a pool of twice the size (at least the calls in
+flight), for as many hosts as it talks to (docs/multinode.md, "Network settings worth knowing").
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -37,6 +46,14 @@ class ServerUnreachableError(SGLangError):
     def __init__(self, message: str, *, timed_out: bool = False) -> None:
         super().__init__(message)
         self.timed_out = timed_out
+
+
+def _is_requests_session(session: Any) -> bool:
+    try:
+        import requests
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(session, requests.Session)
 
 
 def _log_tail(path: Optional[str], n_chars: int = 3000) -> str:
@@ -79,6 +96,47 @@ AUTH_HINT = ("the server wants an API key this client does not have: set $HAPO_R
              "--api-key/--admin-api-key got, or keep the run's rollout_api_key file (README, Security)")
 
 
+DEFAULT_POOL_SIZE = 10  # requests' own default (HTTPAdapter pool_connections and pool_maxsize)
+
+
+class _PoolSizer:
+    """Counts the calls in flight on a ``requests.Session`` and keeps its HTTP(S) adapters' pools
+    at least that large per host, and holding a pool for each host the calls went to."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+        self.maxsize = DEFAULT_POOL_SIZE
+        self.hosts: set[str] = set()
+        self.in_flight = 0
+        self._lock = threading.Lock()
+
+    def enter(self, url: str) -> None:
+        with self._lock:
+            self.in_flight += 1
+            host = url.split("/", 3)[2] if "://" in url else url
+            new_host = host not in self.hosts
+            self.hosts.add(host)
+            grow = self.in_flight > self.maxsize
+            if grow:
+                self.maxsize = max(self.in_flight, 2 * self.maxsize)
+            if grow or (new_host and len(self.hosts) > DEFAULT_POOL_SIZE):
+                self._mount()
+
+    def leave(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+    def _mount(self) -> None:
+        from requests.adapters import HTTPAdapter
+
+        for prefix in ("http://", "https://"):
+            old = self.session.adapters.get(prefix)
+            self.session.mount(prefix, HTTPAdapter(pool_connections=max(DEFAULT_POOL_SIZE, len(self.hosts)),
+                                                   pool_maxsize=self.maxsize))
+            if old is not None:  # idle connections close now; those in use close when released
+                old.close()
+
+
 class SGLangHTTP:
     """JSON-over-HTTP calls with retries.
 
@@ -105,6 +163,7 @@ class SGLangHTTP:
 
             session = requests.Session()
         self.session = session
+        self._pool = _PoolSizer(session) if _is_requests_session(session) else None
         self.timeout_s = float(timeout_s)
         self.max_retries = int(max_retries)
         self.backoff_s = float(backoff_s)
@@ -155,10 +214,12 @@ class SGLangHTTP:
             if server.exit_code() is not None:
                 raise server.died_error(f"{method} {path}")
             try:
-                if method == "GET":
-                    resp = self.session.get(url, timeout=timeout_s or self.timeout_s, **self._auth)
-                else:
-                    resp = self.session.post(url, json=payload, timeout=timeout_s or self.timeout_s, **self._auth)
+                with self._in_flight(url):
+                    if method == "GET":
+                        resp = self.session.get(url, timeout=timeout_s or self.timeout_s, **self._auth)
+                    else:
+                        resp = self.session.post(url, json=payload, timeout=timeout_s or self.timeout_s,
+                                                 **self._auth)
             except Exception as e:  # noqa: BLE001 - classified below
                 if not self._is_transport_error(e):
                     raise
@@ -189,6 +250,18 @@ class SGLangHTTP:
             raise unreachable
         raise SGLangError(f"SGLang server {server.url}: {method} {path} failed after {retries + 1} attempt(s): {last}")
 
+    @contextlib.contextmanager
+    def _in_flight(self, url: str):
+        """One call in flight on the session (the pool grows with them; docstring above)."""
+        if self._pool is None:
+            yield
+            return
+        self._pool.enter(url)
+        try:
+            yield
+        finally:
+            self._pool.leave()
+
     @staticmethod
     def _json(resp: Any) -> Any:
         text = getattr(resp, "text", None)
@@ -198,8 +271,10 @@ class SGLangHTTP:
 
     def healthy(self, server: ServerHandle, timeout_s: float = 5.0) -> bool:
         """One ``GET /health`` (True on HTTP 200); never raises for transport errors."""
+        url = server.url.rstrip("/") + "/health"
         try:
-            resp = self.session.get(server.url.rstrip("/") + "/health", timeout=timeout_s, **self._auth)
+            with self._in_flight(url):
+                resp = self.session.get(url, timeout=timeout_s, **self._auth)
         except Exception as e:  # noqa: BLE001
             if self._is_transport_error(e):
                 return False

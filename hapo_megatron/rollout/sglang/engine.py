@@ -231,6 +231,7 @@ class SGLangEngine:
         self._failed_in_sync: set[int] = set()  # servers of the current weight sync that failed it
         self._joining: list[int] = []  # servers the current weight sync brings back into use
         self._weight_version: Optional[str] = None  # the tag of the update in progress (update_weights)
+        self._unflushed_updates = 0  # updates that kept the servers' KV cache (update_weights)
         self._flush_cache = True  # whether the update in progress flushes the servers' KV cache
         # asynchronous rollouts send one small generate call per prompt group, from many threads:
         # spread, successive calls start on successive servers (else each call's chunks are spread
@@ -432,9 +433,14 @@ class SGLangEngine:
         ``weight_version``: tag every update request with it (SGLang then reports, per request,
         which tokens each version generated: `Sample.weight_versions`). ``flush_cache=False``:
         keep the servers' KV cache (SGLang refuses to flush it, failing the update, while requests
-        paused ``in_place`` are running)."""
+        paused ``in_place`` are running). Then every ``/generate`` sent from now on goes to a radix
+        cache namespace of its own (SGLang's ``cache_salt``): no new request reuses prefix KV that
+        the old weights computed (docs/architecture.md, "Asynchronous rollouts")."""
         self._weight_version = None if weight_version is None else str(int(weight_version))
         self._flush_cache = bool(flush_cache)
+        if not self._flush_cache:  # before the sync: requests queued during the pause use the new one
+            self._unflushed_updates += 1
+            self.supervisor.cache_salt = f"hapo-weights-{self._weight_version or 'u%d' % self._unflushed_updates}"
         sync = {"tensor": self._sync_tensor, "distributed": self._sync_distributed, "disk": self._sync_disk}
         named = iter(named_tensors)
         stream = fp8_weights.quantize_named_tensors(named) if self.quantization == "fp8" else named

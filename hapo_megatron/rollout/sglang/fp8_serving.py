@@ -7,15 +7,10 @@ import json
 import os
 import shutil
 
-import torch
-
 from hapo_megatron.config.base import KV_CACHE_DTYPES, ROLLOUT_QUANTIZATIONS
+from hapo_megatron.config.validate import CPU_FP8_REFUSED, check_fp8_launch
 from hapo_megatron.rollout.fp8_weights import write_fp8_checkpoint
 
-#: why a CPU server cannot serve block FP8 (measured: docs/testing.md, "FP8 rollouts on CPU")
-CPU_FP8_REFUSED = ("rollout.quantization='fp8' needs CUDA servers: SGLang 0.5.23's CPU backend runs block-FP8 "
-                   "layers only on CPUs with AMX, through sgl_kernel's CPU build (docs/fp8.md)")
-_HALF_DTYPES = (torch.bfloat16, torch.float16, "bfloat16", "float16", "bf16", "fp16")
 #: SGLang 0.5.23 model classes whose loaders drop block-FP8 scales: LlamaForCausalLM renames every
 #: ``.weight_scale_inv`` to ``.weight_scale`` (models/llama.py, both loaders), a parameter block-FP8
 #: layers do not have, so the scales would stay at their placeholder (docs/fp8.md, "Which models")
@@ -32,14 +27,9 @@ def check_choices(quantization: str, kv_cache_dtype: str) -> None:
 
 
 def check_launch(quantization: str, *, device: str, dtype) -> None:
-    """ValueError when servers cannot be launched with ``quantization`` on ``device`` in ``dtype``:
-    FP8 on a CPU server, or FP8 with float32 activations (SGLang's Fp8Config takes bf16 / fp16)."""
-    if quantization == "fp8":
-        if device == "cpu":
-            raise ValueError(CPU_FP8_REFUSED)
-        if dtype not in _HALF_DTYPES:
-            raise ValueError(f"rollout.quantization='fp8' runs the servers in bf16 or fp16, not {dtype}: "
-                             "set rollout.dtype to bf16")
+    """ValueError when servers cannot be launched with ``quantization`` on ``device`` in ``dtype``
+    (`config.validate.check_fp8_launch`, which `validate_run` runs before any process group)."""
+    check_fp8_launch(quantization, device=device, dtype=dtype)
 
 
 def check_architecture(model_dir: str) -> None:

@@ -143,7 +143,8 @@ def parse_row(item: dict) -> RowResult:
     out_ids = item.get("output_ids")
     if out_ids is not None and tuple(map(int, out_ids)) != ids:
         raise SGLangError(f"output_ids ({len(out_ids)}) disagree with output_token_logprobs ({len(ids)})")
-    return RowResult(ids, tuple(float(t[0]) for t in triples), kind)
+    return RowResult(ids, tuple(float(t[0]) for t in triples), kind,
+                     tuple(int(v) for v in parse_weight_versions(item, len(ids))))
 
 
 def group_payload(rows: Sequence[RowRequest], params: SamplingParams) -> dict:

@@ -66,6 +66,9 @@ class ServerSupervisor:
         self.restarts = 0
         self.requests_retried = 0  # rows sent again after their server failed
         self.events: list[tuple[float, int, str, str]] = []  # (time, server index, state entered, reason)
+        # SGLang's radix-cache namespace of every /generate from now on (its ``cache_salt``; None: the
+        # default one): set by an update that cannot flush the cache (`SGLangEngine.update_weights`)
+        self.cache_salt: Optional[str] = None
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ queries
@@ -92,8 +95,11 @@ class ServerSupervisor:
     # ------------------------------------------------------------------ requests
     def request(self, key: int, path: str, body: dict, *, rows: int = 1) -> Any:
         """POST ``body`` to an in-use server (round-robin by ``key``), and to the next in-use one
-        whenever a server fails (``rows``: the rows the body carries, counted as retried)."""
+        whenever a server fails (``rows``: the rows the body carries, counted as retried). A
+        ``/generate`` carries the current `cache_salt`, also when it goes to another server."""
         while True:
+            if path == "/generate" and self.cache_salt is not None:
+                body = {**body, "cache_salt": self.cache_salt}
             i = self._pick(key)
             try:
                 return self.http.request(self.servers[i], path, body, retry_timeouts=False)

@@ -8,7 +8,9 @@ rollouts"): a producer thread on rank 0 keeps the SGLang servers generating prom
 - Weight updates run between steps inside ``/pause_generation`` (``rollout.sglang.pause_mode``)
   and ``/continue_generation``, tagged with ``weight_version`` = the step just trained; SGLang then
   reports the version of every token (`Sample.weight_versions`). A group's lag is measured from
-  its oldest token: the version of the batch it trains in minus that.
+  its oldest token: the version of the batch it trains in minus that. Under ``pause_mode: abort``
+  a group is one `RolloutEngine.generate_group` call, and the rows the pause aborts resume from
+  their own tokens under the new weights (`AsyncRollout._generate_resuming`).
 - Each group records the entropy statistics it was sampled with; the trainer recomputes the
   SGLang temperatures with them (`stages.recompute_temperatures`).
 - State: the prompts admitted but not yet trained (in flight or finished) are checkpointed with
@@ -27,11 +29,12 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from hapo_megatron.rewards.counts import RewardCounts
-from hapo_megatron.rollout.engine import SamplingParams
-from hapo_megatron.rollout.sglang.engine import STOP_POLL_S
+from hapo_megatron.rollout.engine import Sample, SamplingParams
+from hapo_megatron.rollout.sglang.engine import STOP_POLL_S, row_seeds
 from hapo_megatron.training.asynchronous.buffer import BufferClosed, FinishedGroup, StalenessBuffer
 from hapo_megatron.training.batches.rollout_batch import (DynamicSampler, RolloutBatch, build_batch,
                                                           rollout_metrics, shape_rewards)
+from hapo_megatron.training.partial_rollouts import PartialGroup, PartialRow, group_samples, row_requests
 from hapo_megatron.training.rollout_protocol import RolloutAbandoned
 
 #: how long the producer waits for the lag rule before looking at its stop flag again
@@ -123,7 +126,8 @@ class AsyncRollout:
             version, stats = self.buffer.version, rt.rl.rollout_entropy_stats
             params = SamplingParams.from_config(rt.cfg.rollout, rt.cfg.algo, entropy_stats=stats,
                                                 seed=rt.sampling_seed(version, ticket), stop_token_ids=_stop_ids(rt))
-            samples = self._generate_retrying_aborts(record, params)
+            samples = (self._generate_resuming(record, params) if self.pause_mode == "abort"
+                       else self.rt.engine.generate([record.prompt_ids], params))
             versions = [s.weight_versions if len(s.weight_versions) else np.full(1, version, np.int32)
                         for s in samples[0]]
             decode = lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
@@ -152,18 +156,30 @@ class AsyncRollout:
         finally:
             self._busy(-1)
 
-    def _generate_retrying_aborts(self, record, params):
-        """``pause_mode: abort`` ends running requests: send the group again (on the new weights;
-        its lag only shrinks)."""
-        from hapo_megatron.rollout.sglang.client import SGLangError
+    def _generate_resuming(self, record, params) -> list[list[Sample]]:
+        """``pause_mode: abort`` (AReaL's interruptible generation): the pause before a weight
+        update aborts the rows running; each keeps its tokens and resumes once the new weights
+        are in, prompt + partial response as input with the rest of its budget, its seed and the
+        entropy statistics the group started with. Every token keeps the version that sampled it
+        (the servers' report, else the version held when the call started), so the group's lag
+        counts from its oldest token and ``algo.rollout_is`` corrects with the behaviour
+        log-probs of each token (docs/architecture.md, "Asynchronous rollouts")."""
+        engine, n, budget = self.rt.engine, int(params.n), int(params.max_new_tokens)
+        prompt = [int(t) for t in record.prompt_ids]
+        seeds = row_seeds(params, range(n)) if engine.send_sampling_seed else [None] * n
+        group = PartialGroup(0, 0, None, [PartialRow() for _ in range(n)])
         while True:
-            try:
-                return self.rt.engine.generate([record.prompt_ids], params)
-            except SGLangError as e:
-                if self.pause_mode != "abort" or "abort" not in str(e).lower() or self._stop.is_set():
-                    raise
-                self.buffer.wait_version_after(self.buffer.version, timeout=None, stop=self._stop)
-                params = params.with_(entropy_stats=self.rt.rl.rollout_entropy_stats)
+            version = self.buffer.version
+            idx, rows = row_requests(group, prompt, budget, seeds)
+            for k, res in zip(idx, engine.generate_group(rows, params)):
+                group.rows[k].extend(res, version, budget)
+                if res.token_ids and res.weight_versions:  # the servers' own account of each new token
+                    group.rows[k].versions[-len(res.token_ids):] = list(res.weight_versions)
+            if group.complete:
+                return [group_samples(group, prompt)]
+            if self._stop.is_set():
+                raise BufferClosed("the producer stopped with rows aborted")
+            self.buffer.wait_version_after(version, timeout=None, stop=self._stop)
 
     def _keeps(self, batch: RolloutBatch) -> bool:
         if not self._filter.enabled:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
@@ -63,16 +64,9 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
     return out
 
 
-def truncate_jsonl(path: str, max_step: int) -> None:
-    """Keep only records with ``step <= max_step`` (used on resume, so re-run steps are not doubled)."""
-    if not os.path.exists(path):
-        return
-    keep = [r for r in read_jsonl(path) if int(r.get("step", -1)) <= max_step]
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for r in keep:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
+def on_terminal() -> bool:
+    """Whether progress bars go to a terminal (tqdm writes to stderr); a log file gets lines."""
+    return sys.stderr.isatty()
 
 
 def strip_timing(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -110,19 +104,18 @@ class MetricsLogger:
                           dir=run_dir, config=dict(config or {}), resume="allow")
 
     def _progress(self):
-        """The progress bar, created on first use (so an earlier bar, e.g. SFT, closes first)."""
-        if self._bar is None and self.console and self.enabled:
+        """The progress bar, created on first use (so an earlier bar, e.g. SFT, closes first); only
+        on a terminal: a log file gets one plain ``step N | ...`` line per logged step instead."""
+        if self._bar is None and self.console and self.enabled and on_terminal():
             from tqdm import tqdm
             self._bar = tqdm(**self._bar_args, dynamic_ncols=True, unit="step", mininterval=0)
         return self._bar
 
     def resume(self, step: int) -> None:
-        """Continue after a checkpoint of ``step``: drop JSONL records of later (re-run) steps
-        and move the progress bar."""
+        """Continue after a checkpoint of ``step``: move the progress bar. (The JSONL lines of later
+        steps were set aside before: training/run_records.py; the file is only appended to.)"""
         if not self.enabled:
             return
-        if self.jsonl_path:
-            truncate_jsonl(self.jsonl_path, step)
         self._bar_args["initial"] = step
         if self._bar is not None:
             self._bar.n = self._bar.last_print_n = self._bar.initial = step  # ETA from the new rate
@@ -148,6 +141,8 @@ class MetricsLogger:
             self._bar.update(1)
             if step % self.log_interval == 0:
                 self._bar.write(self.line(record))
+        elif advance and self.console and step % self.log_interval == 0:
+            print(self.line(record), flush=True)
 
     @staticmethod
     def _fmt(record: Mapping[str, Any], key: str, short: str, spec: str = ".3f") -> str | None:

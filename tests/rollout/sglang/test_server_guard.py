@@ -49,7 +49,7 @@ def test_servers_die_with_a_sigkilled_trainer(tmp_path):
         SGLangHTTP(timeout_s=10, max_retries=0).wait_healthy(ServerHandle(f"http://127.0.0.1:{port}"), 60,
                                                              poll_s=0.2)
         group = procs.group_processes(pid)
-        assert len(group) == 2 and {p.pid for p in group} >= {pid}  # the server and its watcher
+        assert pid in {p.pid for p in group}  # the server (and its watcher)
         trainer.kill()
         trainer.wait()
         assert procs.survivors(group, GONE_WITHIN_S) == []

@@ -1,13 +1,13 @@
-"""Metric sinks: JSONL records, truncation on resume, TensorBoard and wandb (offline) files, Timer."""
+"""Metric sinks: JSONL records, TensorBoard and wandb (offline) files, Timer. (What a resume does to
+metrics.jsonl: tests/training/test_run_records.py.)"""
 
 import glob
-import json
 import math
 import os
 import time
 
 from hapo_megatron.config import LoggingConfig
-from hapo_megatron.training.metrics.sinks import MetricsLogger, Timer, read_jsonl, strip_timing, truncate_jsonl
+from hapo_megatron.training.metrics.sinks import MetricsLogger, Timer, read_jsonl, strip_timing
 
 
 def test_jsonl_console_tensorboard_wandb(tmp_path, capsys):
@@ -34,16 +34,6 @@ def test_disabled_logger_writes_nothing(tmp_path):
     log.log(1, {"a/b": 1.0})
     log.close()
     assert not os.path.exists(tmp_path / "r")
-
-
-def test_truncate_jsonl(tmp_path):
-    path = str(tmp_path / "m.jsonl")
-    with open(path, "w") as f:
-        for s in range(1, 6):
-            f.write(json.dumps({"step": s}) + "\n")
-        f.write('{"step": 6, "torn')
-    truncate_jsonl(path, 3)
-    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3]
 
 
 def test_timer():
@@ -76,3 +66,19 @@ def test_logging_config_reaches_wandb_init(tmp_path, monkeypatch):
     (kw,) = calls
     assert (kw["entity"], kw["project"], kw["name"], kw["mode"]) == ("team", "proj", "exp", "online")
     assert kw["config"]["logging"]["wandb_entity"] == "team"
+
+
+def test_a_log_file_gets_one_plain_line_per_step_and_no_bar(tmp_path, capsys):
+    """Without a terminal (a log file; here pytest's capture) every step is one line starting with
+    `step N ` and nothing of a progress bar (mutation: the bar whatever the stream writes its
+    carriage-return redraws and `step/s` into the log)."""
+    log = MetricsLogger(LoggingConfig(console=True, jsonl=False), str(tmp_path), total_steps=3)
+    for step in (1, 2, 3):
+        log.log(step, {"rollout/reward_mean": 0.1 * step, "perf/step_time_s": 2.0})
+    log.write("a message")
+    log.close()
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert [line.split(" |")[0] for line in text.splitlines() if line.startswith("step ")] == [
+        "step 1", "step 2", "step 3"]
+    assert "\r" not in text and "step/s" not in text and "a message" in text
