@@ -48,6 +48,7 @@ NOT_THE_KNOB = {
     ("training/checkpointing/checkpoint.py", "__init__", "rank"),
     ("training/checkpointing/manifest.py", "checksum_share", "rank"),
     ("training/checkpointing/manifest.py", "verify", "rank"),
+    ("refusal.py", "refuse", "rank"),
 }
 
 
