@@ -174,10 +174,12 @@ def preflight(cfg, world_size: int, *, allow_config_change: bool = False):
     from hapo_megatron.training.context_length import check_sequence_fits, sglang_context_args
     from hapo_megatron.config.run_identity import check_same_algorithm
     from hapo_megatron.config.validate import ModelSpec, validate_run
+    from hapo_megatron.models.lora import check_lora
     check_installs(cfg)
     resolve_model_sources(cfg)
     hf_config = _load_model_config(cfg.model.hf_model_path)
     validate_run(cfg, ModelSpec.of(hf_config), world_size)
+    check_lora(cfg.model.lora, hf_config)
     check_sequence_fits(hf_config, cfg)
     sglang_context_args(cfg, cfg.rollout.sglang.extra_server_args)  # no clashing server flags
     check_dist_timeout(cfg, world_size)

@@ -44,6 +44,11 @@ NOT_THE_KNOB = {
     ("training/batches/ragged.py", "concat", "dtype"),
     # how long to wait for a server process to exit, not reward.timeout_s
     ("rollout/sglang/launch.py", "stop_process", "timeout_s"),
+    # a process's rank, not model.lora.rank
+    ("training/checkpointing/checkpoint.py", "__init__", "rank"),
+    ("training/checkpointing/manifest.py", "checksum_share", "rank"),
+    ("training/checkpointing/manifest.py", "verify", "rank"),
+    ("refusal.py", "refuse", "rank"),
 }
 
 

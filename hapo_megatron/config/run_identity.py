@@ -23,7 +23,7 @@ ALGORITHM_FIELDS = (
     "reward.reward_fn", "reward.score_format", "reward.reward_kwargs", "reward.overlong_buffer_enable",
     "reward.overlong_buffer_len", "reward.overlong_penalty_factor",
     "model.hf_model_path", "model.max_position_embeddings", "model.dtype", "model.routing_replay",
-    "model.moe_aux_loss_coef",
+    "model.moe_aux_loss_coef", "model.lora.",
     "rollout.n", "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.max_response_length",
     "data.train_batch_size", "data.max_prompt_length",
     "trainer.ppo_mini_batch_size", "trainer.ppo_epochs",

@@ -12,7 +12,7 @@ from hapo_megatron.config.base import (
 )
 from hapo_megatron.algo.loss_config import PolicyLossConfig
 
-__all__ = ["AlgoConfig", "RewardConfig", "DataConfig", "SGLangConfig", "RolloutConfig", "ModelConfig"]
+__all__ = ["AlgoConfig", "RewardConfig", "DataConfig", "SGLangConfig", "RolloutConfig", "LoraConfig", "ModelConfig"]
 
 
 @dataclass
@@ -280,6 +280,64 @@ class RolloutConfig(_Section):
                   "synchronous loop: set rollout.engine=sglang and rollout.max_staleness=0, or "
                   "rollout.over_sampling=1.0")
 
+# LoRA: the HF projections an adapter can target, by the Megatron layer that holds them
+LORA_MODULE_PARTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                     "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+LORA_HF_TARGETS = tuple(p for parts in LORA_MODULE_PARTS.values() for p in parts)
+LORA_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+LORA_INITS = ("kaiming_uniform", "gaussian")
+
+
+def lora_hf_targets(names) -> tuple[str, ...]:
+    """The HF projections named by ``model.lora.target_modules`` (HF names, Megatron layer names
+    or all-linear), in HF order; ValueError naming the field for an unknown one."""
+    wanted = set()
+    for name in names:
+        if name == "all-linear":
+            wanted.update(LORA_HF_TARGETS)
+        elif name in LORA_MODULE_PARTS:
+            wanted.update(LORA_MODULE_PARTS[name])
+        elif name in LORA_HF_TARGETS:
+            wanted.add(name)
+        else:
+            _fail(f"model.lora.target_modules: unknown module {name!r}; choose from {', '.join(LORA_HF_TARGETS)}, "
+                  f"{', '.join(LORA_MODULE_PARTS)} or all-linear")
+    return tuple(p for p in LORA_HF_TARGETS if p in wanted)
+
+
+@dataclass
+class LoraConfig(_Section):
+    """LoRA: train low-rank adapters on the frozen policy (docs/lora.md)."""
+
+    _path: ClassVar[str] = "model.lora"
+
+    rank: int = 0
+    """Rank r of the adapters; 0 = off (full fine-tuning). At most the smaller side of every
+    targeted layer (checked against the model at start)."""
+    alpha: float = 32.0
+    """The update is (alpha / rank) * B A (peft's scaling); > 0."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input in the update passes (never in the log-prob passes), in [0, 1)."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_HF_TARGETS))
+    """Layers with adapters: HF projection names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    down_proj), Megatron layer names (linear_qkv = q, k, v; linear_proj = o; linear_fc1 = gate, up;
+    linear_fc2 = down) or all-linear; default every linear layer of attention and MLP. MoE expert
+    layers cannot be targets (a MoE model takes attention targets only)."""
+    init: str = "kaiming_uniform"
+    """Initialisation of A (B starts at zero, so training starts from the base model):
+    kaiming_uniform (peft's default, nn.Linear's) or gaussian (N(0, 1/rank))."""
+
+    def _validate(self) -> None:
+        p = self._path
+        _check_min(f"{p}.rank", self.rank, 0)
+        _check_min(f"{p}.alpha", self.alpha, 0.0, strict=True)
+        if not 0 <= self.dropout < 1:
+            _fail(f"{p}.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            _fail(f"{p}.target_modules must name at least one layer")
+        lora_hf_targets(self.target_modules)
+        _check_choice(f"{p}.init", self.init, LORA_INITS)
+
 
 @dataclass
 class ModelConfig(_Section):
@@ -335,6 +393,8 @@ class ModelConfig(_Section):
     routing_mismatch_fraction: float = 1.0
     """With measure_routing_mismatch and without replay: the share of training steps whose rollouts
     fetch routes, spread evenly (0.1: steps 10, 20, ...; 1: every step)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (rank 0: off)."""
 
     def _validate(self) -> None:
         _check_choice("model.dtype", self.dtype, DTYPES)
@@ -345,3 +405,6 @@ class ModelConfig(_Section):
         _check_open_unit("model.routing_mismatch_fraction", self.routing_mismatch_fraction, right_closed=True)
         if self.moe_aux_loss_coef is not None and not self.moe_aux_loss_coef >= 0:
             _fail(f"model.moe_aux_loss_coef must be >= 0 or null, got {self.moe_aux_loss_coef!r}")
+        if self.lora.rank and self.megatron_load_path:
+            _fail("model.lora.rank > 0 starts from model.hf_model_path's weights; model.megatron_load_path is not "
+                  "supported with LoRA yet (set one of them)")

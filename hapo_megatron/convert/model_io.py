@@ -11,6 +11,7 @@ from hapo_megatron.convert.adapters import get_adapter
 from hapo_megatron.convert.base import (TE_ALIASES, ModelAdapter, ParamMap, check_hf_state, grouped_expert_name,
                                         split_dim)
 from hapo_megatron.convert.hf_io import HFCheckpointReader
+from hapo_megatron.models.lora import is_lora_param, merged_weights
 from hapo_megatron.parallel.collectives import all_gather_objects
 
 
@@ -40,7 +41,8 @@ def chunk_entries(adapter: ModelAdapter, chunk) -> list[tuple[ParamMap, torch.nn
     """(map, parameter) for every parameter of one GPTModel chunk; layers located by layer_number.
 
     Handles the Transformer Engine names (norms fused into the following linear). Raises
-    ValueError for parameters no map covers.
+    ValueError for parameters no map covers; LoRA adapters (`models.lora`) have no HF tensor of
+    their own (the export merges them into their layer's weight).
     """
     layers = [(j, layer.layer_number - 1) for j, layer in enumerate(chunk.decoder.layers)]
     maps = adapter.stage_maps(layers, chunk.pre_process, chunk.post_process, local_experts(chunk))
@@ -59,7 +61,7 @@ def chunk_entries(adapter: ModelAdapter, chunk) -> list[tuple[ParamMap, torch.nn
             raise ValueError(f"model has no parameter {pm.mcore!r} (nor a Transformer Engine alias)")
         out.append((pm, params[name]))
         used.add(name)
-    unknown = sorted(set(params) - used)
+    unknown = sorted(n for n in set(params) - used if not is_lora_param(n))
     if unknown:
         raise ValueError(f"model parameters without an HF mapping: {unknown}")
     return out
@@ -180,7 +182,9 @@ def export_hf_weights(model_chunks, hf_config, *, tp_group=None, pp_group=None, 
     weights: then broadcast over `ep_group` from the expert-parallel rank holding the expert), then
     broadcast over `pp_group` from that stage; at most one full parameter is alive at a time.
     Tensors are on the parameters' device, cast to `dtype` when given, with the vocab padding
-    removed; the tied `lm_head.weight` is not yielded (HF omits it too). Groups left None have
+    removed; the tied `lm_head.weight` is not yielded (HF omits it too). A layer with LoRA
+    adapters (`models.lora`) yields its merged weight ``W + (alpha / r) B A`` (summed in float32 on
+    each rank's shard, then cast to the weight's dtype), so engines serve the LoRA model as is. Groups left None have
     size 1; a MoE model split over EP / ETP without its group raises ValueError.
     """
 
@@ -189,6 +193,7 @@ def export_hf_weights(model_chunks, hf_config, *, tp_group=None, pp_group=None, 
     local = [(pm, p) for c in chunks for pm, p in chunk_entries(adapter, c)
              if not (adapter.tied and pm.mcore == "output_layer.weight")]
     by_order = {pm.order: p for pm, p in local}
+    adapters = merged_weights(chunks)
     tp_size, etp_size = _size(tp_group), _size(etp_group)
     me_pp, me_ep = _rank(pp_group), _rank(ep_group)
     device = next(iter(chunks[0].parameters())).device
@@ -198,7 +203,7 @@ def export_hf_weights(model_chunks, hf_config, *, tp_group=None, pp_group=None, 
         dim = split_dim(pm.kind)
         expert = pm.expert is not None
         if owner_pp == me_pp and (not expert or owner_ep == me_ep):
-            full = _gather_tp(by_order[order], pm.kind, etp_group if expert else tp_group)
+            full = _gather_tp(_merged(by_order[order], adapters), pm.kind, etp_group if expert else tp_group)
         else:
             full = torch.empty(shape, dtype=param_dtype, device=device)
         if expert and owner_pp == me_pp and _size(ep_group) > 1:
@@ -208,6 +213,15 @@ def export_hf_weights(model_chunks, hf_config, *, tp_group=None, pp_group=None, 
         shards = [full] if dim is None else list(full.chunk(etp_size if expert else tp_size, dim=dim))
         for name, tensor in zip(pm.hf, adapter.to_hf(pm, shards)):
             yield name, tensor.to(dtype=dtype or tensor.dtype).contiguous()
+
+
+def _merged(param: torch.Tensor, adapters: dict) -> torch.Tensor:
+    """``param``, or its layer's merged LoRA weight (this rank's shard) when it has adapters."""
+    adapter = adapters.get(id(param))
+    if adapter is None or not adapter.enabled:
+        return param
+    with torch.no_grad():
+        return (param.float() + adapter.delta_weight()).to(param.dtype)
 
 
 def gather_hf_state_dict(model_chunks, hf_config, **kw) -> dict[str, torch.Tensor]:

@@ -211,7 +211,7 @@ def build_gpt_model(hf_config, *, pre_process: bool | None = None, post_process:
                     dtype: torch.dtype = torch.float32, use_te: bool | None,
                     parallel_output: bool = True, vp_stage: int | None = None, config=None,
                     make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
-                    sequence_parallel: bool, groups: Optional[ParallelGroups] = None, **config_kw):
+                    sequence_parallel: bool, groups: Optional[ParallelGroups] = None, lora=None, **config_kw):
     """A GPTModel for `hf_config` on this rank of ``groups`` (`ParallelGroups`; None: the
     initialised ones, `parallel.groups.get_parallel_groups`).
 
@@ -219,8 +219,11 @@ def build_gpt_model(hf_config, *, pre_process: bool | None = None, post_process:
     is a ready TransformerConfig; otherwise one is built with the initialised TP/PP/CP sizes,
     `dtype`, `sequence_parallel` and `config_kw`. The model carries `hf_vocab_size` (unpadded).
     `use_te`: Transformer Engine layers (None: when usable; `model.use_te`); `sequence_parallel`:
-    `parallel.sequence_parallel` (unused when `config` is given).
+    `parallel.sequence_parallel` (unused when `config` is given); `lora`: `models.lora.LoraSettings`
+    (None: no adapters), adapters on the targeted linear layers (the base weights are not frozen here:
+    `models.lora.freeze_base`).
     """
+    from hapo_megatron.models.lora import lora_decoder_spec
     from megatron.core.models.gpt import GPTModel
 
     sizes, first, last = _parallel_sizes(groups)
@@ -233,7 +236,7 @@ def build_gpt_model(hf_config, *, pre_process: bool | None = None, post_process:
     vocab = padded_vocab_size(hf_config.vocab_size, sizes["tp"], make_vocab_size_divisible_by)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_spec_for(hf_config, config, use_te, vp_stage),
+        transformer_layer_spec=lora_decoder_spec(decoder_spec_for(hf_config, config, use_te, vp_stage), lora),
         vocab_size=vocab,
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hapo_megatron.compat.processes import children_allowed
 from hapo_megatron.dtypes import torch_dtype
 from hapo_megatron.config.validate import ModelSpec
+from hapo_megatron.models.lora import LoraSettings, adapters_disabled, freeze_base
 from hapo_megatron.models.moe import ExpertLoadMonitor, moe_overrides
 from hapo_megatron.models.moe_padding import stage_padding_mask
 from hapo_megatron.models.routing_replay import (check_consumed, install_route_replay, queue_routes,
@@ -73,6 +74,11 @@ def transformer_overrides(*, recompute_activations: bool, pp: int) -> dict[str, 
     return kw
 
 
+class AdaptersOff(list):
+    """The policy's own model chunks, run with their LoRA adapters skipped (`models.lora`): the KL
+    reference of a LoRA run, exactly the base model, without a second copy of it."""
+
+
 class MegatronActor:
     """Policy model + optimizer on this rank (Megatron parallel state must be initialised).
 
@@ -89,6 +95,9 @@ class MegatronActor:
         routing: MoE models: ``"replay"`` routes every token the engine ran to the experts it
             chose (`models.routing_replay`), ``"measure"`` only counts how often the actor's own
             choice differs, ``"off"`` neither (ignored for dense models).
+        lora: `models.lora.LoraSettings` (``model.lora``; None: full fine-tuning): adapters on the
+            targeted layers, every other parameter frozen before DDP and the optimizer are built,
+            so gradient buffers and optimizer state (distributed or not) hold the adapters only.
     """
 
     def __init__(self, hf_config, *, groups, optim, total_optimizer_steps: int, dtype: str,
@@ -96,10 +105,11 @@ class MegatronActor:
                  recompute_activations: bool, use_distributed_optimizer: bool,
                  init_hf_path: Optional[str] = None, init_megatron_path: Optional[str] = None,
                  fused_output_layer: bool, moe_aux_loss_coef: Optional[float],
-                 routing: str = "off"):
+                 routing: str = "off", lora: Optional[LoraSettings] = None):
         self.hf_config, self.groups, self.dtype = hf_config, groups, torch_dtype(dtype)
         self.spec = ModelSpec.of(hf_config)
         self.fused_output_layer = bool(fused_output_layer)
+        self.lora = lora
         self._moe_kw = moe_overrides(hf_config, moe_aux_loss_coef)
         self.model = self._build_model(use_te, sequence_parallel, recompute_activations,
                                        init_hf_path, init_megatron_path, use_distributed_optimizer)
@@ -133,7 +143,7 @@ class MegatronActor:
         self._build_kw = dict(groups=g, pre_process=g.is_pipeline_first, post_process=g.is_pipeline_last,
                               dtype=self.dtype, use_te=use_te, sequence_parallel=sequence_parallel,
                               **transformer_overrides(recompute_activations=recompute, pp=g.pp_size),
-                              **self._moe_kw)
+                              lora=self.lora, **self._moe_kw)
         model = build_gpt_model(self.hf_config, **self._build_kw)
         for p in model.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
@@ -146,6 +156,9 @@ class MegatronActor:
             load_hf_weights_into_mcore(model, init_hf_path, self.hf_config, tp_rank=g.tp_rank,
                                        tp_size=g.tp_size, pp_rank=g.pp_rank, pp_size=g.pp_size,
                                        etp_rank=g.etp_rank, etp_size=g.etp_size)
+        if self.lora is not None:
+            freeze_base(model)
+        self.param_counts = _param_counts(model, g)
         if self.dtype != torch.float32:
             model = Float16Module(model.config, model)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -195,6 +208,7 @@ class MegatronActor:
         from hapo_megatron.models.gpt import forward_hidden_states
 
         local = [self._local(mb) for mb in micro_batches]
+        base_only = isinstance(model, AdaptersOff)
         forward = forward_hidden_states if self.fused_output_layer else (lambda m, *a, **kw: m(*a, **kw))
         routers = self.routers if model is None or model is self.model else []  # the KL reference routes itself
         g = self.groups
@@ -219,7 +233,7 @@ class MegatronActor:
         mbs = max(mb.batch_size for mb in local)
         ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         try:
-            with ctx:
+            with ctx, adapters_disabled(model) if base_only else contextlib.nullcontext():
                 out = get_forward_backward_func()(
                     forward_step_func=forward_step, data_iterator=iter(local), model=model or self.model,
                     num_microbatches=len(local), seq_length=seq_len, micro_batch_size=mbs,
@@ -319,6 +333,18 @@ class MegatronActor:
         ref.requires_grad_(False)
         ref.eval()
         return [Float16Module(ref.config, ref) if self.dtype != torch.float32 else ref]
+
+    def base_reference(self) -> AdaptersOff:
+        """The KL reference of a LoRA run that starts from the base weights: the policy itself with
+        its adapters skipped (`AdaptersOff`), no second model."""
+        if self.lora is None:
+            raise ValueError("base_reference needs LoRA adapters (model.lora.rank > 0)")
+        return AdaptersOff(self.model)
+
+    def step_metrics(self) -> dict[str, float]:
+        """``actor/trainable_params`` and ``actor/total_params``: the whole model's, over every rank."""
+        trainable, total = self.param_counts
+        return {"actor/trainable_params": float(trainable), "actor/total_params": float(total)}
 
     @staticmethod
     def save_reference(reference: list, path: str) -> None:
@@ -452,6 +478,21 @@ class MegatronActor:
         self.num_skipped = int(state.get("num_skipped_updates", 0))
         if state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _param_counts(model, groups) -> tuple[int, int]:
+    """(trainable, total) parameter values of the whole model: a TP-split parameter counted on every
+    TP rank, a replicated one on TP rank 0 only, summed over TP and PP (collective over both; the
+    embedding's copy on the last stage of a tied model at PP > 1 counts twice)."""
+    trainable = total = 0
+    for p in model.parameters():
+        if getattr(p, "tensor_model_parallel", False) or groups.tp_rank == 0:
+            trainable, total = trainable + (p.numel() if p.requires_grad else 0), total + p.numel()
+    device = next(model.parameters()).device  # NCCL groups reduce device tensors only
+    counts = torch.tensor([trainable, total], dtype=torch.float64, device=device)
+    for group in (groups.tp, groups.pp):
+        all_reduce_tensor(counts, group)
+    return int(counts[0]), int(counts[1])
 
 
 def _drop_unsaved_param_state(opt_sd: dict) -> None:

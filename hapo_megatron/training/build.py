@@ -12,6 +12,7 @@ import torch.distributed as dist
 from hapo_megatron.config import HapoConfig
 from hapo_megatron.data import PromptSampler
 from hapo_megatron.dtypes import torch_dtype
+from hapo_megatron.models.lora import lora_settings
 from hapo_megatron.config.validate import ModelSpec, rollout_dtype
 from hapo_megatron.parallel.collectives import all_gather_objects
 from hapo_megatron.parallel.groups import ParallelGroups
@@ -42,12 +43,16 @@ def optimizer_steps_per_rl_step(cfg) -> int:
 
 
 def setup_reference(rt: Runtime) -> None:
-    """The KL reference (only with algo.kl_loss_coef > 0): the policy as RL starts.
+    """The KL reference (only with algo.kl_loss_coef > 0): the policy as RL starts. With LoRA
+    (no SFT warm start, no MoE routing) that is the policy with its adapters skipped, no copy.
 
     After a warm start it is saved to ``<run_dir>/reference`` so a resumed run gets the same
     one; without a warm start it is the initial weights (rebuilt from the model paths on resume).
     """
     if rt.cfg.algo.loss.kl_loss_coef <= 0:
+        return
+    if rt.actor.lora is not None and rt.cfg.trainer.sft_warmup_steps == 0 and rt.actor.routing == "off":
+        rt.reference = rt.actor.base_reference()  # LoRA: the base weights are the policy's own, frozen
         return
     ref_dir = os.path.join(rt.run_dir, "reference")
     if os.path.isfile(os.path.join(ref_dir, COMPLETE)):
@@ -174,7 +179,8 @@ def build_runtime(cfg: HapoConfig, groups: ParallelGroups, *, tokenizer=None, da
         fused_output_layer=cfg.model.fused_output_layer,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         init_hf_path=init_hf, init_megatron_path=cfg.model.megatron_load_path,
-        moe_aux_loss_coef=cfg.model.moe_aux_loss_coef, routing=routing_mode(cfg, hf_config))
+        moe_aux_loss_coef=cfg.model.moe_aux_loss_coef, routing=routing_mode(cfg, hf_config),
+        lora=lora_settings(cfg.model.lora))
     ckpt_root = os.path.join(cfg.trainer.run_dir, "checkpoints")
     resume_from = resolve_resume(cfg.trainer.resume, ckpt_root)  # a fresh start: train.start_records
     dist.barrier()

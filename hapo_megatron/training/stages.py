@@ -524,6 +524,7 @@ def ppo_update(rt: Runtime, minis: Minis, stats: EntropyStats) -> tuple[Minis, d
     metrics = {**finalize_loss_metrics(tot), "actor/grad_norm": sum(norms) / max(len(norms), 1),
                "actor/lr": lr, "actor/skipped_updates": float(skipped),
                "actor/num_updates": float(len(minis) * rt.cfg.trainer.ppo_epochs),
+               **rt.actor.step_metrics(),  # trainable / total parameters (LoRA: the adapters / all)
                **rt.actor.moe_step_metrics()}  # MoE models: aux loss, per-expert load
     return _with_updates(rt, minis, recorded), metrics
 
