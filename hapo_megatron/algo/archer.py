@@ -14,6 +14,8 @@ from typing import Dict, Optional
 
 import torch
 
+from hapo_megatron.algo.forking import split_token_sums
+
 
 def archer_quantiles(entropy: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
     """``[...]`` float32: per row (last dim = one response) the ``q``-quantile of the valid tokens'
@@ -48,12 +50,6 @@ def archer_metrics(valid, low_side, entropy: Optional[torch.Tensor], clipped) ->
     """Summable float64 sums: tokens per side, their entropy, clipped tokens per side."""
     f64 = torch.float64
     lo, hi = valid & low_side, valid & ~low_side
-    m = {"loss/num_archer_low_tokens": lo.sum().to(f64), "loss/num_archer_high_tokens": hi.sum().to(f64),
-         "loss/archer_low_clipfrac_sum": (clipped & lo).sum().to(f64),
-         "loss/archer_high_clipfrac_sum": (clipped & hi).sum().to(f64)}
-    if entropy is not None:
-        e = entropy.detach().to(f64)
-        z = torch.zeros((), dtype=f64, device=e.device)
-        m["loss/archer_low_entropy_sum"] = torch.where(lo, e, z).sum()
-        m["loss/archer_high_entropy_sum"] = torch.where(hi, e, z).sum()
-    return m
+    return {**split_token_sums(valid, low_side, entropy, ("archer_low", "archer_high")),
+            "loss/archer_low_clipfrac_sum": (clipped & lo).sum().to(f64),
+            "loss/archer_high_clipfrac_sum": (clipped & hi).sum().to(f64)}

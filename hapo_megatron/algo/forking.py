@@ -55,15 +55,21 @@ def forking_select(entropy: torch.Tensor, mask: torch.Tensor, threshold: Optiona
     return valid & (log_entropy(entropy) >= float(threshold))
 
 
+def split_token_sums(valid, side, entropy: Optional[torch.Tensor], names: tuple[str, str]) -> Dict[str, torch.Tensor]:
+    """Summable float64 sums of a split of the valid tokens into ``side`` and the rest:
+    ``loss/num_<name>_tokens`` and, with ``entropy``, ``loss/<name>_entropy_sum`` for each of the
+    two ``names`` (side first)."""
+    f64 = torch.float64
+    m = {}
+    for name, part in zip(names, (valid & side, valid & ~side)):
+        m[f"loss/num_{name}_tokens"] = part.sum().to(f64)
+        if entropy is not None:
+            e = entropy.detach().to(f64)
+            m[f"loss/{name}_entropy_sum"] = torch.where(part, e, torch.zeros((), dtype=f64, device=e.device)).sum()
+    return m
+
+
 def selection_metrics(valid, select, select_entropy) -> Dict[str, torch.Tensor]:
     """forking_tokens: how many valid tokens the selection keeps, and the mean entropy (the one it
     selects by) of the kept and of the other tokens."""
-    f64 = torch.float64
-    sel, rest = valid & select, valid & ~select
-    m = {"loss/num_selected_tokens": sel.sum().to(f64), "loss/num_unselected_tokens": rest.sum().to(f64)}
-    if select_entropy is not None:
-        e = select_entropy.detach().to(f64)
-        z = torch.zeros((), dtype=f64, device=e.device)
-        m["loss/selected_entropy_sum"] = torch.where(sel, e, z).sum()
-        m["loss/unselected_entropy_sum"] = torch.where(rest, e, z).sum()
-    return m
+    return split_token_sums(valid, select, select_entropy, ("selected", "unselected"))
