@@ -133,6 +133,8 @@ def _from_paths(name: str, entries: list[str]) -> dict[str, str]:
 
 
 def _load_tokenizer(name: str):
+    """The length report's tokenizer, or None (``none``, or it cannot be loaded: the report is
+    skipped with one warning, the sets are still written)."""
     if name.lower() == "none":
         return None
     from transformers import AutoTokenizer
@@ -140,14 +142,22 @@ def _load_tokenizer(name: str):
     try:
         return AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as err:
-        raise ValueError(f"--tokenizer {name!r}: cannot load it ({err}); give a local tokenizer directory, a hub "
-                         "name in the HF cache, or --tokenizer none to skip the length report") from None
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"warning: --tokenizer {name!r} cannot be loaded ({first}): the prompt-length report is skipped; "
+              "give a local tokenizer directory or a hub name in the HF cache to get it", file=sys.stderr)
+        return None
 
 
 def _data_prepare(args) -> int:
-    from hapo_megatron.data.prepare import prepare
+    from hapo_megatron.data.prepare import prepare, set_names
+    from hapo_megatron.hub_offline import go_offline_if_unreachable
 
     from_paths = _from_paths(args.name, args.from_paths or [])
+    tokenizer_from_hub = args.tokenizer.lower() != "none" and not os.path.isdir(args.tokenizer)
+    if tokenizer_from_hub or set(set_names(args.name)) - set(from_paths):  # something comes from the hub
+        offline = go_offline_if_unreachable()  # before datasets / transformers try it and retry
+        if offline:
+            print(f"offline ({offline}): reading the Hugging Face caches only", file=sys.stderr)
     tokenizer = _load_tokenizer(args.tokenizer)
     prepare(args.name, args.out, from_paths=from_paths, tokenizer=tokenizer, tokenizer_name=args.tokenizer,
             max_prompt_length=args.max_prompt_length, apply_chat_template=args.apply_chat_template,

@@ -49,6 +49,9 @@ def resolve_model_path(name: Optional[str], field: str = "model.hf_model_path") 
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
+    from hapo_megatron.hub_offline import go_offline_if_unreachable
+
+    go_offline_if_unreachable()  # unreachable: the cached snapshot or one line, not a minute of retries
     lock = _lock_path(name)
     os.makedirs(os.path.dirname(lock), exist_ok=True)
     try:
