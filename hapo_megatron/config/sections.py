@@ -276,9 +276,11 @@ class RolloutConfig(_Section):
         _check_min("rollout.over_sampling", self.over_sampling, 1.0)
         _check_choice("rollout.partial_mode", self.partial_mode, PARTIAL_MODES)
         if self.over_sampling > 1.0 and (self.engine != "sglang" or self.max_staleness):
+            # name only the settings in the way (the user may have set the others already)
+            need = ([f"rollout.engine=sglang (is {self.engine!r})"] if self.engine != "sglang" else []) + \
+                ([f"rollout.max_staleness=0 (is {self.max_staleness})"] if self.max_staleness else [])
             _fail(f"rollout.over_sampling={self.over_sampling} aborts and resumes SGLang requests in the "
-                  "synchronous loop: set rollout.engine=sglang and rollout.max_staleness=0, or "
-                  "rollout.over_sampling=1.0")
+                  f"synchronous loop: set {' and '.join(need)}, or rollout.over_sampling=1.0")
 
 # LoRA: the HF projections an adapter can target, by the Megatron layer that holds them
 LORA_MODULE_PARTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
