@@ -17,12 +17,15 @@ prompt the accuracy of each sample (with `--save-responses`, the decoded respons
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from typing import Sequence
 
@@ -206,8 +209,25 @@ def run(args) -> dict:
     directory that is removed when the evaluation ends, whether it succeeded or failed."""
     if args.convert_dir:
         return _run(args, args.convert_dir)
-    with tempfile.TemporaryDirectory(prefix="hapo_eval_hf_") as scratch:
+    with _sigterm_exits(), tempfile.TemporaryDirectory(prefix="hapo_eval_hf_") as scratch:
         return _run(args, os.path.join(scratch, "hf"))
+
+
+@contextlib.contextmanager
+def _sigterm_exits():
+    """SIGTERM raises SystemExit(143) while the body runs (main thread only): the default action
+    would end the process at once, leaving the temporary conversion behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_now(signum, frame):
+        raise SystemExit(128 + signum)
+    previous = signal.signal(signal.SIGTERM, exit_now)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _run(args, convert_dir: str) -> dict:

@@ -447,3 +447,39 @@ def test_eval_context_comes_from_the_run_of_a_megatron_checkpoint(tmp_path):
     hf_export.mkdir()
     (hf_export / "config.json").write_text("{}")
     assert eval_context_length(load_config(None, []), str(hf_export)) is None
+
+
+_SIGTERM_EVAL_SCRIPT = r"""
+import os, sys
+from hapo_megatron import evaluate
+
+def held(args, convert_dir):  # the conversion has started in the temporary directory; hold there
+    os.makedirs(convert_dir)
+    print("converting in", convert_dir, flush=True)
+    sys.stdin.read()  # until the test's SIGTERM
+evaluate._run = held
+evaluate.run(evaluate.build_parser().parse_args(["--model", "/some/megatron/run", "--data", "x.jsonl",
+                                               "--out", "x.json"]))
+"""
+
+
+def test_sigterm_during_hapo_eval_removes_its_temporary_conversion(tmp_path):
+    """SIGTERM while a Megatron checkpoint is converted into the temporary directory: the
+    directory is removed and the process exits 143 (without the handler it stays behind)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "TMPDIR": str(tmp_path / "tmp")}
+    proc = subprocess.Popen([sys.executable, "-c", _SIGTERM_EVAL_SCRIPT], env=env, cwd=repo, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    line = proc.stdout.readline()
+    assert line.startswith("converting in"), (line, proc.stderr.read() if proc.poll() is not None else "")
+    assert os.path.isdir(line.split()[-1])
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("hapo_eval_hf_")] == []
