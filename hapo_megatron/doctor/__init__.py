@@ -9,7 +9,8 @@ Checks: torch/CUDA/NCCL versions and visibility; imports of megatron-core, Trans
 torch extension, sgl_kernel, flashinfer, SGLang (apex optional); TE layer spec vs local spec on a
 tiny GPTModel (GPU); the MoE fused paths (grouped MLP, permute fusion, RoPE fusion) vs unfused
 on a tiny Qwen3-MoE (GPU) and that model trained at EP=2 (2 GPUs); fused log-prob + entropy vs
-float64 (+ memory bandwidth on a GPU); TP=2 and CP=2 on two ranks (two GPUs, else gloo on CPU);
+float64 (+ memory bandwidth on a GPU); the update's model TFLOP/s beside the device's bf16 peak
+(GPU); TP=2 and CP=2 on two ranks (two GPUs, else gloo on CPU);
 a real SGLang server per weight-sync mode with an in-place pause + tagged update and an
 abort/resume (on one GPU sharing the trainer's GPU, the distributed sync skipped); the trainer's
 colocated sync sequence on a TP=2 server checked against transformers (2+ GPUs); FP8 rollouts
@@ -32,7 +33,8 @@ GROUPS = ("env", "imports", "model", "moe", "kernel", "parallel", "sglang", "mem
 def collect_checks(args) -> list:
     """[(group, name, fn, default fix)] for the selected groups."""
     from hapo_megatron.doctor import (colocated_checks, env_checks, fp8_checks, kernel_checks, model_checks,
-                                      moe_checks, moe_ep_checks, parallel_checks, sglang_checks)
+                                      moe_checks, moe_ep_checks, parallel_checks, sglang_checks,
+                                      throughput_checks)
     fix_env = env_checks.IMAGE_FIX
     checks = [("env", "torch", env_checks.check_torch, fix_env),
               ("env", "cuda devices", env_checks.check_cuda_devices, fix_env)]
@@ -44,7 +46,8 @@ def collect_checks(args) -> list:
                *[("moe", n, fn, moe_checks.FIX) for n, fn in moe_checks.moe_fused_checks()],
                ("moe", moe_ep_checks.NAME, moe_ep_checks.check_moe_ep2, moe_ep_checks.FIX),
                ("kernel", "logprob+entropy", kernel_checks.check_logprob_entropy,
-                "run python -m pytest tests/parallel/test_vocab_parallel.py and report the failure")]
+                "run python -m pytest tests/parallel/test_vocab_parallel.py and report the failure"),
+               ("kernel", throughput_checks.NAME, throughput_checks.check_update_tflops, throughput_checks.FIX)]
     checks += [("parallel", n, fn, "check NCCL (NCCL_DEBUG=INFO) and the GPUs' peer access")
                for n, fn in parallel_checks.parallel_checks()]
     checks.append(("sglang", "SGLang server", lambda: sglang_checks.check_sglang_server(args.sglang_model),
