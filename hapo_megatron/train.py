@@ -271,7 +271,10 @@ def start_records(cfg) -> None:
     os.makedirs(run_dir, exist_ok=True)
     if resolve_resume(cfg.trainer.resume, os.path.join(run_dir, "checkpoints")) is not None:
         return
-    moved = move_records_aside(run_dir)
+    # attached servers (a recipe's launch_servers.sh with the run dir as its shared dir) write their
+    # logs there before the trainer starts: those are this run's, and the servers hold them open
+    keep = ("sglang_logs",) if cfg.rollout.engine == "sglang" and cfg.rollout.sglang.server_urls else ()
+    moved = move_records_aside(run_dir, keep=keep)
     if moved:
         print(f"hapo train: a new run in {run_dir}: the records of the run before it are moved to {moved}",
               flush=True)

@@ -21,7 +21,7 @@ import json
 import os
 import re
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 PREVIOUS = "previous"
 SUMMARY = "summary.json"
@@ -45,10 +45,11 @@ def new_previous_dir(run_dir: str, suffix: str = "") -> str:
     raise FileExistsError(f"no free name for {base}-N")
 
 
-def move_records_aside(run_dir: str) -> Optional[str]:
-    """A fresh start in ``run_dir``: move every record in it into one new dated folder; returns
-    the folder, or None when there was nothing to move. Anything else in ``run_dir`` stays."""
-    present = [name for name in RECORDS if os.path.lexists(os.path.join(run_dir, name))]
+def move_records_aside(run_dir: str, keep: Sequence[str] = ()) -> Optional[str]:
+    """A fresh start in ``run_dir``: move every record in it (but those named in ``keep``) into one
+    new dated folder; returns the folder, or None when there was nothing to move. Anything else in
+    ``run_dir`` stays."""
+    present = [name for name in RECORDS if name not in keep and os.path.lexists(os.path.join(run_dir, name))]
     if not present:
         return None
     dest = new_previous_dir(run_dir)

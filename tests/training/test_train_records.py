@@ -86,3 +86,22 @@ def test_a_fresh_start_moves_the_records_before_writing_its_config(tiny, finishe
     (moved,) = os.listdir(finished / PREVIOUS)
     assert _snapshot(finished / PREVIOUS / moved) == before
     assert f"moved to {finished / PREVIOUS / moved}" in capsys.readouterr().out
+
+
+def test_attached_servers_keep_their_logs_at_a_fresh_start(tmp_path):
+    """Servers started by a recipe's launch_servers.sh into the run dir (the async recipe's shared
+    dir) log into its sglang_logs before the trainer starts: a fresh start leaves them there (they
+    are this run's and still open); with servers the trainer launches they are the earlier run's
+    and move aside (mutation: no `keep` -> the live logs end up under previous/)."""
+    from hapo_megatron.train import start_records
+
+    for attached, kept in ((True, True), (False, False)):
+        run = tmp_path / f"run_{attached}"
+        (run / "sglang_logs").mkdir(parents=True)
+        (run / "sglang_logs" / "sglang_server_0.log").write_text("live\n")
+        (run / "metrics.jsonl").write_text('{"step": 1}\n')  # an earlier run's record: moved either way
+        sglang = ["rollout.engine=sglang", "rollout.sglang.colocate=false", f"trainer.run_dir={run}"]
+        cfg = load_config(overrides=sglang + (["rollout.sglang.server_urls=[http://127.0.0.1:1]"] if attached else []))
+        start_records(cfg)
+        assert (run / "sglang_logs" / "sglang_server_0.log").exists() == kept
+        assert not (run / "metrics.jsonl").exists() and os.listdir(run / PREVIOUS)
