@@ -127,10 +127,41 @@ class _ChunkedEngine:
         self.last_response = time.perf_counter()
         return self.smp
 
+    # the rest of the RolloutEngine protocol (rollout/engine.py), which the synchronous loop calls
+    dtype, send_sampling_seed, stop_check = None, False, None
+
+    def generate_group(self, rows, params):
+        raise NotImplementedError("the host-step bench runs the synchronous loop only")
+
+    def update_weights(self, named_tensors, *, weight_version=None, flush_cache=True):
+        from hapo_megatron.rollout.engine import drain_weights
+        drain_weights(named_tensors)
+
     def release_memory(self, tags=None):
         pass
 
     def resume_memory(self, tags=None):
+        pass
+
+    def abort_requests(self):
+        pass
+
+    def pause_generation(self, mode="retract"):
+        pass
+
+    def continue_generation(self):
+        pass
+
+    def spread_calls(self, enabled=True):
+        pass
+
+    def fault_metrics(self):
+        return {}
+
+    def check_health(self):
+        pass
+
+    def shutdown(self):
         pass
 
 
