@@ -71,18 +71,24 @@ while True:
 """
 
 
-def test_a_server_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
-    """SIGTERM to the group (what stop_process sends) ends a server that ignores it (SGLang's own
-    handler waits for its requests in flight, without a bound): its guard SIGKILLs the group after
-    STOP_GRACE_S. Mutation: no guard: the wait below reaches its bound."""
+def _stop_ends_it_by_sigkill(script: str, tmp_path) -> None:
+    """Start ``script`` as a guarded server, SIGTERM its group once it is ready (what stop_process
+    sends), and require that the guard ends it with SIGKILL after STOP_GRACE_S."""
     log = tmp_path / "server.log"
-    h = start_process([sys.executable, "-c", IGNORES_SIGTERM], "http://127.0.0.1:9", log_path=str(log))
+    h = start_process([sys.executable, "-c", script], "http://127.0.0.1:9", log_path=str(log))
     while "ready" not in log.read_text():
         assert h.process.poll() is None
         subprocess.run(["sleep", "0.1"])
     os.killpg(h.process.pid, signal.SIGTERM)
     # the bound only turns a hang into a failure: the guard acts after STOP_GRACE_S
     assert h.process.wait(timeout=STOP_GRACE_S + 60) == -signal.SIGKILL
+
+
+def test_a_server_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
+    """SIGTERM to the group (what stop_process sends) ends a server that ignores it (SGLang's own
+    handler waits for its requests in flight, without a bound): its guard SIGKILLs the group after
+    STOP_GRACE_S. Mutation: no guard: the wait below reaches its bound."""
+    _stop_ends_it_by_sigkill(IGNORES_SIGTERM, tmp_path)
 
 
 # a server like SGLang's main process on SIGTERM: it kills every descendant of its own (SGLang's
@@ -104,14 +110,7 @@ def test_stop_ends_a_server_whose_shutdown_kills_its_descendants_and_hangs(tmp_p
     the watcher, no descendant of the server, SIGKILLs the group after STOP_GRACE_S.
     Mutation: the watcher a child of the server (one fork): the server kills it and runs on (the
     wait below reaches its bound)."""
-    log = tmp_path / "server.log"
-    h = start_process([sys.executable, "-c", STUCK_SHUTDOWN], "http://127.0.0.1:9", log_path=str(log))
-    while "ready" not in log.read_text():
-        assert h.process.poll() is None
-        subprocess.run(["sleep", "0.1"])
-    os.killpg(h.process.pid, signal.SIGTERM)
-    # the bound only turns a hang into a failure: the guard acts after STOP_GRACE_S
-    assert h.process.wait(timeout=STOP_GRACE_S + 60) == -signal.SIGKILL
+    _stop_ends_it_by_sigkill(STUCK_SHUTDOWN, tmp_path)
 
 
 def test_the_watcher_ends_with_a_server_that_exits(tmp_path):
