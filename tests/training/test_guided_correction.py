@@ -240,7 +240,10 @@ def test_bad_values_refused_in_one_line(changes, message):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["rollout.max_staleness=1", "rollout.engine=sglang", "rollout.sglang.colocate=false"], "algo.edge_gec corrects responses in the synchronous"),
+    (["rollout.max_staleness=1", "rollout.engine=sglang", "rollout.sglang.colocate=false"],
+     "algo.edge_gec corrects responses in the synchronous"),
+    (["rollout.over_sampling=1.5", "rollout.engine=sglang", "rollout.partial_mode=mask_prefix"],
+     "rollout.over_sampling=1.5 resumes partial ones"),
     (["algo.old_logprob_source=rollout"], "algo.old_logprob_source=rollout takes the engine's log-probs"),
     (["algo.tis_cap=2.0"], "algo.rollout_is / algo.tis_cap weight tokens"),
     (["algo.rollout_is=token_tis"], "algo.rollout_is / algo.tis_cap weight tokens"),
