@@ -355,3 +355,36 @@ def test_config_round_trip_keeps_the_knobs():
     cfg = load_config(preset="edge-grpo", overrides=['algo.edge_gec_cue=" Hmm."', "algo.edge_gec_reflect_prob=0.3"])
     again = HapoConfig.from_dict(cfg.to_dict())
     assert (again.algo.edge_gec, again.algo.edge_gec_cue, again.algo.edge_gec_reflect_prob) == (True, " Hmm.", 0.3)
+
+
+def test_with_the_real_hf_engine_and_character_tokenizer(monkeypatch, tmp_path):
+    """The HF engine continues prompt + wrong response + cue; the character tokenizer encodes the
+    cue and hint; every corrected row keeps its prompt and fits the response limit."""
+    import torch
+
+    from hapo_megatron.data import build_char_tokenizer
+    from hapo_megatron.models import tiny_hf_config
+    from hapo_megatron.rollout.hf_engine import HFRolloutEngine
+
+    monkeypatch.setattr(stages, "broadcast_object", lambda obj: obj)
+    tok = build_char_tokenizer(str(tmp_path / "tok"))
+    torch.manual_seed(0)
+    engine = HFRolloutEngine(tiny_hf_config("llama", vocab_size=len(tok)), tokenizer=tok, dtype=torch.float32)
+    rt = _runtime(engine, ["rollout.max_response_length=40", 'algo.edge_gec_cue=" Wait!"',
+                           "algo.edge_gec_max_new_tokens=8", "rollout.top_k=-1"])
+    rt.tokenizer = tok
+    records = [SimpleNamespace(prompt_ids=tok.encode(f"What is {p} + 1?", add_special_tokens=False),
+                               ground_truth=str(p + 1), data_source="d",
+                               extra_info={"solution": f"Answer: {p + 1}"}) for p in range(2)]
+    rt.rl.sampler = SimpleNamespace(next_batch=lambda: records, state_dict=lambda: {})
+    kept, metrics, _ = stages._rollout_rank0(rt, 1)
+    assert metrics["gec/wrong_frac"] == 1.0  # a random model answers nothing
+    assert metrics["gec/corrected_frac"] + metrics["gec/skipped_frac"] == 1.0 and metrics["gec/corrected_frac"] > 0
+    texts = [tok.decode(kept.response_ids[i], skip_special_tokens=True) for i in range(len(kept))]
+    assert all(len(kept.response_ids[i]) <= 40 for i in range(len(kept)))
+    reflected = [t for t in texts if " Wait!" in t and "Answer:" not in t]
+    guided = [t for t in texts if t.endswith(("Answer: 1", "Answer: 2"))]
+    assert len(reflected) + len(guided) == round(8 * metrics["gec/corrected_frac"])
+    assert metrics["gec/fixed_frac"] == len(guided) / (len(reflected) + len(guided))
+    again, _, _ = stages._rollout_rank0(rt, 1)
+    assert again == kept  # the same seeds give the same corrected batch
