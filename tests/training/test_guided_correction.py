@@ -388,3 +388,20 @@ def test_with_the_real_hf_engine_and_character_tokenizer(monkeypatch, tmp_path):
     assert metrics["gec/fixed_frac"] == len(guided) / (len(reflected) + len(guided))
     again, _, _ = stages._rollout_rank0(rt, 1)
     assert again == kept  # the same seeds give the same corrected batch
+
+
+def test_reflections_sample_like_their_round_under_the_adaptive_temperature(monkeypatch):
+    """GEC composes with HAPO's adaptive temperature: the continuation is sampled with the round's
+    temperature rule and entropy statistics (only n, the budget and the seed differ)."""
+    from hapo_megatron.algo import EntropyStats
+
+    monkeypatch.setattr(stages, "broadcast_object", lambda obj: obj)
+    engine = _Engine()
+    rt = _runtime(engine, ["algo.adaptive_temperature=true", "algo.temperature_tau=0.3", "rollout.temperature=0.9",
+                           "rollout.top_p=0.95", "algo.edge_gec_reflect_prob=1.0"])
+    rt.rl.rollout_entropy_stats = EntropyStats(pivot=-1.0, std=0.5, pos_max=2.0, neg_min=-2.0)
+    stages._rollout_rank0(rt, 1)
+    (_, first), (_, cont) = engine.calls
+    assert cont.uses_adaptive and cont.entropy_stats == first.entropy_stats == rt.rl.rollout_entropy_stats
+    assert (cont.temperature, cont.top_p, cont.temperature_tau) == (first.temperature, first.top_p, 0.3)
+    assert (first.temperature, first.top_p) == (0.9, 0.95)
