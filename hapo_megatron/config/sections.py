@@ -410,3 +410,6 @@ class ModelConfig(_Section):
         if self.lora.rank and self.megatron_load_path:
             _fail("model.lora.rank > 0 starts from model.hf_model_path's weights; model.megatron_load_path is not "
                   "supported with LoRA yet (set one of them)")
+        if self.lora.rank and self.random_init:
+            _fail("model.lora.rank > 0 adapts the weights of model.hf_model_path, which its checkpoints hold only "
+                  "by reference (adapter-only); model.random_init=true has no such base (set one of them)")
