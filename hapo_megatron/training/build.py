@@ -13,6 +13,7 @@ from hapo_megatron.config import HapoConfig
 from hapo_megatron.data import PromptSampler
 from hapo_megatron.dtypes import torch_dtype
 from hapo_megatron.models.lora import lora_settings
+from hapo_megatron.training.memory.plan import reference_is_adapters_off
 from hapo_megatron.config.validate import ModelSpec, rollout_dtype
 from hapo_megatron.parallel.collectives import all_gather_objects
 from hapo_megatron.parallel.groups import ParallelGroups
@@ -51,7 +52,7 @@ def setup_reference(rt: Runtime) -> None:
     """
     if rt.cfg.algo.loss.kl_loss_coef <= 0:
         return
-    if rt.actor.lora is not None and rt.cfg.trainer.sft_warmup_steps == 0 and rt.actor.routing == "off":
+    if reference_is_adapters_off(rt.cfg, rt.actor.routing != "off"):
         rt.reference = rt.actor.base_reference()  # LoRA: the base weights are the policy's own, frozen
         return
     ref_dir = os.path.join(rt.run_dir, "reference")
