@@ -420,6 +420,14 @@ class MegatronActor:
                                  pp_group=self.groups.pp, ep_group=self.groups.ep, etp_group=self.groups.etp,
                                  dtype=dtype)
 
+    def export_lora_adapters(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(peft_name, whole matrix)`` of every LoRA adapter's A and B (`convert.peft_export`),
+        for SGLang's adapter mode; collective over TP and PP, every rank yields every tensor."""
+        from hapo_megatron.convert.peft_export import peft_state_dict
+        state = peft_state_dict(self.model, tp_group=self.groups.tp, pp_group=self.groups.pp)
+        for name in sorted(state):
+            yield name, state[name].to(dtype or self.dtype)
+
     def moe_step_metrics(self) -> dict[str, float]:
         """The MoE metrics of the training steps since the last call (`models.moe`; collective,
         the same on every rank); empty for dense models."""

@@ -562,7 +562,8 @@ def sync_weights(rt: Runtime) -> dict[str, float]:
     the export handed to the engine (the full weights, or LoRA's A and B in adapter mode), the
     same on every rank."""
     dtype = rt.engine.dtype if rt.engine is not None else None
-    counted = SyncBytes(rt.actor.export_hf_weights(dtype=dtype))
+    adapters = rt.cfg.rollout.sglang.lora_sync == "adapter"  # LoRA: A and B only (validated: sglang, rank > 0)
+    counted = SyncBytes(rt.actor.export_lora_adapters(dtype) if adapters else rt.actor.export_hf_weights(dtype=dtype))
     named = iter(counted)
     empty_cache()  # what the trainer's allocator holds unused goes back before the servers resume
     if rt.engine is None:
