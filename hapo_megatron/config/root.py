@@ -107,8 +107,8 @@ class HapoConfig(_Section):
                 _fail(f"rollout.sglang.lora_sync='adapter' needs rollout.engine=sglang (got {ro.engine!r}; the HF "
                       "engine takes the merged weights)")
             if ro.max_staleness:
-                _fail("rollout.sglang.lora_sync='adapter' with rollout.max_staleness > 0 is not supported yet (requests "
-                      "paused under an older adapter would hold its unload); use lora_sync=merged")
+                _fail("rollout.sglang.lora_sync='adapter' with rollout.max_staleness > 0 is not supported yet "
+                      "(requests paused under an older adapter would hold its unload); use lora_sync=merged")
         if ro.engine != "sglang" and ro.sglang.server_urls:
             _fail(f"rollout.sglang.server_urls is set but rollout.engine is {ro.engine!r}; "
                   "set rollout.engine=sglang")

@@ -16,8 +16,8 @@ from typing import Mapping, Optional
 
 from hapo_megatron.config.base import _fail
 
-__all__ = ["ModelSpec", "check_layout", "validate_run", "CONFIG_NAMES", "CPU_FP8_REFUSED", "CPU_LORA_REFUSED", "check_fp8_launch",
-           "rollout_dtype"]
+__all__ = ["ModelSpec", "check_layout", "validate_run", "CONFIG_NAMES", "CPU_FP8_REFUSED", "CPU_LORA_REFUSED",
+           "check_fp8_launch", "rollout_dtype"]
 
 #: the parallel sizes under their config keys, as ``validate_run``'s messages name them
 CONFIG_NAMES = {"tp": "parallel.tensor_model_parallel_size", "pp": "parallel.pipeline_model_parallel_size",
