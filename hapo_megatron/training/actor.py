@@ -420,9 +420,10 @@ class MegatronActor:
                                  pp_group=self.groups.pp, ep_group=self.groups.ep, etp_group=self.groups.etp,
                                  dtype=dtype)
 
-    def export_lora_adapters(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(peft_name, whole matrix)`` of every LoRA adapter's A and B (`convert.peft_export`),
-        for SGLang's adapter mode; collective over TP and PP, every rank yields every tensor."""
+    def export_lora_adapters(self, dtype: Optional[torch.dtype]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(peft_name, whole matrix)`` of every LoRA adapter's A and B (`convert.peft_export`) in
+        ``dtype`` (None: the model's), for SGLang's adapter mode; collective over TP and PP, every
+        rank yields every tensor."""
         from hapo_megatron.convert.peft_export import peft_state_dict
         state = peft_state_dict(self.model, tp_group=self.groups.tp, pp_group=self.groups.pp)
         for name in sorted(state):
