@@ -144,6 +144,7 @@ class MemoryPlan:
     reference: int = 0  # the KL reference model's params (algo.kl_loss_coef > 0)
     routes: int = 0  # the routing-replay tensors of this rank's step (part of `activations`)
     lora_params: int = 0  # the LoRA adapters' params (part of `params`; the rest is the frozen base)
+    reference_adapters_off: bool = False  # a KL reference that is the policy with its adapters off (no copy)
     peer_contexts: int = 0  # server workers' CUDA contexts on the node leader's GPU (part of `overhead`)
     phases: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)
@@ -223,13 +224,14 @@ def plan_memory(shape: ModelShape, *, tp: int = 1, pp: int = 1, cp: int = 1, dp:
                 offload: bool = False, device_bytes: int, fused_output_layer: bool,
                 logprob_chunk: int = 1024, reference_model: bool = False, routed_tokens: int = 0,
                 peer_contexts: int = 0, server_weight_bytes: Optional[int] = None, lora_rank: int = 0,
-                lora_targets=()) -> MemoryPlan:
+                lora_targets=(), reference_adapters_off: bool = False) -> MemoryPlan:
     """The per-GPU plan (see the module docstring for every formula). ``routed_tokens``: tokens of
     this rank's step whose engine routes go to the device (0: no routes travel);
     ``peer_contexts``: CUDA contexts of other processes on this GPU (`tensor_sync_peer_contexts`);
     ``server_weight_bytes``: one server's weights when not 2 bytes per parameter (FP8 servers:
     `fp8_memory`); ``lora_rank`` > 0: LoRA adapters on ``lora_targets`` (HF projection names), the
-    rest frozen."""
+    rest frozen; ``reference_adapters_off``: a KL reference that costs nothing (the policy with its
+    adapters off; ``reference_model`` is then False)."""
     etp = tp if etp is None else etp
     experts = expert_param_count(shape)
     dense_n, expert_n = (param_count(shape) - experts) / (tp * pp), experts / (ep * etp * pp)
@@ -256,7 +258,7 @@ def plan_memory(shape: ModelShape, *, tp: int = 1, pp: int = 1, cp: int = 1, dp:
                       overhead=CONTEXT_BYTES * (2 if colocated else 1) + peer_contexts * PEER_CONTEXT_BYTES,
                       device=int(device_bytes), offload=offload,
                       reference=int(n * param_bytes) if reference_model else 0, routes=routes,
-                      lora_params=int(lora_n * param_bytes),
+                      lora_params=int(lora_n * param_bytes), reference_adapters_off=reference_adapters_off,
                       peer_contexts=peer_contexts * PEER_CONTEXT_BYTES)
     held_in_rollout = plan.overhead + plan.reference + (0 if offload else plan.trainer_state)
     plan.phases = {"training": plan.static + plan.activations + plan.overhead}
@@ -332,6 +334,7 @@ def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int, gpus
     step_tokens = cfg.data.train_batch_size * cfg.rollout.n * (cfg.data.max_prompt_length
                                                                + cfg.rollout.max_response_length)
     fp8 = cfg.rollout.engine == "sglang" and cfg.rollout.quantization == "fp8"
+    kl, adapters_off = cfg.algo.loss.kl_loss_coef > 0, reference_is_adapters_off(cfg, routes_travel)
     return plan_memory(shape, tp=p.tensor_model_parallel_size,
                        pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size, dp=max(dp, 1),
                        ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
@@ -340,8 +343,7 @@ def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int, gpus
                        tokens_per_micro_batch=tokens, recompute=cfg.model.recompute_activations,
                        sglang_fraction=sg.mem_fraction_static, server_tp=sg.server_tp_size, colocated=colocated,
                        offload=offload, device_bytes=device_bytes, fused_output_layer=cfg.model.fused_output_layer,
-                       reference_model=(cfg.algo.loss.kl_loss_coef > 0
-                                        and not reference_is_adapters_off(cfg, routes_travel)),
+                       reference_model=kl and not adapters_off, reference_adapters_off=kl and adapters_off,
                        lora_rank=cfg.model.lora.rank, lora_targets=lora_hf_targets(cfg.model.lora.target_modules),
                        routed_tokens=step_tokens // max(dp, 1) if routes_travel else 0,
                        peer_contexts=tensor_sync_peer_contexts(cfg, min(gpus_per_node, world_size)),
@@ -356,7 +358,7 @@ def format_plan(plan: MemoryPlan, title: Optional[str] = None) -> str:
                 f"{g(plan.lora_params).strip()}" if plan.lora_params else "") + ", fp32 grads "
              f"{g(plan.grads).strip()}, optimizer {g(plan.optimizer).strip()}"
              + (f", KL reference {g(plan.reference).strip()}" if plan.reference else "")
-             + ("" if plan.reference or not plan.lora_params else ", KL reference: the base, adapters off")
+             + (", KL reference: the policy with its adapters off, no copy" if plan.reference_adapters_off else "")
              + ")",
              f"  activations     {g(plan.activations)}  (busiest pipeline stage under 1F1B, estimate"
              + (f"; routes {g(plan.routes).strip()}" if plan.routes else "") + ")",

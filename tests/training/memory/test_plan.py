@@ -231,7 +231,9 @@ def test_lora_counts_frozen_base_adapters_and_their_optimizer_by_hand():
     full = plan_memory(TINY, **kw)
     assert full.activations == p.activations and full.optimizer == 4056
     text = format_plan(p)
-    assert "frozen base" in text and "LoRA adapters" in text and "adapters off" in text
+    assert "frozen base" in text and "LoRA adapters" in text and "adapters off" not in text
+    assert "adapters off, no copy" in format_plan(plan_memory(TINY, lora_rank=2, lora_targets=("q_proj",),
+                                                              reference_adapters_off=True, **kw))
 
 
 def test_lora_reference_is_the_adapters_off_policy_unless_a_warm_start_keeps_a_copy():
@@ -263,7 +265,7 @@ def test_lora_recipe_plan_has_no_reference_copy_and_adapter_sized_optimizer():
     full = plan_from_config(load_config(path, ["algo.kl_loss_coef=0.001"]), hf, world_size=8, device_bytes=80 * GiB)
     lora = plan_from_config(load_config(path, ["algo.kl_loss_coef=0.001", "model.lora.rank=32",
                                                "trainer.sft_warmup_steps=0"]), hf, world_size=8, device_bytes=80 * GiB)
-    assert full.reference > 0 and lora.reference == 0
+    assert full.reference > 0 and lora.reference == 0 and lora.reference_adapters_off
     assert 75e6 < lora_param_count(shape_from_hf_config(hf), 32, tuple(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])) < 85e6
     assert lora.optimizer < full.optimizer / 50 and lora.grads < full.grads / 50
