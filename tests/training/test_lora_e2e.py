@@ -12,7 +12,8 @@ adapters train, the engine samples from the merged weights, the KL reference is 
   base model), later steps' is not (the reference stays the base model while the adapters train);
 - the run saves its (adapter-only) step-2 checkpoint; a copy of the run directory without step 3's
   records resumes from it and writes step 3's metrics line exactly as the uninterrupted run did
-  (timings aside), and a resume on another base model (one weight changed) is refused in one line.
+  (timings aside), and a resume on another base model (one weight changed), even with
+  ``--allow-config-change``, is refused in one line.
 """
 
 import os
@@ -85,7 +86,8 @@ def _resume_continues_exactly_and_refuses_another_base(tiny, tmp_path, run_dir, 
     environ = dict(os.environ)  # --check sets the world it would start
     capsys.readouterr()
     try:
-        assert main(again + [f"model.hf_model_path={other}", f"data.tokenizer_path={other}", "--check"]) == 2
+        assert main(again + [f"model.hf_model_path={other}", f"data.tokenizer_path={other}", "--check",
+                             "--nproc-per-node", "2", "--allow-config-change"]) == 2
     finally:
         os.environ.clear()
         os.environ.update(environ)
