@@ -192,6 +192,9 @@ def preflight(cfg, world_size: int, *, allow_config_change: bool = False):
     if changed and int(os.environ.get("RANK", 0)) == 0:
         warnings.warn(f"--allow-config-change: resuming {resumes_from} with a changed algorithm: " + "; ".join(changed))
     check_not_finished(cfg, resumes_from)
+    from hapo_megatron.models.lora import lora_settings
+    from hapo_megatron.models.lora_checkpoint import check_resume
+    check_resume(resumes_from, lora_settings(cfg.model.lora), cfg.model.hf_model_path)  # the same base, adapters
     for i, f in enumerate(list(cfg.data.train_files) + list(cfg.data.val_files)):
         if not os.path.isfile(f):
             raise FileNotFoundError(f"data file {f!r} does not exist (data.train_files / data.val_files)")

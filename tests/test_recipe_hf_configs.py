@@ -15,7 +15,8 @@ from hapo_megatron.training.sources import load_hf_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # published sizes: Qwen2.5-Math-1.5B 1.54 B, -7B 7.62 B, Qwen3-8B-Base 8.19 B, Qwen3-30B-A3B 30.5 B
-SIZES = {"qwen2.5-math-1.5b": 1.54e9, "qwen2.5-math-7b": 7.62e9, "qwen3-8b": 8.19e9, "qwen3-30b-a3b": 30.5e9}
+SIZES = {"qwen2.5-math-1.5b": 1.54e9, "qwen2.5-math-7b": 7.62e9, "qwen2.5-math-7b-lora": 7.62e9,
+         "qwen3-8b": 8.19e9, "qwen3-30b-a3b": 30.5e9}
 
 
 @pytest.mark.parametrize("recipe", sorted(SIZES))

@@ -26,3 +26,15 @@ def test_the_7b_variant_resolves_to_the_paper_recipe():
               if k[:2] not in NAMES and paper.get(k) != variant.get(k)}
     assert differ == {}
     assert paper[("trainer", "eval_interval")] == 20 and paper[("trainer", "val_before_train")] is True
+
+
+def test_the_lora_recipe_is_the_paper_recipe_with_lora():
+    """examples/qwen2.5-math-7b-lora differs from the 7B paper recipe only in the LoRA fields, the
+    learning rate (10x, LoRA Without Regret) and its names (mutation: another batch size fails it)."""
+    paper = dict(_flat(load_config(os.path.join(ROOT, "examples/qwen2.5-math-7b/config.yaml")).to_dict()))
+    lora = dict(_flat(load_config(os.path.join(ROOT, "examples/qwen2.5-math-7b-lora/config.yaml")).to_dict()))
+    differ = {k: (paper.get(k), lora.get(k)) for k in set(paper) | set(lora)
+              if k[:2] not in NAMES and paper.get(k) != lora.get(k)}
+    assert differ == {("model", "lora", "rank"): (0, 32), ("model", "lora", "target_modules"): (
+        paper[("model", "lora", "target_modules")], ["all-linear"]), ("optim", "lr"): (1e-6, 1e-5)}
+    assert lora[("model", "lora", "alpha")] == 32 and lora[("rollout", "sglang", "lora_sync")] == "merged"

@@ -126,6 +126,15 @@ class HapoConfig(_Section):
             _fail("rollout.top_k=1 samples greedily: the rollout.n responses of a prompt are identical, so every "
                   "group-relative advantage is 0 (and algo.filter_groups would never keep a group); use "
                   "rollout.top_k=-1 or >= 2")
+        if ro.sglang.lora_sync == "adapter":
+            if not self.model.lora.rank:
+                _fail("rollout.sglang.lora_sync='adapter' sends LoRA adapters: it needs model.lora.rank > 0")
+            if ro.engine != "sglang":
+                _fail(f"rollout.sglang.lora_sync='adapter' needs rollout.engine=sglang (got {ro.engine!r}; the HF "
+                      "engine takes the merged weights)")
+            if ro.max_staleness:
+                _fail("rollout.sglang.lora_sync='adapter' with rollout.max_staleness > 0 is not supported yet "
+                      "(requests paused under an older adapter would hold its unload); use lora_sync=merged")
         if ro.engine != "sglang" and ro.sglang.server_urls:
             _fail(f"rollout.sglang.server_urls is set but rollout.engine is {ro.engine!r}; "
                   "set rollout.engine=sglang")

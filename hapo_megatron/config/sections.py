@@ -199,6 +199,11 @@ class SGLangConfig(_Section):
     within request_timeout_s), per run; their requests go to the other servers meanwhile and a
     restarted server is used again after the next weight sync. One more failure stops the run,
     as does having no server left (docs/multinode.md, "Fault tolerance of the rollout servers")."""
+    lora_sync: str = "merged"
+    """With LoRA (model.lora.rank > 0), what each weight sync sends: merged (W + alpha/r B A of every
+    adapted layer, through weight_sync like full weights; any server) or adapter (only the
+    adapters' A and B, loaded with /load_lora_adapter_from_tensors into servers started with
+    --enable-lora; CUDA servers only, synchronous rollouts only; docs/lora.md)."""
     pause_mode: str = "retract"
     """How generation pauses for a weight update under rollout.max_staleness >= 1 (SGLang's
     /pause_generation): retract (running requests go back to the queue, their KV cache is recomputed
@@ -211,6 +216,7 @@ class SGLangConfig(_Section):
     def _validate(self) -> None:
         p = self._path
         _check_choice(f"{p}.pause_mode", self.pause_mode, PAUSE_MODES)
+        _check_choice(f"{p}.lora_sync", self.lora_sync, LORA_SYNC_MODES)
         for name in ("server_tp_size", "bucket_size_mb"):
             _check_min(f"{p}.{name}", getattr(self, name), 1)
         _check_min(f"{p}.num_servers", self.num_servers, 0)
@@ -325,6 +331,7 @@ LORA_MODULE_PARTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj"
 LORA_HF_TARGETS = tuple(p for parts in LORA_MODULE_PARTS.values() for p in parts)
 LORA_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 LORA_INITS = ("kaiming_uniform", "gaussian")
+LORA_SYNC_MODES = ("merged", "adapter")
 
 
 def lora_hf_targets(names) -> tuple[str, ...]:
@@ -447,3 +454,6 @@ class ModelConfig(_Section):
         if self.lora.rank and self.megatron_load_path:
             _fail("model.lora.rank > 0 starts from model.hf_model_path's weights; model.megatron_load_path is not "
                   "supported with LoRA yet (set one of them)")
+        if self.lora.rank and self.random_init:
+            _fail("model.lora.rank > 0 adapts the weights of model.hf_model_path, which its checkpoints hold only "
+                  "by reference (adapter-only); model.random_init=true has no such base (set one of them)")

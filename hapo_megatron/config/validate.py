@@ -16,8 +16,8 @@ from typing import Mapping, Optional
 
 from hapo_megatron.config.base import _fail
 
-__all__ = ["ModelSpec", "check_layout", "validate_run", "CONFIG_NAMES", "CPU_FP8_REFUSED", "check_fp8_launch",
-           "rollout_dtype"]
+__all__ = ["ModelSpec", "check_layout", "validate_run", "CONFIG_NAMES", "CPU_FP8_REFUSED", "CPU_LORA_REFUSED",
+           "check_fp8_launch", "rollout_dtype"]
 
 #: the parallel sizes under their config keys, as ``validate_run``'s messages name them
 CONFIG_NAMES = {"tp": "parallel.tensor_model_parallel_size", "pp": "parallel.pipeline_model_parallel_size",
@@ -107,6 +107,11 @@ def rollout_dtype(cfg, *, on_gpu: bool) -> str:
     return cfg.rollout.dtype or (cfg.model.dtype if on_gpu else "fp32")
 
 
+CPU_LORA_REFUSED = ("rollout.sglang.lora_sync='adapter' needs CUDA servers: SGLang 0.5.23's CPU backend cannot "
+                    "serve LoRA (its column-parallel LoRA layers pin host memory at start, which fails without an "
+                    "accelerator: sglang/srt/lora/layers.py); use lora_sync=merged (docs/lora.md)")
+
+
 def check_fp8_launch(quantization: str, *, device: str, dtype) -> None:
     """ValueError when servers cannot be launched with ``quantization`` on ``device`` in ``dtype``
     (a name or a torch dtype): FP8 on a CPU server, or FP8 with float32 activations (SGLang's
@@ -126,6 +131,8 @@ def _check_launched_servers(cfg, cuda: bool) -> None:
     if r.engine != "sglang" or r.sglang.server_urls:
         return
     check_fp8_launch(r.quantization, device="cuda" if cuda else "cpu", dtype=rollout_dtype(cfg, on_gpu=cuda))
+    if r.sglang.lora_sync == "adapter" and not cuda:
+        _fail(CPU_LORA_REFUSED)
 
 
 def validate_run(cfg, model_spec: ModelSpec, world_size: int, *, cuda: Optional[bool] = None) -> int:

@@ -3,6 +3,7 @@
     hapo convert hf-to-megatron --hf-model-path HF --megatron-path OUT [--tp N] [--pp N] [--ep N] [--etp N]
         [--dtype bf16] [--overwrite]
     hapo convert megatron-to-hf --megatron-path CKPT --hf-model-path OUT [--dtype bf16] [--overwrite]
+        [--lora-format merged|peft] [--lora-base HF]   (a LoRA run's checkpoint: docs/lora.md)
     hapo convert check --hf-model-path HF --megatron-path CKPT [--prompt TEXT] [--tolerance X]
     hapo convert tiny-model --arch llama|qwen2|qwen3|qwen3_moe --out DIR [--seed S] [--tokenizer DIR]
 
@@ -102,13 +103,13 @@ def _finish() -> None:
     _OWNED.clear()
 
 
-def _build(hf_config, dtype: torch.dtype, parallel_output: bool = True):
+def _build(hf_config, dtype: torch.dtype, parallel_output: bool = True, lora=None):
     from hapo_megatron.models import build_gpt_model
 
     # Weights are overwritten right away: skip the random init (minutes for an 8B model).
     # No run config here: Transformer Engine layers when usable, no sequence parallelism.
     return build_gpt_model(hf_config, dtype=dtype, parallel_output=parallel_output, perform_initialization=False,
-                           use_te=None, sequence_parallel=False)
+                           use_te=None, sequence_parallel=False, lora=lora)
 
 
 def _progress(total: int, desc: str):
@@ -206,20 +207,57 @@ def _megatron_side(args):
     return hf_config, src or os.path.join(args.megatron_path, HF_SUBDIR), dtype
 
 
+def _lora_side(args):
+    """The `models.lora.LoraSettings` and the base model's directory of a LoRA training checkpoint
+    (None, None for any other); the base must be the one it was trained on (its weights hash)."""
+    from hapo_megatron.models.lora_checkpoint import base_weights_hash, read_record, settings_of
+
+    record = read_record(args.megatron_path)
+    if record is None:
+        if args.lora_base or args.lora_format != "merged":
+            raise ConversionError(f"--lora-base / --lora-format: {args.megatron_path!r} is not a LoRA checkpoint "
+                                  "(no lora.json)")
+        return None, None
+    base = args.lora_base or record["base_model_path"]
+    if not os.path.isdir(base):
+        raise ConversionError(f"--lora-base: the LoRA base model {base!r} is not a directory (the checkpoint's "
+                              "adapters need the weights they were trained on)")
+    if base_weights_hash(base) != record["base_weights_hash"]:
+        raise ConversionError(f"--lora-base: the weights in {base!r} are not the base the adapters were trained on "
+                              f"({record['base_model_path']}, hash {record['base_weights_hash']})")
+    if not args.hf_config_path:
+        args.hf_config_path = base
+    return settings_of(record), base
+
+
 def megatron_to_hf(args) -> int:
-    """Megatron torch_dist checkpoint -> HF safetensors (sharded, with index, config, tokenizer)."""
+    """Megatron torch_dist checkpoint -> HF safetensors (sharded, with index, config, tokenizer); a
+    LoRA training checkpoint -> the merged model, or a PEFT adapter directory (--lora-format peft)."""
     from hapo_megatron.convert import export_hf_weights, get_adapter, load_megatron_checkpoint, save_hf_checkpoint
 
     _check_output_dir(args.hf_model_path, args.overwrite)
+    lora, base = _lora_side(args)
     hf_config, tokenizer_src, dtype = _megatron_side(args)
+    if lora is not None and not args.dtype:
+        dtype = _hf_dtype(hf_config)  # the base's: the adapter-only checkpoint records no dtype
     if not any(os.path.isfile(os.path.join(tokenizer_src, f)) for f in ("tokenizer.json", "tokenizer.model",
                                                                           "vocab.json")):
         _log(f"warning: no tokenizer files in {tokenizer_src}: SGLang and vLLM cannot load the export without "
              "them; pass --hf-config-path with the model's directory or hub name (docs/conversion.md)")
     adapter = get_adapter(hf_config)
     groups = _init(args.tp, args.pp, args.ep, args.etp)
-    model = _build(hf_config, dtype)
-    load_megatron_checkpoint([model], args.megatron_path)
+    model = _build(hf_config, dtype, lora=lora)
+    if lora is None:
+        load_megatron_checkpoint([model], args.megatron_path)
+    else:
+        from hapo_megatron.convert import load_hf_weights_into_mcore
+        from hapo_megatron.convert.megatron_ckpt import load_lora_adapters
+        load_hf_weights_into_mcore(model, base, hf_config, tp_rank=groups.tp_rank, tp_size=groups.tp_size,
+                                   pp_rank=groups.pp_rank, pp_size=groups.pp_size, etp_rank=groups.etp_rank,
+                                   etp_size=groups.etp_size)
+        load_lora_adapters(model, args.megatron_path)
+        if args.lora_format == "peft":
+            return _save_peft(args, model, groups, lora, base, dtype)
     stream = export_hf_weights([model], hf_config, tp_group=groups.tp, pp_group=groups.pp, ep_group=groups.ep,
                                etp_group=groups.etp)
     if _rank() == 0:
@@ -231,7 +269,22 @@ def megatron_to_hf(args) -> int:
     else:
         for _ in stream:  # every rank takes part in the gathers
             pass
-    _log(f"saved HF checkpoint ({adapter.arch}, {short_name(dtype)}) to {args.hf_model_path}")
+    merged = " (LoRA adapters merged into the base)" if lora is not None else ""
+    _log(f"saved HF checkpoint ({adapter.arch}, {short_name(dtype)}){merged} to {args.hf_model_path}")
+    _finish()
+    return 0
+
+
+def _save_peft(args, model, groups, lora, base: str, dtype) -> int:
+    from hapo_megatron.convert.peft_export import peft_state_dict, save_peft_adapter
+
+    state = peft_state_dict([model], tp_group=groups.tp, pp_group=groups.pp)
+    if _rank() == 0:
+        from hapo_megatron.convert import prepare_output_dir
+        prepare_output_dir(args.hf_model_path, args.overwrite)
+        save_peft_adapter(state, lora, args.hf_model_path, base_model_path=os.path.abspath(base), dtype=dtype)
+    _log(f"saved a PEFT adapter directory ({len(state)} tensors, rank {lora.rank}, base {base}) to "
+         f"{args.hf_model_path}")
     _finish()
     return 0
 
@@ -338,6 +391,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write this max_position_embeddings into the exported config.json (default: "
                         "model.max_position_embeddings of the run's saved config.yaml, when the checkpoint "
                         "is in a run directory and it was set)")
+    b.add_argument("--lora-format", choices=("merged", "peft"), default="merged",
+                   help="a LoRA training checkpoint: write the merged model (W + alpha/r B A, like a full run's "
+                        "export) or a PEFT adapter directory (adapter_model.safetensors + adapter_config.json) "
+                        "to load with peft onto the base model")
+    b.add_argument("--lora-base", default=None,
+                   help="a LoRA training checkpoint: the base model's HF directory (default: the path recorded in "
+                        "its lora.json; its weights must hash as recorded)")
     b.add_argument("--max-shard-size-gb", type=float, default=2.0, help="safetensors shard size")
     c.add_argument("--prompt", default=DEFAULT_PROMPT, help="text of the fixed prompt")
     c.add_argument("--tolerance", type=float, default=float("inf"), help="exit 1 when the difference is larger")

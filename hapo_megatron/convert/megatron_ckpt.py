@@ -83,3 +83,19 @@ def read_hf_config(megatron_path: str):
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise ValueError(f"megatron_path: no HF config in {hf_dir!r}; pass --hf-config-path")
     return AutoConfig.from_pretrained(hf_dir)
+
+
+def load_lora_adapters(model, path: str) -> None:
+    """Load the adapters of a LoRA training checkpoint's ``model/`` directory into ``model`` (one
+    chunk built with the same `models.lora.LoraSettings`; its base weights loaded already): the
+    checkpoint holds the adapters only (`models.lora_checkpoint`)."""
+    from megatron.core import dist_checkpointing
+
+    from hapo_megatron.models.lora import is_lora_param
+    wanted = {k: v for k, v in model.sharded_state_dict().items() if is_lora_param(k)}
+    state = dist_checkpointing.load({"model": wanted}, path)["model"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    lost = [k for k in missing if is_lora_param(k)]
+    if lost or unexpected:
+        raise ValueError(f"megatron_path: the LoRA checkpoint {path!r} lacks adapters {lost[:3]} "
+                         f"(unexpected: {list(unexpected)[:3]})")

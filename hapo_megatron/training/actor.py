@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hapo_megatron.compat.processes import children_allowed
 from hapo_megatron.dtypes import torch_dtype
 from hapo_megatron.config.validate import ModelSpec
-from hapo_megatron.models.lora import LoraSettings, adapters_disabled, freeze_base
+from hapo_megatron.models.lora import LoraSettings, adapters_disabled, freeze_base, is_lora_param
 from hapo_megatron.models.moe import ExpertLoadMonitor, moe_overrides
 from hapo_megatron.models.moe_padding import stage_padding_mask
 from hapo_megatron.models.routing_replay import (check_consumed, install_route_replay, queue_routes,
@@ -110,6 +110,8 @@ class MegatronActor:
         self.spec = ModelSpec.of(hf_config)
         self.fused_output_layer = bool(fused_output_layer)
         self.lora = lora
+        self.lora_base_path = init_hf_path  # what a LoRA checkpoint records (`models.lora_checkpoint`)
+        self._lora_base_hash: Optional[str] = None
         self._moe_kw = moe_overrides(hf_config, moe_aux_loss_coef)
         self.model = self._build_model(use_te, sequence_parallel, recompute_activations,
                                        init_hf_path, init_megatron_path, use_distributed_optimizer)
@@ -418,6 +420,15 @@ class MegatronActor:
                                  pp_group=self.groups.pp, ep_group=self.groups.ep, etp_group=self.groups.etp,
                                  dtype=dtype)
 
+    def export_lora_adapters(self, dtype: Optional[torch.dtype]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(peft_name, whole matrix)`` of every LoRA adapter's A and B (`convert.peft_export`) in
+        ``dtype`` (None: the model's), for SGLang's adapter mode; collective over TP and PP, every
+        rank yields every tensor."""
+        from hapo_megatron.convert.peft_export import peft_state_dict
+        state = peft_state_dict(self.model, tp_group=self.groups.tp, pp_group=self.groups.pp)
+        for name in sorted(state):
+            yield name, state[name].to(dtype or self.dtype)
+
     def moe_step_metrics(self) -> dict[str, float]:
         """The MoE metrics of the training steps since the last call (`models.moe`; collective,
         the same on every rank); empty for dense models."""
@@ -430,6 +441,8 @@ class MegatronActor:
     def _sharded_state_dict(self, is_loading: bool, optimizer_format: str, chained_prefix: bool = False) -> dict:
         from hapo_megatron.convert import unwrap_model
         model_sd = unwrap_model(self.model[0]).sharded_state_dict()
+        if self.lora is not None:  # adapter-only: the frozen base comes back from the base model's weights
+            model_sd = {k: v for k, v in model_sd.items() if is_lora_param(k)}
         opt_sd = self.optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading,
             metadata=optimizer_sharding_metadata(optimizer_format, chained_prefix=chained_prefix))
@@ -447,6 +460,17 @@ class MegatronActor:
         dist.barrier()
         with children_allowed():
             dist_checkpointing.save(self._sharded_state_dict(False, optimizer_format), path)
+        if self.lora is not None and dist.get_rank() == 0:
+            from hapo_megatron.models.lora_checkpoint import lora_record, write_record
+            write_record(path, lora_record(self.lora, self.lora_base_path, self.lora_base_hash()))
+
+    def lora_base_hash(self) -> str:
+        """The hash of the LoRA base model's weights (`models.lora_checkpoint.base_weights_hash`;
+        computed once, on the ranks that ask)."""
+        if self._lora_base_hash is None:
+            from hapo_megatron.models.lora_checkpoint import base_weights_hash
+            self._lora_base_hash = base_weights_hash(self.lora_base_path)
+        return self._lora_base_hash
 
     def load(self, path: str, optimizer_format: str = OPTIMIZER_FORMAT) -> None:
         """Inverse of `save` (collective); ``optimizer_format`` is the one the checkpoint was saved in."""
@@ -466,7 +490,7 @@ class MegatronActor:
                                             path)
             optimizer_state = reshaped_for_this_optimizer(sharded["optimizer"], state.get("optimizer"),
                                                           state["optimizer_loaded"])
-        unwrap_model(self.model[0]).load_state_dict(state["model"])
+        _load_model_state(unwrap_model(self.model[0]), state["model"], adapters_only=self.lora is not None)
         load_optimizer_state(self.optimizer, optimizer_state)
 
     def train_state_dict(self) -> dict[str, Any]:
@@ -478,6 +502,18 @@ class MegatronActor:
         self.num_skipped = int(state.get("num_skipped_updates", 0))
         if state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _load_model_state(model, state: dict, *, adapters_only: bool) -> None:
+    """``model.load_state_dict``; with ``adapters_only`` (a LoRA checkpoint) the state holds the
+    adapters only and every adapter must be in it (the base keeps the weights it was built with)."""
+    if not adapters_only:
+        model.load_state_dict(state)
+        return
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    lost = [k for k in missing if is_lora_param(k)]
+    if lost or unexpected:
+        raise RuntimeError(f"LoRA checkpoint: adapters missing {lost[:3]}, unexpected keys {list(unexpected)[:3]}")
 
 
 def _param_counts(model, groups) -> tuple[int, int]:

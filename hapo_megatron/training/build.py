@@ -12,7 +12,9 @@ import torch.distributed as dist
 from hapo_megatron.config import HapoConfig
 from hapo_megatron.data import PromptSampler
 from hapo_megatron.dtypes import torch_dtype
+from hapo_megatron.convert.peft_export import peft_config
 from hapo_megatron.models.lora import lora_settings
+from hapo_megatron.training.memory.plan import reference_is_adapters_off
 from hapo_megatron.config.validate import ModelSpec, rollout_dtype
 from hapo_megatron.parallel.collectives import all_gather_objects
 from hapo_megatron.parallel.groups import ParallelGroups
@@ -51,7 +53,7 @@ def setup_reference(rt: Runtime) -> None:
     """
     if rt.cfg.algo.loss.kl_loss_coef <= 0:
         return
-    if rt.actor.lora is not None and rt.cfg.trainer.sft_warmup_steps == 0 and rt.actor.routing == "off":
+    if reference_is_adapters_off(rt.cfg, rt.actor.routing != "off"):
         rt.reference = rt.actor.base_reference()  # LoRA: the base weights are the policy's own, frozen
         return
     ref_dir = os.path.join(rt.run_dir, "reference")
@@ -108,6 +110,11 @@ def engine_settings(cfg, hf_config, *, on_gpu: bool):
         extra = sglang_context_args(cfg, rollout.sglang.extra_server_args)
         if engine_returns_routes(cfg, hf_config) and ROUTES_SERVER_FLAG not in extra:
             extra = (*extra, ROUTES_SERVER_FLAG)
+        if rollout.sglang.lora_sync == "adapter" and "--enable-lora" not in extra:
+            from hapo_megatron.config.sections import lora_hf_targets
+            from hapo_megatron.rollout.sglang.launch import lora_server_args
+            lora = cfg.model.lora
+            extra = (*extra, *lora_server_args(lora.rank, lora_hf_targets(lora.target_modules)))
         rollout = replace(rollout, sglang=replace(rollout.sglang, extra_server_args=extra))
     return rollout, dtype
 
@@ -122,6 +129,8 @@ def build_engine(cfg, hf_config, tokenizer):
     on_gpu = torch.cuda.is_available()
     rollout, dtype = engine_settings(cfg, hf_config, on_gpu=on_gpu)
     keys = {"key_file": os.path.join(cfg.trainer.run_dir, KEY_FILE_NAME)} if rollout.engine == "sglang" else {}
+    if rollout.engine == "sglang" and rollout.sglang.lora_sync == "adapter":
+        keys["lora_adapter"] = peft_config(lora_settings(cfg.model.lora), cfg.model.hf_model_path)
     if launches_node_servers(cfg):
         sync_dir = os.environ.get("HAPO_SGLANG_SYNC_DIR")  # disk sync across nodes: run_dir is shared
         if not sync_dir and int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) < dist.get_world_size():

@@ -578,19 +578,23 @@ def _with_updates(rt: Runtime, minis: Minis, recorded: list[PolicyTokenFields]) 
     return _regroup([mb.with_(updates=mb.updates + tuple(u)) for mb, u in zip(flat, per_mb)], minis)
 
 
-def sync_weights(rt: Runtime) -> None:
+def sync_weights(rt: Runtime) -> dict[str, float]:
     """Stream the actor's weights (HF names, gathered over TP/PP) into the rollout engine.
 
     The export runs collectives over the trainer's ranks, so every rank reads it to the end:
     rank 0's engine by the `RolloutEngine.update_weights` contract (checked here: an engine that
     leaves tensors unread is an error, after they are read so that no rank is left waiting), the
-    ranks without an engine here."""
+    ranks without an engine here. Returns ``rollout/weight_sync_bytes``: the bytes of the tensors
+    the export handed to the engine (the full weights, or LoRA's A and B in adapter mode), the
+    same on every rank."""
     dtype = rt.engine.dtype if rt.engine is not None else None
-    named = iter(rt.actor.export_hf_weights(dtype=dtype))
+    adapters = rt.cfg.rollout.sglang.lora_sync == "adapter"  # LoRA: A and B only (validated: sglang, rank > 0)
+    counted = SyncBytes(rt.actor.export_lora_adapters(dtype) if adapters else rt.actor.export_hf_weights(dtype=dtype))
+    named = iter(counted)
     empty_cache()  # what the trainer's allocator holds unused goes back before the servers resume
     if rt.engine is None:
         drain_weights(named)
-        return
+        return counted.metrics()
     rt.memory.resume_weights()  # the KV cache comes back in rollout, after the offload
     if rt.cfg.rollout.max_staleness:  # asynchronous: tag the version; generation pauses around the update
         with rt.async_rollout.paused(rt.rl.step) if rt.async_rollout is not None else contextlib.nullcontext():
@@ -603,6 +607,22 @@ def sync_weights(rt: Runtime) -> None:
     if left:
         raise RuntimeError(f"{type(rt.engine).__name__}.update_weights left {left} exported tensors unread; "
                            "a RolloutEngine must read the weight iterator to the end on every rank")
+    return counted.metrics()
+
+
+class SyncBytes:
+    """A weight stream that counts the bytes of the tensors read from it (one weight sync)."""
+
+    def __init__(self, named):
+        self._named, self.bytes = named, 0
+
+    def __iter__(self):
+        for name, t in self._named:
+            self.bytes += t.numel() * t.element_size()
+            yield name, t
+
+    def metrics(self) -> dict[str, float]:
+        return {"rollout/weight_sync_bytes": float(self.bytes)}
 
 
 def evaluate(rt: Runtime, step: int) -> dict[str, float]:

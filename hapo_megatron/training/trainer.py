@@ -98,8 +98,8 @@ def _fit(cfg: HapoConfig, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
             diag_metrics = token_diagnostics(rt, minis, batch.meta, step_entropy_stats, step)
         rl.rollout_entropy_stats = step_entropy_stats  # the next rollout's adaptive temperature uses them
         with timer("sync"):
-            stages.sync_weights(rt)
-        metrics.update({**adv_metrics, **layout_metrics, **ent_metrics, **diag_metrics, **upd_metrics})
+            sync_metrics = stages.sync_weights(rt)
+        metrics.update({**sync_metrics, **adv_metrics, **layout_metrics, **ent_metrics, **diag_metrics, **upd_metrics})
         if upd_metrics["actor/skipped_updates"] > 0:
             _skip(rt, step, metrics, "non-finite loss or gradient", logged=False)
         else:

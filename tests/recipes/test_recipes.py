@@ -36,8 +36,8 @@ pytestmark = pytest.mark.slow
 kill_tree = load_tool("bench/procs").kill_tree
 
 #: every GPU recipe folder of examples/ (test_every_gpu_recipe_is_listed keeps the list complete)
-RECIPES = ("qwen2.5-math-1.5b", "qwen2.5-math-7b", "qwen2.5-math-7b-async", "qwen2.5-math-7b-sglang",
-           "qwen3-30b-a3b", "qwen3-8b")
+RECIPES = ("qwen2.5-math-1.5b", "qwen2.5-math-7b", "qwen2.5-math-7b-async", "qwen2.5-math-7b-lora",
+           "qwen2.5-math-7b-sglang", "qwen3-30b-a3b", "qwen3-8b")
 STEPS = 2
 #: a run's time limit (a loaded 2-core machine starts a CPU server in up to 2 minutes)
 RUN_TIMEOUT_S = 1200

@@ -166,6 +166,12 @@ class SGLangEngine:
             handles (node_servers: rank 0's generating engine and its node's syncing one).
         quantization: ``"none"`` or ``"fp8"`` (module docstring; ``rollout.quantization``).
         kv_cache_dtype: launched servers' ``--kv-cache-dtype`` (``rollout.kv_cache_dtype``).
+        lora_adapter: LoRA adapter mode (``rollout.sglang.lora_sync: adapter``, docs/lora.md): the
+            peft ``adapter_config.json`` of the policy's adapters. `update_weights` then takes the
+            adapters' peft-named A and B (not full weights) and loads them into every server with
+            ``/load_lora_adapter_from_tensors`` under a new name per sync, unloading the previous
+            one; every ``/generate`` names the current adapter (``lora_path``). The servers must run
+            with ``--enable-lora`` (`lora_server_args`). None: full (or merged) weights.
 
     A server that stops answering is taken out of use, restarted when this process launched it,
     and used again after a weight sync (``rollout/sglang/server_supervisor.py``); its requests go to
@@ -181,8 +187,11 @@ class SGLangEngine:
                  session: Any = None, launch: bool = True, group_name: str = "hapo_weight_sync",
                  device: str = "auto", api_key: Optional[str] = None, key_file: Optional[str] = None,
                  supervisor: Optional[ServerSupervisor] = None,
-                 quantization: str, kv_cache_dtype: str) -> None:
+                 quantization: str, kv_cache_dtype: str, lora_adapter: Optional[dict] = None) -> None:
         fp8_serving.check_choices(quantization, kv_cache_dtype)
+        self.lora_adapter = None if lora_adapter is None else dict(lora_adapter)
+        self._lora_name: Optional[str] = None  # the adapter the servers hold now (adapter mode)
+        self._lora_syncs = itertools.count(1)
         self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype
         if int(requests_per_call) < 1:
             raise ValueError(f"requests_per_call must be >= 1, got {requests_per_call}")
@@ -325,7 +334,8 @@ class SGLangEngine:
             if self._aborted.is_set():
                 return []  # the round was given up: send nothing more
             idx = chunks[ci]
-            body = generate_payload([prompts[rows[i][0]] for i in idx], params, seeds=[seeds[i] for i in idx])
+            body = self._with_adapter(generate_payload([prompts[rows[i][0]] for i in idx], params,
+                                                       seeds=[seeds[i] for i in idx]))
             # a server that fails hands the same body (same sampling seeds) to another
             answer = self.supervisor.request(base + ci, "/generate", body, rows=len(idx))
             if not isinstance(answer, list) or len(answer) != len(idx):
@@ -365,11 +375,18 @@ class SGLangEngine:
         if self.world_size > 1:
             raise RuntimeError("generate_group is a call of one process (over-sampling runs on rank 0): "
                                "this engine is collective")
-        answer = self.supervisor.request(next(self._call_keys), "/generate", group_payload(rows, params),
-                                         rows=len(rows))
+        answer = self.supervisor.request(next(self._call_keys), "/generate",
+                                         self._with_adapter(group_payload(rows, params)), rows=len(rows))
         if not isinstance(answer, list) or len(answer) != len(rows):
             raise SGLangError(f"/generate returned {type(answer).__name__} for {len(rows)} rows")
         return [parse_row(item) for item in answer]
+
+    def _with_adapter(self, body: dict) -> dict:
+        """A ``/generate`` body naming the policy's current adapter (adapter mode; SGLang applies
+        one name to every row, ``io_struct.GenerateReqInput._normalize_lora_paths``)."""
+        if self._lora_name is None:
+            return body
+        return {**body, "lora_path": self._lora_name}
 
     def spread_calls(self, enabled: bool = True) -> None:
         """Successive `generate` calls start on successive servers (`RolloutEngine.spread_calls`)."""
@@ -436,6 +453,8 @@ class SGLangEngine:
         paused ``in_place`` are running). Then every ``/generate`` sent from now on goes to a radix
         cache namespace of its own (SGLang's ``cache_salt``): no new request reuses prefix KV that
         the old weights computed (docs/architecture.md, "Asynchronous rollouts")."""
+        if self.lora_adapter is not None:
+            return self._sync_lora_adapter(named_tensors)
         self._weight_version = None if weight_version is None else str(int(weight_version))
         self._flush_cache = bool(flush_cache)
         if not self._flush_cache:  # before the sync: requests queued during the pause use the new one
@@ -461,6 +480,35 @@ class SGLangEngine:
         # only now: a server that failed during the sync is out of use (and restarting), one
         # that joined is used once it holds the whole new policy, never with stale weights
         self.supervisor.rejoined([i for i in joining if i not in self._failed_in_sync])
+
+    def _sync_lora_adapter(self, named_tensors: Iterable) -> None:
+        """Adapter mode (``lora_adapter``): the stream's A and B (peft names) to every server in use
+        as a new adapter, then the previous one unloaded; rank 0 sends, every rank reads the
+        stream to the end. The tensors travel by value (host memory, megabytes): the same body
+        for every server on any node."""
+        from hapo_megatron.rollout.sglang.weight_sync import lora_adapter_name, lora_adapter_payload
+        named = iter(named_tensors)
+        try:
+            if self.rank != 0:
+                return
+            tensors = [(n, t.detach().to("cpu").contiguous()) for n, t in named]
+            name = lora_adapter_name(next(self._lora_syncs))
+            body, _keep = lora_adapter_payload(tensors, self.lora_adapter, lora_name=name, num_ranks=self.tp)
+            # a restarted server holds the base weights it loaded at start: the new adapter is all it needs
+            joining = self.supervisor.rejoin_candidates()
+            serving = self.supervisor.in_use()
+            if not serving and not joining:
+                raise ServerPoolError(f"weight sync: no SGLang server left in use ({self.supervisor.summary()})")
+            self._failed_in_sync, self._joining = set(), joining
+            for s in sorted(set(serving) | set(joining)):
+                self._post_update(s, "/load_lora_adapter_from_tensors", body)
+            previous, self._lora_name = self._lora_name, name
+            if previous is not None:  # no request uses it from now on (synchronous rollouts)
+                for s in serving:
+                    self._post_update(s, "/unload_lora_adapter", {"lora_name": previous})
+            self.supervisor.rejoined([i for i in joining if i not in self._failed_in_sync])
+        finally:
+            drain_weights(named)
 
     def _post_update(self, s: int, path: str, body: dict) -> None:
         """One weight-update request to server ``s``. In one process, a server that fails here

@@ -111,6 +111,17 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp_si
     return cmd + [str(a) for a in extra_args]
 
 
+LORA_ADAPTERS_PER_BATCH = 2  # the current adapter and, while it unloads, the previous one
+
+
+def lora_server_args(rank: int, targets: Sequence[str]) -> list[str]:
+    """The flags of a server that serves the policy's LoRA adapters (``rollout.sglang.lora_sync:
+    adapter``): LoRA on, the adapters' rank and HF target projections (SGLang sizes its adapter
+    memory pool from them at start: ``lora/mem_pool.py``)."""
+    return ["--enable-lora", "--max-lora-rank", str(int(rank)), "--lora-target-modules", *targets,
+            "--max-loras-per-batch", str(LORA_ADAPTERS_PER_BATCH)]
+
+
 def cpu_stubs_dir() -> str:
     """Directory of the ``sgl_kernel`` / ``torchvision`` stand-ins and the host-cache fix a CPU
     server needs (`hapo_megatron.compat.sglang_cpu`, shipped with the package)."""
@@ -320,4 +331,4 @@ def stop_process(handle: ServerHandle, timeout_s: float = 30.0) -> None:
 __all__ = ["sglang_dtype", "server_command", "resolve_device", "server_env", "cpu_stubs_dir",
            "node_ip", "free_port", "start_process", "launch_server", "stop_process", "LaunchSpec", "restart_process",
            "kill_process"]
-__all__ += ["module_argv", "SERVER_KEY_FLAGS"]  # the API key (rollout/sglang/api_key.py)
+__all__ += ["module_argv", "SERVER_KEY_FLAGS", "lora_server_args"]  # the API key (rollout/sglang/api_key.py)

@@ -136,14 +136,21 @@ class NodeServersEngine:
         self._leaders_barrier()  # rank 0 has resumed every server's weights before any node sends
         named = iter(named_tensors)
         tags = dict(weight_version=weight_version, flush_cache=flush_cache)
-        if self.weight_sync == "tensor" and self.node_sync is not None:
+        if self.cluster is not None and self.cluster.lora_adapter is not None:  # adapters: HTTP from rank 0
+            self.cluster.update_weights(named, **tags)
+        elif self.weight_sync == "tensor" and self.node_sync is not None and self.node_sync.lora_adapter is None:
             self.node_sync.update_weights(named, **tags)
         elif self.weight_sync != "tensor" and self.cluster is not None:
             self.cluster.update_weights(named, **tags)
         drain_weights(named)  # the export runs collectives: keep pace with the ranks that send
         self._leaders_barrier()  # every node's servers hold the new weights before rank 0 generates
-        if self.weight_sync == "tensor" and self.leaders_group is not None:
+        if self.weight_sync == "tensor" and self.leaders_group is not None and not self._adapters():
             self._gather_servers_in_use()
+
+    def _adapters(self) -> bool:
+        """Adapter mode (LoRA adapters sent over HTTP by rank 0), the same on every leader."""
+        engine = self.cluster if self.cluster is not None else self.node_sync
+        return engine is not None and engine.lora_adapter is not None
 
     def _gather_servers_in_use(self) -> None:
         """Rank 0 uses again the servers that their node restarted and synced (several nodes)."""

@@ -16,6 +16,15 @@ SGLang endpoints (checked on 0.5.23, ``sglang/srt/entrypoints/http_server.py`` a
   ``{"names", "dtypes", "shapes", "group_name", "load_format": "flattened_bucket", "flush_cache"}``
   while the trainer broadcasts the flattened uint8 bucket from rank 0 of that group.
 - ``POST /update_weights_from_disk`` ``{"model_path", "load_format", "flush_cache"}``.
+- LoRA adapter mode (``rollout.sglang.lora_sync: adapter``, docs/lora.md): ``POST
+  /load_lora_adapter_from_tensors`` ``{"lora_name", "config_dict", "serialized_named_tensors": [str
+  per server TP rank], "load_format": "flattened_bucket"}`` (``LoadLoRAAdapterFromTensorsReqInput``;
+  the config is peft's ``adapter_config.json``, the tensors peft-named ``...lora_A.weight`` /
+  ``...lora_B.weight``, whole: each TP rank slices its share, ``managers/tp_worker.py``). A name
+  loads once (the registry refuses a second load under a loaded name, ``lora/lora_registry.py``),
+  so every sync loads a new name and ``POST /unload_lora_adapter`` ``{"lora_name"}`` drops the
+  previous one (the unload waits until no request uses it); ``/generate`` requests name the
+  adapter in ``lora_path``.
 """
 
 from __future__ import annotations
@@ -172,6 +181,26 @@ def serialize_bucket_for_sglang(bucket: list[NamedTensor], num_ranks: int = 1) -
     else:
         blobs = [serialize_by_value(data) for _ in range(int(num_ranks))]
     return blobs, data["flattened_tensor"]
+
+
+def lora_adapter_payload(named_tensors: list[NamedTensor], config: dict, *, lora_name: str,
+                         num_ranks: int = 1) -> tuple[dict, torch.Tensor]:
+    """Body of ``POST /load_lora_adapter_from_tensors`` (needs SGLang) for the adapter matrices
+    ``named_tensors`` (peft names, one dtype) and peft ``config``, and the flattened tensor the body
+    refers to (kept alive until the server has answered, as `serialize_bucket_for_sglang`)."""
+    if not named_tensors:
+        raise ValueError("lora_adapter_payload: no adapter tensors")
+    bad = [n for n, _ in named_tensors if not n.endswith((".lora_A.weight", ".lora_B.weight"))]
+    if bad:
+        raise ValueError(f"lora_adapter_payload: not peft LoRA names: {bad[:3]}")
+    blobs, flat = serialize_bucket_for_sglang(named_tensors, num_ranks)
+    return {"lora_name": lora_name, "config_dict": dict(config), "serialized_named_tensors": blobs,
+            "load_format": "flattened_bucket"}, flat
+
+
+def lora_adapter_name(version: int) -> str:
+    """The name of the policy's adapter at sync ``version`` on the servers (a new one per sync)."""
+    return f"hapo-policy-{int(version)}"
 
 
 def serialize_by_value(obj: Any) -> str:

@@ -10,6 +10,14 @@ EP x ETP (not TP) and their optimizer state over the expert-data-parallel ranks
 (TP x CP x DP / (ETP x EP)). A KL reference model (algo.kl_loss_coef > 0) adds one more copy of
 the params in the training dtype, never offloaded.
 
+LoRA (``model.lora.rank`` r > 0): the base is frozen (its params in the training dtype, no gradient,
+no optimizer state); the adapters, r x (in + out) values per targeted projection (attention only
+on MoE layers), hold params, fp32 gradients and the optimizer state like any trained parameter.
+Per rank they split like their layers (`models.lora`): column-parallel q/k/v, gate/up keep A whole
+and B / TP, row-parallel o, down A / TP and B whole. The KL reference is then the policy with its
+adapters off (no copy) unless an SFT warm start or MoE routes keep the copy
+(`reference_is_adapters_off`).
+
 Activations (bf16) follow Korthikanti et al. (2022), Table 2, with flash attention (no s^2 term)
 and the FFN generalised to SwiGLU of size F as in Megatron-LM: per dense layer s*h*(18 + 4F/h)/t
 bytes with sequence parallelism, s*h*(10 + (8 + 4F/h)/t) without (F = 4h gives the paper's 34/t
@@ -47,6 +55,7 @@ ACT_BYTES = 2  # activations in bf16 (the GPU dtype; the per-layer constants abo
 HEADROOM = 0.95  # plan against 95% of the device (fragmentation)
 
 __all__ = ["ModelShape", "MemoryPlan", "activation_bytes", "expert_param_count", "layer_activation_bytes",
+           "lora_param_count", "reference_is_adapters_off",
            "output_layer_bytes", "param_count", "plan_memory", "plan_from_config", "format_plan",
            "shape_from_hf_config", "tensor_sync_peer_contexts"]
 
@@ -72,6 +81,38 @@ class ModelShape:
 def expert_param_count(m: ModelShape) -> int:
     """Parameters of the MoE experts (SwiGLU, `moe_intermediate`) of every sparse layer."""
     return m.moe_layers * m.experts * 3 * m.hidden * m.moe_intermediate
+
+
+LORA_SHAPES = {  # HF projection -> (Megatron parallel kind, MLP?)
+    "q_proj": ("column", False), "k_proj": ("column", False), "v_proj": ("column", False), "o_proj": ("row", False),
+    "gate_proj": ("column", True), "up_proj": ("column", True), "down_proj": ("row", True)}
+
+
+def _projection_sides(m: ModelShape, target: str) -> tuple[int, int]:
+    """(in, out) of one HF projection of a dense layer."""
+    q, kv, h, f = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.hidden, m.intermediate
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}[target]
+
+
+def lora_param_count(m: ModelShape, rank: int, targets, tp: int = 1) -> float:
+    """LoRA adapter values of the whole model (``tp`` = 1) or held by one TP rank of ``tp`` (summed
+    over the layers; divide by PP for a stage): r x (in + out) per targeted projection, the
+    TP-split side divided by ``tp`` (module docstring). MoE layers carry attention adapters only."""
+    total = 0.0
+    for t in targets:
+        kind, mlp = LORA_SHAPES[t]
+        i, o = _projection_sides(m, t)
+        per = rank * (i / tp + o) if kind == "row" else rank * (i + o / tp)
+        total += per * ((m.layers - m.moe_layers) if mlp else m.layers)
+    return total
+
+
+def reference_is_adapters_off(cfg, moe_routing: bool) -> bool:
+    """Whether a run's KL reference is its own policy with the LoRA adapters skipped (no second
+    model): LoRA on, no SFT warm start (whose end state would be the reference), no MoE routing
+    replay or measurement (``moe_routing``)."""
+    return cfg.model.lora.rank > 0 and cfg.trainer.sft_warmup_steps == 0 and not moe_routing
 
 
 def param_count(m: ModelShape) -> int:
@@ -102,6 +143,8 @@ class MemoryPlan:
     offload: bool
     reference: int = 0  # the KL reference model's params (algo.kl_loss_coef > 0)
     routes: int = 0  # the routing-replay tensors of this rank's step (part of `activations`)
+    lora_params: int = 0  # the LoRA adapters' params (part of `params`; the rest is the frozen base)
+    reference_adapters_off: bool = False  # a KL reference that is the policy with its adapters off (no copy)
     peer_contexts: int = 0  # server workers' CUDA contexts on the node leader's GPU (part of `overhead`)
     phases: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)
@@ -180,12 +223,15 @@ def plan_memory(shape: ModelShape, *, tp: int = 1, pp: int = 1, cp: int = 1, dp:
                 recompute: bool, sglang_fraction: float = 0.0, server_tp: int = 1, colocated: bool = False,
                 offload: bool = False, device_bytes: int, fused_output_layer: bool,
                 logprob_chunk: int = 1024, reference_model: bool = False, routed_tokens: int = 0,
-                peer_contexts: int = 0, server_weight_bytes: Optional[int] = None) -> MemoryPlan:
+                peer_contexts: int = 0, server_weight_bytes: Optional[int] = None, lora_rank: int = 0,
+                lora_targets=(), reference_adapters_off: bool = False) -> MemoryPlan:
     """The per-GPU plan (see the module docstring for every formula). ``routed_tokens``: tokens of
     this rank's step whose engine routes go to the device (0: no routes travel);
     ``peer_contexts``: CUDA contexts of other processes on this GPU (`tensor_sync_peer_contexts`);
     ``server_weight_bytes``: one server's weights when not 2 bytes per parameter (FP8 servers:
-    `fp8_memory`)."""
+    `fp8_memory`); ``lora_rank`` > 0: LoRA adapters on ``lora_targets`` (HF projection names), the
+    rest frozen; ``reference_adapters_off``: a KL reference that costs nothing (the policy with its
+    adapters off; ``reference_model`` is then False)."""
     etp = tp if etp is None else etp
     experts = expert_param_count(shape)
     dense_n, expert_n = (param_count(shape) - experts) / (tp * pp), experts / (ep * etp * pp)
@@ -203,11 +249,16 @@ def plan_memory(shape: ModelShape, *, tp: int = 1, pp: int = 1, cp: int = 1, dp:
     weight_bytes = param_count(shape) * 2 if server_weight_bytes is None else server_weight_bytes
     server_weights = int(weight_bytes / server_tp) if colocated else 0
     optimizer = dense_n * opt_bytes_per_param / shard + expert_n * opt_bytes_per_param / expert_shard
-    plan = MemoryPlan(params=int(n * param_bytes), grads=int(n * 4), optimizer=int(optimizer),
+    lora_n = lora_param_count(shape, lora_rank, lora_targets, tp) / pp if lora_rank else 0.0
+    trained = n
+    if lora_rank:  # only the adapters train (and they are never expert weights)
+        trained, optimizer = lora_n, lora_n * opt_bytes_per_param / shard
+    plan = MemoryPlan(params=int((n + lora_n) * param_bytes), grads=int(trained * 4), optimizer=int(optimizer),
                       activations=int(acts) + routes, sglang_pool=pool, sglang_weights=server_weights,
                       overhead=CONTEXT_BYTES * (2 if colocated else 1) + peer_contexts * PEER_CONTEXT_BYTES,
                       device=int(device_bytes), offload=offload,
                       reference=int(n * param_bytes) if reference_model else 0, routes=routes,
+                      lora_params=int(lora_n * param_bytes), reference_adapters_off=reference_adapters_off,
                       peer_contexts=peer_contexts * PEER_CONTEXT_BYTES)
     held_in_rollout = plan.overhead + plan.reference + (0 if offload else plan.trainer_state)
     plan.phases = {"training": plan.static + plan.activations + plan.overhead}
@@ -268,6 +319,7 @@ def tensor_sync_peer_contexts(cfg, gpus_per_node: int) -> int:
 def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int, gpus_per_node: int = 8) -> MemoryPlan:
     """The plan of ``cfg`` on GPUs (its dtype, its offload choice) with ``world_size`` ranks on
     devices of ``device_bytes``, ``gpus_per_node`` of them per node (at most ``world_size``)."""
+    from hapo_megatron.config.sections import lora_hf_targets
     from hapo_megatron.training.memory.fp8_weights import fp8_server_weight_bytes
     from hapo_megatron.training.memory.offload import offload_planned
     p, sg = cfg.parallel, cfg.rollout.sglang
@@ -282,6 +334,7 @@ def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int, gpus
     step_tokens = cfg.data.train_batch_size * cfg.rollout.n * (cfg.data.max_prompt_length
                                                                + cfg.rollout.max_response_length)
     fp8 = cfg.rollout.engine == "sglang" and cfg.rollout.quantization == "fp8"
+    kl, adapters_off = cfg.algo.loss.kl_loss_coef > 0, reference_is_adapters_off(cfg, routes_travel)
     return plan_memory(shape, tp=p.tensor_model_parallel_size,
                        pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size, dp=max(dp, 1),
                        ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
@@ -290,7 +343,8 @@ def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int, gpus
                        tokens_per_micro_batch=tokens, recompute=cfg.model.recompute_activations,
                        sglang_fraction=sg.mem_fraction_static, server_tp=sg.server_tp_size, colocated=colocated,
                        offload=offload, device_bytes=device_bytes, fused_output_layer=cfg.model.fused_output_layer,
-                       reference_model=cfg.algo.loss.kl_loss_coef > 0,
+                       reference_model=kl and not adapters_off, reference_adapters_off=kl and adapters_off,
+                       lora_rank=cfg.model.lora.rank, lora_targets=lora_hf_targets(cfg.model.lora.target_modules),
                        routed_tokens=step_tokens // max(dp, 1) if routes_travel else 0,
                        peer_contexts=tensor_sync_peer_contexts(cfg, min(gpus_per_node, world_size)),
                        server_weight_bytes=fp8_server_weight_bytes(shape, param_count(shape)) if fp8 else None)
@@ -299,9 +353,13 @@ def plan_from_config(cfg, hf_config, *, world_size: int, device_bytes: int, gpus
 def format_plan(plan: MemoryPlan, title: Optional[str] = None) -> str:
     g = lambda b: f"{b / GiB:6.1f} GiB"  # noqa: E731
     lines = [title or "memory plan per GPU (estimate)",
-             f"  trainer static  {g(plan.static)}  (params {g(plan.params).strip()}, fp32 grads "
+             f"  trainer static  {g(plan.static)}  (params {g(plan.params).strip()}"
+             + (f": frozen base {g(plan.params - plan.lora_params).strip()}, LoRA adapters "
+                f"{g(plan.lora_params).strip()}" if plan.lora_params else "") + ", fp32 grads "
              f"{g(plan.grads).strip()}, optimizer {g(plan.optimizer).strip()}"
-             + (f", KL reference {g(plan.reference).strip()}" if plan.reference else "") + ")",
+             + (f", KL reference {g(plan.reference).strip()}" if plan.reference else "")
+             + (", KL reference: the policy with its adapters off, no copy" if plan.reference_adapters_off else "")
+             + ")",
              f"  activations     {g(plan.activations)}  (busiest pipeline stage under 1F1B, estimate"
              + (f"; routes {g(plan.routes).strip()}" if plan.routes else "") + ")",
              f"  SGLang pool     {g(plan.sglang_pool)}  (mem_fraction_static x device; weights "

@@ -79,6 +79,10 @@ def test_hf_engine_reads_everything_also_when_it_refuses_the_update():
     assert stream.left == 0
 
 
+# a synchronous run's config as far as sync_weights reads it (full or merged weights)
+_CFG = SimpleNamespace(rollout=SimpleNamespace(max_staleness=0, sglang=SimpleNamespace(lora_sync="merged")))
+
+
 class _Actor:
     def __init__(self, stream):
         self.stream = stream
@@ -97,12 +101,26 @@ class _HalfReader(StandInEngine):
 
 def test_sync_weights_drains_without_an_engine_and_refuses_an_engine_that_stops_early():
     stream = Stream(named_weights())
-    stages.sync_weights(SimpleNamespace(engine=None, actor=_Actor(stream)))  # ranks 1..n-1
+    stages.sync_weights(SimpleNamespace(engine=None, actor=_Actor(stream), cfg=_CFG))  # ranks 1..n-1
     assert stream.left == 0
     stream = Stream(named_weights())
     engine = _HalfReader()
     rt = SimpleNamespace(engine=engine, actor=_Actor(stream), memory=EngineMemory(engine),
-                         cfg=SimpleNamespace(rollout=SimpleNamespace(max_staleness=0)))  # synchronous
+                         cfg=_CFG)  # synchronous
     with pytest.raises(RuntimeError, match="_HalfReader.update_weights left 2 exported tensors unread"):
         stages.sync_weights(rt)
     assert stream.left == 0  # read before raising: no rank is left waiting in the export
+
+
+def test_sync_weights_reports_the_bytes_it_handed_to_the_engine():
+    """``rollout/weight_sync_bytes``: every exported tensor's elements x their size, with or
+    without an engine on the rank: bf16 tensors of 64x32, 64x32, 32 and 64x32 values, 2 bytes each,
+    and a float32 one of 3x5."""
+    weights = named_weights() + [("model.extra.weight", torch.zeros(3, 5, dtype=torch.float32))]
+    want = 2 * (3 * 64 * 32 + 32) + 4 * 15
+    assert stages.sync_weights(SimpleNamespace(engine=None, actor=_Actor(Stream(weights)), cfg=_CFG)) == {
+        "rollout/weight_sync_bytes": float(want)}
+    engine = StandInEngine()
+    rt = SimpleNamespace(engine=engine, actor=_Actor(Stream(weights)), memory=EngineMemory(engine),
+                         cfg=_CFG)
+    assert stages.sync_weights(rt) == {"rollout/weight_sync_bytes": float(want)}

@@ -215,3 +215,57 @@ def test_tensor_sync_contexts_on_the_leaders_gpu():
     assert p.overhead == 2 * CONTEXT_BYTES + 7 * GiB // 2
     assert all(p.phases[k] == base.phases[k] + 7 * GiB // 2 for k in base.phases)
     assert "7 server workers' contexts" in format_plan(p) and "server workers" not in format_plan(base)
+
+
+def test_lora_counts_frozen_base_adapters_and_their_optimizer_by_hand():
+    """TINY (h 8, q 8, kv 4, F 16) with rank 2 on q and down only, tp=2, dp=2, bf16: q_proj (in 8, out 8)
+    is column-parallel: A 2*8 whole + B 8/2*2 = 24 per rank and layer; down_proj (in 16, out 8) is
+    row-parallel: A 2*16/2 + B 8*2 = 32. 2 layers: 112 adapter values per GPU on top of the 676 frozen
+    base params; grads (fp32) and optimizer (12 bytes over dp=2) for the 112 only."""
+    from hapo_megatron.training.memory.plan import lora_param_count
+    assert lora_param_count(TINY, 2, ("q_proj", "down_proj")) == 2 * (2 * (8 + 8) + 2 * (16 + 8))
+    assert lora_param_count(TINY, 2, ("q_proj", "down_proj"), tp=2) == 112
+    kw = dict(tp=2, dp=2, param_bytes=2, tokens_per_micro_batch=6, device_bytes=10**9, **PLAN_KNOBS)
+    p = plan_memory(TINY, lora_rank=2, lora_targets=("q_proj", "down_proj"), **kw)
+    assert (p.params, p.lora_params, p.grads, p.optimizer) == (2 * (676 + 112), 2 * 112, 4 * 112, 12 * 112 // 2)
+    full = plan_memory(TINY, **kw)
+    assert full.activations == p.activations and full.optimizer == 4056
+    text = format_plan(p)
+    assert "frozen base" in text and "LoRA adapters" in text and "adapters off" not in text
+    assert "adapters off, no copy" in format_plan(plan_memory(TINY, lora_rank=2, lora_targets=("q_proj",),
+                                                              reference_adapters_off=True, **kw))
+
+
+def test_lora_reference_is_the_adapters_off_policy_unless_a_warm_start_keeps_a_copy():
+    from types import SimpleNamespace
+
+    from hapo_megatron.training.memory.plan import reference_is_adapters_off
+
+    def cfg(rank, warmup):
+        return SimpleNamespace(model=SimpleNamespace(lora=SimpleNamespace(rank=rank)),
+                               trainer=SimpleNamespace(sft_warmup_steps=warmup))
+    assert reference_is_adapters_off(cfg(4, 0), moe_routing=False)
+    assert not reference_is_adapters_off(cfg(0, 0), moe_routing=False)
+    assert not reference_is_adapters_off(cfg(4, 3), moe_routing=False)
+    assert not reference_is_adapters_off(cfg(4, 0), moe_routing=True)
+
+
+def test_lora_recipe_plan_has_no_reference_copy_and_adapter_sized_optimizer():
+    """The 7B recipe's config with LoRA (rank 32, all linear layers) and a KL term: no reference
+    copy, the optimizer state of the adapters only (~80M values of the 7.6B)."""
+    import os
+    from types import SimpleNamespace
+
+    from hapo_megatron.config import load_config
+    from hapo_megatron.training.memory.plan import lora_param_count, plan_from_config, shape_from_hf_config
+    from tests.training.tiny_setup import ROOT
+    hf = SimpleNamespace(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                         intermediate_size=18944, vocab_size=152064, model_type="qwen2")
+    path = os.path.join(ROOT, "examples", "qwen2.5-math-7b", "config.yaml")
+    full = plan_from_config(load_config(path, ["algo.kl_loss_coef=0.001"]), hf, world_size=8, device_bytes=80 * GiB)
+    lora = plan_from_config(load_config(path, ["algo.kl_loss_coef=0.001", "model.lora.rank=32",
+                                               "trainer.sft_warmup_steps=0"]), hf, world_size=8, device_bytes=80 * GiB)
+    assert full.reference > 0 and lora.reference == 0 and lora.reference_adapters_off
+    assert 75e6 < lora_param_count(shape_from_hf_config(hf), 32, tuple(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])) < 85e6
+    assert lora.optimizer < full.optimizer / 50 and lora.grads < full.grads / 50
