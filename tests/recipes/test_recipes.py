@@ -49,15 +49,19 @@ SAME_RUN = {"qwen2.5-math-7b-sglang": "qwen2.5-math-7b"}
 #: the server endpoint of each weight-sync mode
 SYNC_ENDPOINTS = {"tensor": "update_weights_from_tensor", "distributed": "update_weights_from_distributed",
                   "disk": "update_weights_from_disk"}
-#: launched CPU servers at most (each takes ~1.5 GB and 20-45 s of start-up on 2 cores)
-MAX_SERVERS = 2
+#: launched CPU servers at most (each takes ~1.5 GB and 20-45 s of start-up on 2 cores, minutes on
+#: a loaded machine: the most of a recipe run): one server, except in MULTI_SERVER_RECIPE
+MAX_SERVERS = 1
+#: the recipe that keeps 2 launched servers (its own plan on 2 ranks, no server count override):
+#: generation spread over both, each one synced every step and stopped after the run
+MULTI_SERVER_RECIPE, MULTI_SERVERS = "qwen2.5-math-1.5b", 2
 
 
 # --------------------------------------------------------------------------- sizes
-def layout_overrides(cfg) -> tuple[int, list[str], list[str]]:
+def layout_overrides(cfg, max_servers: int = MAX_SERVERS) -> tuple[int, list[str], list[str]]:
     """(ranks, overrides, printed lines): the recipe's TP and PP on TP x PP x CP ranks, at most 4
     (CP's ranks train data-parallel, the counterparts table; past 4 they are left out), EP as
-    large as those ranks and the tiny model's experts allow; at most MAX_SERVERS launched servers."""
+    large as those ranks and the tiny model's experts allow; at most ``max_servers`` launched servers."""
     p = cfg.parallel
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     if tp * pp > 4:
@@ -75,10 +79,10 @@ def layout_overrides(cfg) -> tuple[int, list[str], list[str]]:
             lines.append(f"EP {ep} -> {small} ({room} ranks per pipeline stage, "
                          f"{tiny.TINY_MOE['num_experts']} experts)")
     sg = cfg.rollout.sglang
-    if cfg.rollout.engine == "sglang" and not sg.server_urls and (sg.num_servers or ranks) > MAX_SERVERS:
+    if cfg.rollout.engine == "sglang" and not sg.server_urls and (sg.num_servers or ranks) > max_servers:
         # num_servers=0 fills the node: one server per rank once servers have 1 process (the table)
-        out.append(f"rollout.sglang.num_servers={MAX_SERVERS}")
-        lines.append(f"servers: {sg.num_servers or 'one per server_tp_size ranks'} -> {MAX_SERVERS}")
+        out.append(f"rollout.sglang.num_servers={max_servers}")
+        lines.append(f"servers: {sg.num_servers or 'one per server_tp_size ranks'} -> {max_servers}")
     return ranks, out, lines
 
 
@@ -142,7 +146,8 @@ class RecipeRun:
         base = load_config(tiny.recipe_config_path(recipe))
         self.rows, table_overrides = cpu.counterparts_for(base)
         self.missing = cpu.unmatched(base)
-        self.ranks, layout, self.layout_lines = layout_overrides(base)
+        servers = MULTI_SERVERS if recipe == MULTI_SERVER_RECIPE else MAX_SERVERS
+        self.ranks, layout, self.layout_lines = layout_overrides(base, servers)
         self.overrides = size_overrides(data, self.model_dir, self.run_dir) + layout + table_overrides
         self.attached = os.path.isfile(os.path.join(tiny.EXAMPLES, recipe, "launch_servers.sh"))
         if not self.attached:
@@ -308,6 +313,22 @@ def test_every_gpu_recipe_is_listed():
     assert sorted(tiny.gpu_recipes()) == sorted(RECIPES)
 
 
+def planned_servers(cfg, ranks: int) -> int:
+    """Launched servers of a shrunk recipe config (num_servers=0 fills the node: ranks / server_tp_size)."""
+    sg = cfg.rollout.sglang
+    return sg.num_servers or ranks // sg.server_tp_size
+
+
+def test_one_recipe_keeps_two_launched_servers():
+    """The other recipes run one launched server (their start-up is most of a run): this one keeps
+    two, so that a recipe run still spreads generation over several servers and syncs each."""
+    path = tiny.recipe_config_path(MULTI_SERVER_RECIPE)
+    assert not os.path.isfile(os.path.join(tiny.EXAMPLES, MULTI_SERVER_RECIPE, "launch_servers.sh"))
+    base = load_config(path)
+    ranks, layout, _ = layout_overrides(base, MULTI_SERVERS)
+    assert planned_servers(load_config(path, layout + cpu.counterparts_for(base)[1]), ranks) >= 2
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_runs_on_cpu(recipe, runs, prepared):
     if recipe in SAME_RUN:
@@ -318,13 +339,12 @@ def test_recipe_runs_on_cpu(recipe, runs, prepared):
     recs = _check_ran(run)
     _check_evals(run)
     _check_sync(run)
-    sg = run.cfg.rollout.sglang
     assert run.cfg.rollout.engine == "sglang"
     if run.cfg.rollout.max_staleness:
         _check_async(run, recs)
     if not run.attached:
         # launched by the trainer, every one used (num_servers=0 fills the node: ranks / server_tp_size)
-        assert len(run.server_posts("generate")) == (sg.num_servers or run.ranks // sg.server_tp_size)
+        assert len(run.server_posts("generate")) == planned_servers(run.cfg, run.ranks)
         assert all(n > 0 for n in run.server_posts("generate").values())
     if run.cfg.model.routing_replay:
         _check_moe(run, recs)

@@ -7,9 +7,9 @@ tying, RoPE, norms, biases and MoE settings, with every size shrunk (hidden 32, 
 over 2 KV heads, 8 experts top-2, the character tokenizer's vocabulary). A random model never
 writes "Answer: <n>", so the recipe's math reward would score every response -1, and its dynamic
 sampling (the hapo preset's algo.filter_groups) would skip every step; the model is therefore
-warm-started here (plain transformers, a few seconds) on "Answer: 1" / "Answer: 2" at random for
-prompts whose truth is 1 or 2: about half the responses of a group are right, so groups are kept
-and both RL steps train.
+warm-started here (plain transformers, until its loss is near the floor: a few seconds) on
+"Answer: 1" / "Answer: 2" at random for prompts whose truth is 1 or 2: about half the responses
+of a group are right, so groups are kept and both RL steps train.
 """
 
 from __future__ import annotations
@@ -95,10 +95,16 @@ def write_tiny_data(out: str) -> tuple[dict, list[dict]]:
     return paths, train
 
 
-def _warm_start(model, tokenizer, rows: list[dict], steps: int = 100, lr: float = 1e-2, seed: int = 0) -> None:
+def _warm_start(model, tokenizer, rows: list[dict], steps: int = 100, lr: float = 1e-2, seed: int = 0,
+                margin: float = 0.005) -> int:
     """A few Adam steps of next-token loss on each row's chat-formatted prompt followed by
     "Answer: 1" and, as another sequence, by "Answer: 2": the model learns the format and an even
-    choice between the two, whatever the prompt."""
+    choice between the two, whatever the prompt. Stops once the loss is within ``margin`` of its
+    floor (ln 2 on each sequence's digit, 0 elsewhere: the format learned, the choice even; the
+    families get there in 25-60 steps instead of 100, ~10 s each on 2 loaded cores); returns the
+    steps taken."""
+    import math
+
     import torch
 
     torch.manual_seed(seed)
@@ -114,15 +120,19 @@ def _warm_start(model, tokenizer, rows: list[dict], steps: int = 100, lr: float 
     for i, (p, r) in enumerate(seqs):
         ids[i, :len(p) + len(r)] = torch.tensor(p + r)
         labels[i, len(p):len(p) + len(r)] = torch.tensor(r)
+    floor = len(seqs) * math.log(2) / int((labels != -100).sum())  # the loss's mean is over label tokens
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         loss = model(input_ids=ids, attention_mask=(labels != -100) | (ids != tokenizer.pad_token_id),
                      labels=labels).loss
+        if loss.item() < floor + margin:
+            break
         opt.zero_grad()
         loss.backward()
         opt.step()
     model.eval()
+    return step
 
 
 def write_tiny_model(out: str, full_hf_config: dict, rows: list[dict]) -> str:
@@ -138,7 +148,8 @@ def write_tiny_model(out: str, full_hf_config: dict, rows: list[dict]) -> str:
     config = AutoConfig.for_model(**cfg)
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_config(config).float()
-    _warm_start(model, tok, rows)
+    steps = _warm_start(model, tok, rows)
+    print(f"{out}: warm-started in {steps} steps", flush=True)
     model.save_pretrained(out)
     return out
 

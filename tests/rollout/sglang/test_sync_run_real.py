@@ -6,7 +6,8 @@
   servers report the weight version of every sync so far (advancing with the steps) and hold
   trained weights (not the initial model's), and none of their processes is left after the run.
 - A rank lost mid-run (SIGKILL of rank 1): torchrun tears the job down, and no server process is
-  left 30 s after it exited.
+  left 30 s after it exited. One launched server there: each server has a guard of its own
+  (server_guard.py), so a second one would only double the start-up (most of the run's time).
 """
 
 from __future__ import annotations
@@ -43,12 +44,13 @@ def tiny(tmp_path_factory):
 class Run:
     """One torchrun job of the CPU example with launched servers, its output read as it comes."""
 
-    def __init__(self, data: str, run_dir: str, steps: int):
-        self.run_dir, self.port = run_dir, free_port()
+    def __init__(self, data: str, run_dir: str, steps: int, servers: int = 2):
+        self.run_dir, self.port, self.num_servers = run_dir, free_port(), servers
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "hapo_megatron.train", "--config", os.path.join(ROOT, "examples/cpu_tiny/config.yaml"),
                *tiny_overrides(data, run_dir, **{
-                   "rollout.engine": "sglang", "rollout.sglang.num_servers": 2, "rollout.sglang.colocate": "false",
+                   "rollout.engine": "sglang", "rollout.sglang.num_servers": servers,
+                   "rollout.sglang.colocate": "false",
                    "rollout.max_staleness": 1, "rollout.sglang.port_base": self.port,
                    "trainer.total_steps": steps, "trainer.sft_warmup_steps": 0, "trainer.save_interval": 0,
                    "trainer.val_at_end": "false", "data.val_files": "[]"})]
@@ -77,14 +79,15 @@ class Run:
             subprocess.run(["sleep", "0.5"])
 
     def servers(self) -> list[ServerHandle]:
-        return [ServerHandle(f"http://127.0.0.1:{self.port + i}") for i in range(2)]
+        return [ServerHandle(f"http://127.0.0.1:{self.port + i}") for i in range(self.num_servers)]
 
     def server_processes(self) -> list:
-        """Every process of both servers' groups (the servers, their SGLang subprocesses, watchers)."""
+        """Every process of the servers' groups (the servers, their SGLang subprocesses, watchers)."""
         import psutil
         found = []
         for conn in psutil.net_connections(kind="tcp"):
-            if conn.status == psutil.CONN_LISTEN and conn.laddr.port in (self.port, self.port + 1) and conn.pid:
+            if conn.status == psutil.CONN_LISTEN and self.port <= conn.laddr.port < self.port + self.num_servers \
+                    and conn.pid:
                 found += procs.group_processes(os.getpgid(conn.pid))
         return found
 
@@ -125,7 +128,7 @@ def test_distributed_sync_on_launched_servers_finishes_and_leaves_no_server(tiny
 
 def test_a_rank_lost_mid_run_leaves_no_server(tiny, tmp_path):
     import psutil
-    run = Run(tiny, str(tmp_path / "run"), steps=1000)
+    run = Run(tiny, str(tmp_path / "run"), steps=1000, servers=1)
     try:
         run.wait_for("step 1", lambda: len(run.steps()) >= 1)
         group = run.server_processes()
