@@ -23,7 +23,7 @@ from hapo_megatron.training.rollout_protocol import RolloutAbandoned
 from hapo_megatron.training.run_records import SUMMARY, write_json_atomic
 from hapo_megatron.training.runtime import Runtime, StepSnapshot
 from hapo_megatron.training.sft import run_sft
-from hapo_megatron.training.asynchronous.producer import start_async_rollout, stop_async_rollout
+from hapo_megatron.training.asynchronous.manager import start_async_rollout, stop_async_rollout
 
 
 class TrainingStopped(RuntimeError):

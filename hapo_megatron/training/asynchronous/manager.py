@@ -39,6 +39,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 from hapo_megatron.compat.processes import children_allowed
+from hapo_megatron.training.asynchronous.producer import AsyncRollout
 from hapo_megatron.training.asynchronous.transport import recv_batch, send_batch
 from hapo_megatron.training.rollout_protocol import RolloutAbandoned
 
@@ -125,7 +126,6 @@ def follow_servers(engine, in_use: Optional[list[int]]) -> None:
 # ---------------------------------------------------------------------- the manager process
 def _serve(conn, factory: Callable[..., Any], args: tuple, pending: Optional[list[int]]) -> None:
     """The manager process: build the runtime, start the producer, answer the trainer."""
-    from hapo_megatron.training.asynchronous.producer import AsyncRollout
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer stops it (close), whatever stops the trainer
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ar = None
@@ -351,5 +351,25 @@ def start_manager(rt, *, pending: Optional[list[int]], on_failure: Optional[Call
                           engine=rt.engine, entropy_stats=lambda: rt.rl.rollout_entropy_stats)
 
 
+def start_async_rollout(rt, on_failure: Optional[Callable[[str], None]] = None) -> None:
+    """Start the producer on rank 0 when ``rollout.max_staleness >= 1`` (after the first weight
+    sync: the servers hold version ``rt.rl.step``); a resume regenerates the checkpoint's pending
+    prompts first. ``rollout.async_producer: process`` runs it in the rollout manager process
+    (training/asynchronous/manager.py; ``on_failure``: what its crash or hang calls), ``thread``
+    here."""
+    if not rt.cfg.rollout.max_staleness or not rt.is_main or rt.async_rollout is not None:
+        return
+    if rt.cfg.rollout.async_producer == "process":
+        rt.async_rollout = start_manager(rt, pending=rt.rl.async_pending, on_failure=on_failure)
+        return
+    rt.async_rollout = AsyncRollout(rt, pending=rt.rl.async_pending).start()
+
+
+def stop_async_rollout(rt) -> None:
+    """Stop the producer (idempotent; every rank may call it)."""
+    if rt.async_rollout is not None:
+        ar, rt.async_rollout = rt.async_rollout, None
+        ar.close()
 __all__ = ["ManagerRuntime", "ManagerSpec", "RolloutManager", "RolloutManagerFailed", "build_runtime",
-           "follow_servers", "spec_of", "start_manager"]
+           "follow_servers", "spec_of", "start_async_rollout", "start_manager",
+           "stop_async_rollout"]

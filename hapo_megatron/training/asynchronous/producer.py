@@ -234,8 +234,8 @@ class AsyncRollout:
                    "rollout/kept_group_frac": num_kept / max(num_kept + num_filtered, 1),
                    "rollout/buffer_groups": float(self.buffer.num_live()),
                    "timing/trainer_wait_s": wait_s,
-                   "timing/generation_busy_s": busy,
-                   "timing/producer_cpu_s": cpu,  # HTTP, parsing, scoring, shaping: CPU in this process  # time with a group in flight since the last take
+                   "timing/generation_busy_s": busy,  # time with a group in flight since the last take
+                   "timing/producer_cpu_s": cpu,  # HTTP, parsing, scoring, shaping: the producer's CPU
                    # generation time that ran while the trainer did something else
                    "rollout/generation_overlap_frac": max(0.0, 1.0 - wait_s / busy) if busy > 0 else 0.0,
                    "batch/reward_mean": sum(kept.rewards) / max(len(kept), 1),
@@ -303,24 +303,4 @@ def group_id(prompt_index: int, ticket: int) -> int:
     return (int(prompt_index) << 32) + int(ticket) % (1 << 32)
 
 
-def start_async_rollout(rt, on_failure: Optional[Callable[[str], None]] = None) -> None:
-    """Start the producer on rank 0 when ``rollout.max_staleness >= 1`` (after the first weight
-    sync: the servers hold version ``rt.rl.step``); a resume regenerates the checkpoint's pending
-    prompts first. ``rollout.async_producer: process`` runs it in the rollout manager process
-    (training/asynchronous/manager.py; ``on_failure``: what its crash or hang calls), ``thread``
-    here."""
-    if not rt.cfg.rollout.max_staleness or not rt.is_main or rt.async_rollout is not None:
-        return
-    if rt.cfg.rollout.async_producer == "process":
-        from hapo_megatron.training.asynchronous.manager import start_manager
-        rt.async_rollout = start_manager(rt, pending=rt.rl.async_pending, on_failure=on_failure)
-        return
-    rt.async_rollout = AsyncRollout(rt, pending=rt.rl.async_pending).start()
-
-
-def stop_async_rollout(rt) -> None:
-    """Stop the producer (idempotent; every rank may call it)."""
-    if rt.async_rollout is not None:
-        ar, rt.async_rollout = rt.async_rollout, None
-        ar.close()
-__all__ = ["AsyncRollout", "group_id", "start_async_rollout", "stop_async_rollout"]
+__all__ = ["AsyncRollout", "group_id"]
