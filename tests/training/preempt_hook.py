@@ -58,15 +58,17 @@ def main(argv: list[str]) -> int:
 def _signal_at_async_take(step: int, marker_dir: str) -> None:
     import signal
 
+    from hapo_megatron.training.asynchronous.manager import RolloutManager
     from hapo_megatron.training.asynchronous.producer import AsyncRollout
-    original = AsyncRollout.take_step
+    for cls in (AsyncRollout, RolloutManager):  # the trainer's take: the producer threads' or the manager's
+        original = cls.take_step
 
-    def take_step(self, s, *args, **kwargs):
-        if s == step:
-            open(os.path.join(marker_dir, f"signalled.take.step{s}"), "w").close()
-            os.kill(os.getpid(), signal.SIGTERM)
-        return original(self, s, *args, **kwargs)
-    AsyncRollout.take_step = take_step
+        def take_step(self, s, *args, _original=original, **kwargs):
+            if s == step:
+                open(os.path.join(marker_dir, f"signalled.take.step{s}"), "w").close()
+                os.kill(os.getpid(), signal.SIGTERM)
+            return _original(self, s, *args, **kwargs)
+        cls.take_step = take_step
 
 
 if __name__ == "__main__":

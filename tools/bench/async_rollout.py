@@ -243,14 +243,17 @@ def main(argv=None) -> dict:
     print(f"training {train_s:.2f} s/step (calibration), token rate {rate:.1f}/s -> generation "
           f"~{length / rate:.2f} s/step; {args.repeats} round(s) of {steps} steps per setting")
     base_median = results[0]["steps_per_hour_median"]
-    print(f"{'max_staleness':>13} {'steps/h':>9} {'ratio':>6} {'idle':>6} {'busy s/step':>11} "
+    base_busy = results[0]["busy_s_per_step"]
+    print(f"{'max_staleness':>13} {'steps/h':>9} {'ratio':>6} {'idle':>6} {'busy s/step':>11} {'busy ratio':>10} "
           f"{'steps/h (median step)':>21} {'ratio':>6} {'staleness_max':>13}")
     for k, r in results.items():
         print(f"{k:>13} {r['steps_per_hour']:>9.0f} {r['steps_per_hour'] / base:>6.2f} {r['idle_frac']:>6.2f} "
-              f"{r['busy_s_per_step']:>11.2f} {r['steps_per_hour_median']:>21.0f} "
+              f"{r['busy_s_per_step']:>11.2f} {r['busy_s_per_step'] / max(base_busy, 1e-9):>10.2f} "
+              f"{r['steps_per_hour_median']:>21.0f} "
               f"{r['steps_per_hour_median'] / base_median:>6.2f} {r['staleness_max']:>13.0f}")
-    print("per step (s), means over the measured steps: the producer's CPU (its threads in the trainer's "
-          "process), the trainer process's CPU, its main thread's CPU and run-queue wait, the two servers' CPU")
+    print(f"per step (s), means over the measured steps: the producer's CPU ({args.producer}: "
+          + ("the rollout manager process" if args.producer == "process" else "threads in the trainer's process")
+          + "), the trainer process's CPU, its main thread's CPU and run-queue wait, the two servers' CPU")
     print(f"{'max_staleness':>13} {'producer':>9} {'process':>8} {'main':>6} {'runqueue':>8} {'servers':>8} "
           f"{'torch threads':>13}" + (f" {'gil probe':>9}" if args.gil_probe else ""))
     for k, r in results.items():
