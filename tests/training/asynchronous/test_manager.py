@@ -4,10 +4,8 @@ producer thread; pause / continue reach the manager's engine; a resume loses and
 prompt; the manager's crash and hang end the wait with a one-line failure, never a hang; an error
 in the producer reaches the trainer in one line.
 
-Mutations tried: `follow_servers` not rejoining the trainer's servers fails
-`test_follow_servers_takes_the_trainers_servers_in_use`; `RolloutManager._recv` without the
-liveness check (``is_alive``) leaves `test_a_killed_manager_fails_the_wait` to the hang timeout
-(it then fails on the message: "sent nothing", not "exited")."""
+Mutation tried: `follow_servers` not rejoining the trainer's servers fails
+`test_follow_servers_takes_the_trainers_servers_in_use`."""
 
 from __future__ import annotations
 

@@ -2,10 +2,7 @@
 manager process, the default) on two paced stand-in servers, the manager SIGKILLed as step 3
 starts to take its batch (tests/training/preempt_hook.py, ``kill_manager``): the trainer does not
 hang; it ends with exit code 1, one line naming the manager and its exit code, and step 2 saved;
-no manager process is left behind.
-
-Mutation tried: `RolloutManager.take_step` without ``on_failure`` (the failure raised as an error):
-the run ends with a traceback, exit code 1 and no checkpoint of step 2 (trainer.save_interval 0)."""
+no manager process is left behind (trainer.save_interval 0: the checkpoint is the stop's)."""
 
 from __future__ import annotations
 
