@@ -20,6 +20,8 @@ from hapo_megatron.training.asynchronous.producer import AsyncRollout
 from hapo_megatron.training.rollout_protocol import RolloutAbandoned
 from tests.training.asynchronous.test_producer import B, N, _prompts, _rt, _sampler_order
 
+slow = pytest.mark.slow  # each spawns a manager process (imports torch): seconds to start
+
 
 def fake_runtime(k=1, fail=None, step=0, sampler_state=None, hang_after=None):
     """test_producer's fake runtime, in the manager process; its engine's version follows the
@@ -60,6 +62,7 @@ def _train_manager(mgr, steps, start=0):
     return got
 
 
+@slow
 def test_manager_batches_match_the_thread_producer():
     mgr = RolloutManager(fake_runtime, (1,))
     try:
@@ -83,6 +86,7 @@ def test_manager_batches_match_the_thread_producer():
         assert key in got[-1][1]
 
 
+@slow
 def test_resume_through_the_manager_loses_and_repeats_no_prompt():
     mgr = RolloutManager(fake_runtime, (1,))
     try:
@@ -99,6 +103,7 @@ def test_resume_through_the_manager_loses_and_repeats_no_prompt():
     assert [p for g in first + again for p in g[0]] == _sampler_order(4 * B)
 
 
+@slow
 def test_an_error_in_the_producer_reaches_the_trainer_in_one_line():
     mgr = RolloutManager(fake_runtime, (1, "all servers gone"))
     with pytest.raises(RolloutManagerFailed, match="all servers gone") as err:
@@ -108,6 +113,7 @@ def test_an_error_in_the_producer_reaches_the_trainer_in_one_line():
     assert not mgr._proc.is_alive()
 
 
+@slow
 def test_a_killed_manager_fails_the_wait():
     """SIGKILL mid-run: the trainer's wait ends with the exit code, and with ``on_failure`` the
     step is given up (the trainer then stops at its safe point, the last step saved)."""
@@ -125,6 +131,7 @@ def test_a_killed_manager_fails_the_wait():
         pass
 
 
+@slow
 def test_a_silent_manager_is_declared_hung_and_killed():
     """SIGSTOP (no beat): after ``timeout_s`` the trainer kills it and fails the wait."""
     mgr = RolloutManager(fake_runtime, (1, None, 0, None, 0), timeout_s=3.0)
@@ -137,6 +144,7 @@ def test_a_silent_manager_is_declared_hung_and_killed():
     assert not mgr._proc.is_alive()
 
 
+@slow
 def test_a_stop_request_gives_the_step_up():
     mgr = RolloutManager(fake_runtime, (1, None, 0, None, 0))
     try:
