@@ -4,8 +4,10 @@
     hapo eval --model runs/hapo --hf-config Qwen2.5-Math-7B-hf --data aime24.parquet \
         --engine sglang --out results.json
 
-The paper's protocol is the default (8 samples per question at temperature 0.5, top-p 0.7, no
-adaptive temperature; from `rollout.val_*` of the config). `--model` is an HF model directory or a
+Sampling comes from `rollout.val_*` of the config (its defaults: 8 samples per question at
+temperature 0.5, top-p 0.7, no adaptive temperature), or from a named protocol: `--protocol
+hapo-paper` is the HAPO authors' evaluation as their scripts set it (`PROTOCOLS`; docs/evaluation.md,
+"Protocols"); an explicit option (`--n`, `--temperature`, ...) overrides either. `--model` is an HF model directory or a
 Megatron checkpoint (a run directory, its `checkpoints/` directory, one `step_*` directory or a
 `dist_checkpointing` directory): Megatron checkpoints are converted to HF first with
 `hapo_megatron.convert` into `--convert-dir` (default: a temporary directory), using the HF
@@ -34,6 +36,16 @@ from hapo_megatron.config.base import DTYPES
 
 logger = logging.getLogger("hapo.eval")
 
+# Named evaluation protocols (docs/evaluation.md, "Protocols"). hapo-paper: the HAPO authors'
+# validation settings in starriver030515/HAPO's recipe/qwen2.5_math_{1.5b,7b}.sh (val_kwargs n 8,
+# temperature 0.5, top_p 0.7, top_k -1, do_sample; max_prompt_length 1024, max_response_length
+# 10240) and scripts/eval_model.sh (temperature 0.5, top_p 0.7, prompt 1024, response 10240); the
+# paper reports the mean accuracy over the 8 samples, avg@8 (= unbiased pass@1), here with pass@8.
+PROTOCOLS: dict[str, dict] = {
+    "hapo-paper": dict(n=8, temperature=0.5, top_p=0.7, top_k=-1, max_new_tokens=10240, max_prompt_length=1024,
+                       k=[8]),
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog="hapo eval", description=__doc__.split("\n\n")[0],
@@ -51,14 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--api-key-file", default=None,
                     help="file with the attached servers' API key, e.g. a run's rollout_api_key "
                          "(default: $HAPO_ROLLOUT_API_KEY; servers eval launches get a fresh key)")
-    ap.add_argument("--n", type=int, default=None, help="samples per prompt (default val_n = 8)")
-    ap.add_argument("--temperature", type=float, default=None, help="default val_temperature 0.5")
-    ap.add_argument("--top-p", type=float, default=None, help="default val_top_p 0.7")
-    ap.add_argument("--top-k", type=int, default=-1)
+    ap.add_argument("--protocol", choices=sorted(PROTOCOLS), default=None,
+                    help="a named evaluation protocol: its samples per question, temperature, top-p, "
+                         "top-k, lengths and k values replace the config's (hapo-paper: the HAPO "
+                         "authors' scripts, 8 samples at T 0.5, top-p 0.7, 10240 new tokens, avg@8/pass@8)")
+    ap.add_argument("--n", type=int, default=None, help="samples per prompt (default: protocol, else val_n)")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="default: protocol, else val_temperature")
+    ap.add_argument("--top-p", type=float, default=None, help="default: protocol, else val_top_p")
+    ap.add_argument("--top-k", type=int, default=None, help="default: protocol, else -1 (off)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
-                    help="default rollout.max_response_length")
+                    help="default: protocol, else rollout.max_response_length")
     ap.add_argument("--k", type=int, nargs="+", default=None,
-                    help="k values of avg@k/pass@k (default powers of two up to n)")
+                    help="k values of avg@k/pass@k (default: protocol, else powers of two up to n)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=None, help="prompts per generate call")
     ap.add_argument("--limit", type=int, default=None, help="evaluate only the first N prompts")
@@ -71,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model dtype (default bf16 on GPU, fp32 on CPU)")
     ap.add_argument("--reward", default=None, help="reward name or dotted path (default math)")
     ap.add_argument("--prompt-key", default=None)
-    ap.add_argument("--max-prompt-length", type=int, default=None)
+    ap.add_argument("--max-prompt-length", type=int, default=None,
+                    help="default: protocol, else data.max_prompt_length")
     ap.add_argument("--no-chat-template", action="store_true")
     ap.add_argument("--save-responses", action="store_true", help="keep decoded responses in JSON")
     return ap
@@ -189,6 +207,20 @@ def _resolve_settings(args, cfg):
     return ro, device, torch_dtype(dtype_name)
 
 
+def sampling_settings(args, rollout_cfg, data_cfg) -> dict:
+    """n, temperature, top_p, top_k, max_new_tokens, max_prompt_length and k of the evaluation:
+    each from its command-line option when given, else from ``--protocol`` (`PROTOCOLS`), else
+    from the config's validation sampling (``rollout.val_*``, ``rollout.max_response_length``,
+    ``data.max_prompt_length``; top-k off, k: powers of two up to n)."""
+    proto = PROTOCOLS[args.protocol] if args.protocol else {}
+    config = dict(n=rollout_cfg.val_n, temperature=rollout_cfg.val_temperature, top_p=rollout_cfg.val_top_p,
+                  top_k=-1, max_new_tokens=rollout_cfg.max_response_length,
+                  max_prompt_length=data_cfg.max_prompt_length, k=None)
+    given = dict(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                 max_new_tokens=args.max_new_tokens, max_prompt_length=args.max_prompt_length, k=args.k)
+    return {name: given[name] if given[name] is not None else proto.get(name, config[name]) for name in config}
+
+
 def eval_context_length(cfg, model: str) -> int | None:
     """The context the evaluated model was trained with: ``model.max_position_embeddings`` of
     ``--config`` / ``--set`` when set, else, for a Megatron checkpoint, of the saved config of the
@@ -243,6 +275,7 @@ def _run(args, convert_dir: str) -> dict:
 
     cfg = load_config(args.config, args.overrides)
     rollout_cfg, device, dtype = _resolve_settings(args, cfg)
+    settings = sampling_settings(args, rollout_cfg, cfg.data)
     context = eval_context_length(cfg, args.model)
     if context is not None and rollout_cfg.engine == "sglang" and not rollout_cfg.sglang.server_urls:
         # launched servers get --context-length (training/context_length.py)
@@ -254,16 +287,13 @@ def _run(args, convert_dir: str) -> dict:
     tok_path = args.tokenizer or cfg.data.tokenizer_path or model_dir
     tokenizer = AutoTokenizer.from_pretrained(tok_path)
     dataset = PromptDataset(args.data, tokenizer, prompt_key=args.prompt_key or cfg.data.prompt_key,
-                            max_prompt_length=args.max_prompt_length or cfg.data.max_prompt_length,
+                            max_prompt_length=settings["max_prompt_length"],
                             apply_chat_template=cfg.data.apply_chat_template and not args.no_chat_template)
     dataset.tokenizer = tokenizer
     data = _Subset(dataset, args.limit) if args.limit else dataset
-    sampling = SamplingParams(
-        n=args.n or rollout_cfg.val_n,
-        temperature=rollout_cfg.val_temperature if args.temperature is None else args.temperature,
-        top_p=args.top_p or rollout_cfg.val_top_p, top_k=args.top_k,
-        max_new_tokens=args.max_new_tokens or rollout_cfg.max_response_length,
-        seed=args.seed, adaptive=False)
+    sampling = SamplingParams(n=settings["n"], temperature=settings["temperature"], top_p=settings["top_p"],
+                              top_k=settings["top_k"], max_new_tokens=settings["max_new_tokens"], seed=args.seed,
+                              adaptive=False)
     reward_fn = get_reward_fn(args.reward or cfg.reward.reward_fn)
     reward_kwargs = {"score_format": cfg.reward.score_format, **cfg.reward.reward_kwargs}
     keys = {"key_file": args.api_key_file} if rollout_cfg.engine == "sglang" and args.api_key_file else {}
@@ -276,15 +306,16 @@ def _run(args, convert_dir: str) -> dict:
                                      progress=_progress, reward_kwargs=reward_kwargs)
     finally:
         engine.shutdown()
-    metrics = aggregate_results(results, args.k)
+    metrics = aggregate_results(results, settings["k"])
     per_prompt = [r.to_dict() for r in results]
     if not args.save_responses:
         for r in per_prompt:
             r.pop("responses", None)
     params = dataclasses.asdict(sampling)
     return {"model": args.model, "model_source": source, "hf_model_dir": model_dir,
-            "data": list(args.data), "engine": rollout_cfg.engine, "sampling": params,
-            "k_values": args.k, "num_prompts": len(data), "elapsed_s": time.perf_counter() - t0,
+            "data": list(args.data), "engine": rollout_cfg.engine, "protocol": args.protocol, "sampling": params,
+            "max_prompt_length": settings["max_prompt_length"], "k_values": settings["k"],
+            "num_prompts": len(data), "elapsed_s": time.perf_counter() - t0,
             "metrics": metrics, "per_prompt": per_prompt}
 
 

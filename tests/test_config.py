@@ -208,7 +208,7 @@ OBJECTIVE_PRESETS = {
     "clip-cov": ("grpo", {"policy_loss": "clip_cov"}),
     "kl-cov": ("grpo", {"policy_loss": "kl_cov"}),
     "archer": ("grpo", {"archer": True, "clip_ratio_c": 10.0, "kl_loss_coef": 0.001}),
-    "edge-grpo": ("grpo", {"edge_eda": True}),
+    "edge-grpo": ("grpo", {"edge_eda": True, "edge_gec": True}),
 }
 
 

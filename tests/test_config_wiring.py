@@ -30,18 +30,16 @@ ALGO_TO_LOSS = dict(
 EXCLUSIVE = {"old_logprob_source", "tis_cap", "policy_loss", "forking_tokens", "archer"}
 # knobs valid only beside others (docs/algorithm.md): what the one-knob test sets with them
 COMPANIONS = {"archer": ["algo.kl_loss_coef=0.001", "algo.adaptive_clip=false"]}
-# edge_gec (EDGE-GRPO's guided error correction) is refused whenever it is on: no value to wire
-NOT_WIRED = {"edge_gec"}
 
 
 def test_every_loss_field_is_covered_by_this_test():
     names = {f.name for f in dataclasses.fields(PolicyLossConfig)}
-    assert names == set(ALGO_TO_LOSS) | NOT_WIRED, "a PolicyLossConfig field has no wiring check"
+    assert names == set(ALGO_TO_LOSS), "a PolicyLossConfig field has no wiring check"
 
 
 def test_the_loss_knobs_are_algo_keys_defined_once():
     keys = config_keys(AlgoConfig)
-    assert {k for k, (_, holder) in keys.items() if holder == "loss"} == set(ALGO_TO_LOSS) | NOT_WIRED
+    assert {k for k, (_, holder) in keys.items() if holder == "loss"} == set(ALGO_TO_LOSS)
     own = {f.name for f in dataclasses.fields(AlgoConfig)}
     assert not own & set(ALGO_TO_LOSS), "a loss knob is declared in AlgoConfig too"
 

@@ -483,3 +483,86 @@ def test_sigterm_during_hapo_eval_removes_its_temporary_conversion(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     assert [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("hapo_eval_hf_")] == []
+
+
+# ---------------------------------------------------------------- --protocol hapo-paper
+class _SpyEngine(OracleEngine):
+    """OracleEngine that records the sampling parameters of every call."""
+
+    calls: list = []
+
+    def generate(self, prompt_ids, params, on_samples=None):
+        _SpyEngine.calls.append(params)
+        return super().generate(prompt_ids, params, on_samples)
+
+
+# config values unlike every protocol setting, so that a setting the protocol drops shows
+OTHER_CONFIG = ["--set", "rollout.val_n=3", "--set", "rollout.val_temperature=0.9", "--set", "rollout.val_top_p=0.95",
+                "--set", "rollout.max_response_length=64", "--set", "data.max_prompt_length=300"]
+
+
+def _spy_run(tiny_model_and_data, monkeypatch, name, *extra):
+    import json
+
+    import hapo_megatron.data as data_mod
+    import hapo_megatron.rollout.factory as engine_mod
+    from hapo_megatron.evaluate import main
+
+    root, model_dir, data = tiny_model_and_data
+    _SpyEngine.calls = []
+    monkeypatch.setattr(engine_mod, "make_engine", lambda cfg, *, tokenizer, **kw: _SpyEngine(tokenizer))
+    seen = {}
+    real = data_mod.PromptDataset
+
+    def dataset(*a, **kw):
+        seen.update(kw)
+        return real(*a, **kw)
+    monkeypatch.setattr(data_mod, "PromptDataset", dataset)
+    out = root / f"{name}.json"
+    assert main(["--model", model_dir, "--data", *data, "--out", str(out), *OTHER_CONFIG, *extra]) == 0
+    return json.loads(out.read_text()), _SpyEngine.calls, seen
+
+
+def test_hapo_paper_protocol_reaches_the_engine(tiny_model_and_data, monkeypatch):
+    res, calls, seen = _spy_run(tiny_model_and_data, monkeypatch, "paper", "--protocol", "hapo-paper")
+    assert calls and all((p.n, p.temperature, p.top_p, p.top_k, p.max_new_tokens, p.adaptive) ==
+                         (8, 0.5, 0.7, -1, 10240, False) for p in calls)
+    assert seen["max_prompt_length"] == 1024 and res["protocol"] == "hapo-paper"
+    m = res["metrics"]
+    # avg@8 (the paper's number) and pass@8 only; the oracle answers 1 of 8 samples correctly
+    assert {k.rsplit("/", 1)[1] for k in m if "@" in k} == {"avg@8", "pass@8"}
+    assert m["eval/all/avg@8"] == 1 / 8 and m["eval/all/pass@8"] == 1.0
+    # without the protocol the config's validation sampling applies; an explicit option beats both
+    _, calls, seen = _spy_run(tiny_model_and_data, monkeypatch, "config")
+    assert (calls[0].n, calls[0].temperature, calls[0].top_p, calls[0].max_new_tokens) == (3, 0.9, 0.95, 64)
+    assert seen["max_prompt_length"] == 300
+    _, calls, seen = _spy_run(tiny_model_and_data, monkeypatch, "explicit", "--protocol", "hapo-paper", "--n", "2",
+                              "--top-k", "5", "--max-new-tokens", "12", "--max-prompt-length", "200")
+    assert (calls[0].n, calls[0].temperature, calls[0].top_k, calls[0].max_new_tokens) == (2, 0.5, 5, 12)
+    assert seen["max_prompt_length"] == 200
+
+
+def test_hapo_paper_protocol_on_the_tiny_model(tiny_model_and_data, capsys):
+    """The real HF engine on CPU under the protocol (the length cut for speed)."""
+    import json
+
+    from hapo_megatron.evaluate import main
+
+    root, model_dir, data = tiny_model_and_data
+    out = root / "paper_tiny.json"
+    assert main(["--model", model_dir, "--data", data[0], "--protocol", "hapo-paper", "--max-new-tokens", "3",
+                 "--limit", "2", "--device", "cpu", "--save-responses", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    s = res["sampling"]
+    assert (s["n"], s["temperature"], s["top_p"], s["top_k"], s["max_new_tokens"]) == (8, 0.5, 0.7, -1, 3)
+    assert all(len(p["responses"]) == 8 for p in res["per_prompt"]) and len(res["per_prompt"]) == 2
+    assert "avg@8" in capsys.readouterr().out
+
+
+def test_unknown_protocol_refused_in_one_line(capsys):
+    from hapo_megatron.evaluate import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--model", "m", "--data", "d", "--out", "o", "--protocol", "paper"])
+    err = capsys.readouterr().err.strip()
+    assert "--protocol" in err and "hapo-paper" in err and len(err.splitlines()) == 1

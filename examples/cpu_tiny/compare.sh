@@ -16,6 +16,7 @@ export BASELINE=${BASELINE:-dapo}
 export OUT=${OUT:-docs/results/cpu_tiny}
 export RUNS=${RUNS:-runs/compare_cpu_tiny}
 export TITLE=${TITLE:-"CPU tiny task: HAPO vs DAPO"}
-export BASE_ARGS="logging.save_rollouts_interval=25"   # saved rollouts for the token diagnostics
+# saved rollouts for the token diagnostics; TASK_ARGS: a caller's overrides of the task for every run
+export BASE_ARGS="logging.save_rollouts_interval=25 ${TASK_ARGS:-}"
 export TOKEN_ARGS="--tokens --roles steps --tokenizer runs/cpu_tiny_data/model"
 exec bash examples/lib/compare_seeds.sh "examples/cpu_tiny/compare.sh"

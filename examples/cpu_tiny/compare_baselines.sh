@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The paper's baselines on the CPU tiny task: HAPO, DAPO, forking tokens (80/20), Archer and
-# EDGE-GRPO (EDA only: its guided error correction is not implemented), 5 seeds each, paired by
-# seed against DAPO; one HAPO seed rerun checks determinism. Writes docs/results/cpu_tiny_baselines/:
-# held-out accuracy per variant and seed, paired differences with 95% t-intervals (the paper-style
+# EDGE-GRPO (entropy-driven advantage and guided error correction), 5 seeds each, paired by seed
+# against DAPO; one HAPO seed rerun checks determinism. Every variant runs with responses of up to
+# 48 tokens instead of the task's 16 (TASK_ARGS): EDGE-GRPO's correction appends its cue and the
+# policy's continuation, or the answer, to a wrong ~11-token response, which 16 tokens cannot hold.
+# Writes docs/results/cpu_tiny_baselines/: held-out accuracy per variant and seed, paired differences with 95% t-intervals (the paper-style
 # table), training curves with bands, token diagnostics. 26 runs one after another (a few hours on
 # 2 CPU cores); finished runs (same arguments) are kept, so an interrupted comparison continues.
 #   bash examples/cpu_tiny/compare_baselines.sh
@@ -14,5 +16,6 @@ cd "$(dirname "$0")/../.."
 export VARIANTS=${VARIANTS:-"dapo hapo forking-tokens archer edge-grpo"}
 export OUT=${OUT:-docs/results/cpu_tiny_baselines}
 export RUNS=${RUNS:-runs/compare_cpu_tiny_baselines}
+export TASK_ARGS=${TASK_ARGS:-"rollout.max_response_length=48"}
 export TITLE=${TITLE:-"CPU tiny task: HAPO and the baselines (DAPO, forking tokens, Archer, EDGE-GRPO)"}
 exec bash examples/cpu_tiny/compare.sh

@@ -58,10 +58,13 @@ def main(argv=None) -> str:
             truth = int(row["reward_model"]["ground_truth"])
             shown = truth + noise.choice((-2, -1, 1, 2)) if name == "train" and noise.random() < args.sft_noise \
                 else truth
-            if args.solution == "answer":  # short targets: fast rollouts
-                row["extra_info"]["solution"] = f"Answer: {shown}"
-            else:
-                row["extra_info"]["solution"] = f"{row['extra_info']['expression']} = {shown}\nAnswer: {shown}"
+            def solution(value: int) -> str:
+                if args.solution == "answer":  # short targets: fast rollouts
+                    return f"Answer: {value}"
+                return f"{row['extra_info']['expression']} = {value}\nAnswer: {value}"
+            row["extra_info"]["solution"] = solution(shown)
+            # the noiseless one, for EDGE-GRPO's guided error correction (algo.edge_gec_solution_key)
+            row["extra_info"]["exact_solution"] = solution(truth)
         write_rows(rows, os.path.join(args.out, f"{name}.jsonl"))
     model_dir = os.path.join(args.out, "model")
     # MoE: each expert a quarter of the dense FFN, so top-2 of 8 costs half the dense FFN per token

@@ -143,8 +143,6 @@ class PolicyLossConfig:
     edge_eda: bool = False
     """EDGE-GRPO's entropy-driven advantage (docs/algorithm.md, "EDGE-GRPO"): each response's advantage
     divided by its mean token entropy P_i over the mean of P over its group (all ranks, exact)."""
-    edge_gec: bool = False
-    """EDGE-GRPO's guided error correction of wrong responses: not implemented (refused when true)."""
 
     def __post_init__(self) -> None:
         for name in ("adaptive_clip", "adaptive_advantage"):
@@ -209,7 +207,7 @@ class PolicyLossConfig:
 
     def _check_edge_archer(self) -> None:
         """Archer's and EDGE-GRPO's knobs and the combinations that mean nothing."""
-        for name in ("archer", "edge_eda", "edge_gec"):
+        for name in ("archer", "edge_eda"):
             _flag(name, getattr(self, name))
         _finite("archer_quantile", self.archer_quantile)
         if not 0 < self.archer_quantile <= 1:
@@ -217,10 +215,6 @@ class PolicyLossConfig:
         for name in ("archer_low_clip_ratio_low", "archer_low_clip_ratio_high", "archer_high_clip_ratio_low",
                      "archer_high_clip_ratio_high", "archer_high_kl_coef"):
             _finite_min(name, getattr(self, name), 0.0)
-        if self.edge_gec:
-            raise ValueError("edge_gec=true (EDGE-GRPO's guided error correction) needs a second generation "
-                             "round on wrong responses and the dataset's reference solutions; it is not "
-                             "implemented here: set edge_gec=false")
         if not self.archer:
             return
         if self.kl_loss_coef <= 0:

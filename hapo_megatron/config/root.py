@@ -51,6 +51,7 @@ class HapoConfig(_Section):
         self.algo.loss = self.algo.loss.with_default_rollout_is(fp8_rollouts=fp8_rollouts, partial_rollouts=partial,
                                                                 async_rollouts=self.rollout.max_staleness > 0)
         self._check_partial_mode()
+        self._check_gec()
         if self.data.tokenizer_path is None:
             self.data.tokenizer_path = self.model.hf_model_path
         if self.logging.wandb_project is None:
@@ -72,6 +73,31 @@ class HapoConfig(_Section):
             _fail("rollout.partial_mode=correct trains resumed responses with the off-policy correction, but "
                   "algo.rollout_is is none: set algo.rollout_is (auto picks token_tis) or "
                   "rollout.partial_mode=mask_prefix")
+
+    def _check_gec(self) -> None:
+        """EDGE-GRPO's guided error correction rewrites wrong responses in the synchronous rollout
+        (training/guided_correction.py): the tokens it inserts were sampled by no engine, so they
+        have no rollout log-probs, routes or weight versions (docs/algorithm.md, "EDGE-GRPO")."""
+        if not self.algo.edge_gec:
+            return
+        ro, loss = self.rollout, self.algo.loss
+        why = "the tokens algo.edge_gec inserts have no"
+        if ro.max_staleness > 0:
+            _fail(f"algo.edge_gec corrects responses in the synchronous rollout; rollout.max_staleness="
+                  f"{ro.max_staleness} runs the asynchronous one: set one of them off")
+        if ro.over_sampling > 1.0:
+            _fail(f"algo.edge_gec corrects responses in the synchronous rollout; rollout.over_sampling="
+                  f"{ro.over_sampling} resumes partial ones: set one of them off")
+        for name in ("routing_replay", "measure_routing_mismatch"):
+            if getattr(self.model, name):
+                _fail(f"model.{name} reads the engine's MoE routes, but {why} routes: set model.{name}=false "
+                      "or algo.edge_gec=false")
+        if loss.old_logprob_source == "rollout":
+            _fail(f"algo.old_logprob_source=rollout takes the engine's log-probs, but {why} engine log-probs: "
+                  "set algo.old_logprob_source=recompute or algo.edge_gec=false")
+        if loss.tis_cap is not None or loss.rollout_is_mode != "none":
+            _fail(f"algo.rollout_is / algo.tis_cap weight tokens by the engine's log-probs, but {why} engine "
+                  "log-probs: set algo.rollout_is=none and algo.tis_cap=null, or algo.edge_gec=false")
 
     def _check_batching(self) -> None:
         bsz, mini = self.data.train_batch_size, self.trainer.ppo_mini_batch_size

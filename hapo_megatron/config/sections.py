@@ -40,6 +40,27 @@ class AlgoConfig(_Section):
     """Metric that dynamic sampling compares within a group: "acc" or "score"."""
     max_num_gen_batches: int = 16
     """Dynamic sampling stops after this many generation batches even if the batch is not full."""
+    edge_gec: bool = False
+    """EDGE-GRPO's guided error correction (docs/algorithm.md, "EDGE-GRPO"): every wrong response of
+    a generation round is, at random, continued by the policy after a reflection cue, or given the
+    reference answer after that cue, or replaced by the row's reference solution; then rescored."""
+    edge_gec_reflect_prob: float = 0.5
+    """GEC: probability, in [0, 1], that a wrong response gets the cue and the policy continues it
+    (else it is guided: answer hint or reference solution). EDGE-GRPO's code: 1/2."""
+    edge_gec_solution_prob: float = 0.5
+    """GEC: probability, in [0, 1], that a guided response is replaced by the reference solution
+    (else the answer hint is appended). EDGE-GRPO's code: 1/2."""
+    edge_gec_max_new_tokens: int = 256
+    """GEC: the policy's token budget after the cue (EDGE-GRPO's code: 256), never past
+    rollout.max_response_length."""
+    edge_gec_cue: str = " Wait! Something is wrong here."
+    """GEC: the reflection cue appended to a wrong response before the policy continues it."""
+    edge_gec_hint: str = "\nWait! Something is wrong here. After verification, the correct answer is \\boxed{{answer}}."
+    """GEC: the text appended to a wrong response in the answer branch; ``{answer}`` is replaced by
+    the row's ground truth (the reward must parse the result: e.g. ``Answer: {answer}``)."""
+    edge_gec_solution_key: str = "solution"
+    """GEC: the key of the reference solution in a row's extra_info (a row without one gets the
+    answer hint instead, counted in gec/solution_missing)."""
 
     def _validate(self) -> None:
         p = self._path
@@ -49,6 +70,22 @@ class AlgoConfig(_Section):
             _fail(f"{p}.temperature_tau must be in [0, 1), got {self.temperature_tau}")
         _check_choice(f"{p}.filter_groups_metric", self.filter_groups_metric, FILTER_GROUPS_METRICS)
         _check_min(f"{p}.max_num_gen_batches", self.max_num_gen_batches, 1)
+        self._check_gec()
+
+    def _check_gec(self) -> None:
+        p = self._path
+        for name in ("edge_gec_reflect_prob", "edge_gec_solution_prob"):
+            value = getattr(self, name)
+            if not 0 <= value <= 1:
+                _fail(f"{p}.{name} must be in [0, 1], got {value}")
+        _check_min(f"{p}.edge_gec_max_new_tokens", self.edge_gec_max_new_tokens, 1)
+        if not self.edge_gec_cue:
+            _fail(f"{p}.edge_gec_cue must be a non-empty string")
+        if "{answer}" not in self.edge_gec_hint:
+            _fail(f"{p}.edge_gec_hint must contain {{answer}} (where the ground truth goes), "
+                  f"got {self.edge_gec_hint!r}")
+        if not self.edge_gec_solution_key:
+            _fail(f"{p}.edge_gec_solution_key must be a non-empty string")
 
 
 @dataclass

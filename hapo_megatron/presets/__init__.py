@@ -30,8 +30,9 @@ result does not depend on the dataclass defaults.
 - ``archer``: GRPO settings with ArcherCodeR's dual-token constraints (per-response entropy quantile
   0.8; low side clip 0.2/0.2 and a low_var_kl term 0.001 to the reference; high side clip 0.5/0.5,
   no KL), dual clip 10.
-- ``edge-grpo``: GRPO settings with EDGE-GRPO's entropy-driven advantage (its guided error
-  correction is not implemented).
+- ``edge-grpo``: GRPO settings with EDGE-GRPO's entropy-driven advantage and its guided error
+  correction of wrong responses (reflection cue and continuation, answer hint or reference
+  solution, 1/2, 1/4, 1/4; 256 continuation tokens).
 """
 
 from __future__ import annotations
@@ -141,9 +142,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                "algo.archer_low_clip_ratio_low": 0.2, "algo.archer_low_clip_ratio_high": 0.2,
                "algo.archer_high_clip_ratio_low": 0.5, "algo.archer_high_clip_ratio_high": 0.5,
                "algo.archer_high_kl_coef": 0.0, "algo.kl_loss_coef": 0.001, "algo.kl_loss_type": "low_var_kl"},
-    # EDGE-GRPO's train_grpo.sh (TRL): GRPO advantages, clip 0.2/0.2, beta 0, token-mean (bnpo), EDA on;
-    # its guided error correction (GEC) is not implemented (edge_gec is refused)
-    "edge-grpo": {**GRPO, "algo.edge_eda": True},
+    # EDGE-GRPO's train_grpo.sh (TRL): GRPO advantages, clip 0.2/0.2, beta 0, token-mean (bnpo), EDA
+    # and GEC on (--EDA True --GEC True); GEC's probabilities, budget and texts are the algo.edge_gec_*
+    # defaults, taken from its grpo_aha_trainer.py
+    "edge-grpo": {**GRPO, "algo.edge_eda": True, "algo.edge_gec": True},
 }
 
 PRESET_DESCRIPTIONS: dict[str, str] = {
@@ -163,7 +165,7 @@ PRESET_DESCRIPTIONS: dict[str, str] = {
     "clip-cov": "Clip-Cov: 0.02% of tokens with covariance in (1, 5), chosen at random, lose their gradient",
     "kl-cov": "KL-Cov: the 0.02% of tokens of largest covariance get a |logp - logp_old| penalty (coef 1)",
     "archer": "ArcherCodeR: per-response entropy split at q0.8; low side clip 0.2 + KL 0.001, high side 0.5, no KL",
-    "edge-grpo": "EDGE-GRPO: each response's advantage x mean group entropy / its entropy (EDA; GEC not implemented)",
+    "edge-grpo": "EDGE-GRPO: advantage x mean group entropy / own entropy (EDA); wrong responses corrected (GEC)",
 }
 
 

@@ -36,6 +36,7 @@ from hapo_megatron.training.batches.rollout_batch import (RolloutBatch, build_ba
 from hapo_megatron.training.batches.route_share import route_dtype, stage_layer_range, stage_routes
 from hapo_megatron.training.batches.rollout_share import (MiniPlan, RankBatch, SequenceMeta, held_sequences,
                                                           split_for_ranks, step_plan)
+from hapo_megatron.training.guided_correction import GecCounts, continuation_seed, correct_round
 from hapo_megatron.training.rollout_protocol import ABANDONED, DONE, ERROR, PROGRESS, RolloutAbandoned
 from hapo_megatron.training.runtime import Runtime
 
@@ -60,21 +61,46 @@ def fetches_routes(rt: Runtime, step: int) -> bool:
 
 
 def _generate_round(rt: Runtime, step: int, gen_index: int, group_offset: int,
-                    counts: RewardCounts) -> RolloutBatch:
+                    counts: RewardCounts, gec: Optional[GecCounts] = None) -> RolloutBatch:
     """One generation batch on rank 0: sample while the reward workers score what is done
-    (failures and waiting into ``counts``), shape."""
+    (failures and waiting into ``counts``), correct the wrong responses (``algo.edge_gec``, counted
+    in ``gec``), shape."""
     cfg = rt.cfg
     records = rt.rl.sampler.next_batch()
     params = SamplingParams.from_config(cfg.rollout, cfg.algo, entropy_stats=rt.rl.rollout_entropy_stats,
                                         seed=rt.sampling_seed(step, gen_index), stop_token_ids=_stop_ids(rt))
     params = params.with_(return_routes=fetches_routes(rt, step))  # MoE: the experts of every token
-    scoring = rt.scorer.start(records, decode=lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True))
+    def decode(ids):
+        return rt.tokenizer.decode(ids, skip_special_tokens=True)
+    scoring = rt.scorer.start(records, decode=decode)
     samples = rt.engine.generate([r.prompt_ids for r in records], params, on_samples=scoring.add)
-    batch = build_batch(samples, records, scoring.results(samples, counts), group_offset=group_offset)
+    results = scoring.results(samples, counts)
+    if cfg.algo.edge_gec:  # EDGE-GRPO's guided error correction (training/guided_correction.py)
+        samples, results = _guided_correction(rt, samples, results, records, params, counts,
+                                              gec if gec is not None else GecCounts(), decode)
+    batch = build_batch(samples, records, results, group_offset=group_offset)
     return shape_rewards(batch, max_response_length=cfg.rollout.max_response_length,
                          overlong_buffer_enable=cfg.reward.overlong_buffer_enable,
                          overlong_buffer_len=cfg.reward.overlong_buffer_len,
                          overlong_penalty_factor=cfg.reward.overlong_penalty_factor)
+
+
+def _guided_correction(rt: Runtime, samples, results, records, params: SamplingParams, counts: RewardCounts,
+                       gec: GecCounts, decode):
+    """`guided_correction.correct_round` with this run's engine (the round's sampling, one sample
+    per corrected row, a seed of its own), tokenizer and reward."""
+    def continue_fn(inputs: list[list[int]], max_new_tokens: int):
+        p = params.with_(n=1, max_new_tokens=max_new_tokens, return_routes=False,
+                         seed=None if params.seed is None else continuation_seed(params.seed))
+        return [group[0] for group in rt.engine.generate(inputs, p)]
+
+    def score_fn(fixed, recs):
+        return rt.scorer.start(recs, decode=decode).results(fixed, counts)
+
+    return correct_round(samples, results, records, algo=rt.cfg.algo, seed=params.seed or 0,
+                         max_response_length=rt.cfg.rollout.max_response_length, stop_ids=_stop_ids(rt),
+                         encode=lambda text: rt.tokenizer.encode(text, add_special_tokens=False),
+                         continue_fn=continue_fn, score_fn=score_fn, counts=gec)
 
 
 def rollout(rt: Runtime, step: int, stop_check: Optional[Callable[[], bool]] = None
@@ -169,13 +195,13 @@ def _rollout_rank0(rt: Runtime, step: int, stop_check: Optional[Callable[[], boo
     rt.memory.resume_generation()  # the KV cache (the weights came back in sync_weights)
     dyn = rt.rl.dyn
     dyn.reset()
-    generated, offset, counts = [], 0, RewardCounts()
+    generated, offset, counts, gec = [], 0, RewardCounts(), GecCounts()
     with _engine_stop_check(rt.engine, stop_check):
         while True:
             if stop_check is not None and stop_check():
                 raise RolloutAbandoned(f"stop requested before generation round {dyn.num_gen_batches + 1} of step "
                                        f"{step}")
-            b = _generate_round(rt, step, dyn.num_gen_batches, offset, counts)
+            b = _generate_round(rt, step, dyn.num_gen_batches, offset, counts, gec)
             generated.append(b)
             offset += len(set(b.group_ids))
             dyn.add(b)
@@ -191,7 +217,7 @@ def _rollout_rank0(rt: Runtime, step: int, stop_check: Optional[Callable[[], boo
         rt.memory.release_generation()
     metrics = {**rollout_metrics(RolloutBatch.concat(generated),
                                  max_response_length=rt.cfg.rollout.max_response_length),
-               **dyn.metrics(), **counts.metrics(),
+               **dyn.metrics(), **counts.metrics(), **(gec.metrics() if rt.cfg.algo.edge_gec else {}),
                **rt.engine.fault_metrics(),  # SGLang: restarts
                "batch/reward_mean": sum(kept.rewards) / max(len(kept), 1),
                "batch/acc": sum(kept.accs) / max(len(kept), 1),

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -119,14 +118,7 @@ def _measure(opts: dict) -> dict:
 
 
 def _run_one(opts: dict) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(opts)]
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    tail = (proc.stderr or "").strip().splitlines()[-3:]
-    return {"error": f"exit {proc.returncode}: " + (" | ".join(tail) or "killed (out of memory?)")}
+    return base._run_one(opts, script=__file__)
 
 
 HEADER = (f"{'T':>6} {'H':>5} {'V/tp':>6} {'variant':>9} {'fwd+bwd ms':>11} {'wall ms':>8} {'extra MiB':>9} "

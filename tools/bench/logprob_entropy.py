@@ -264,8 +264,10 @@ def worker_main(opts: dict) -> None:
 
 # ----------------------------------------------------------------------------- driver
 
-def _run_one(opts: dict) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(opts)]
+def _run_one(opts: dict, script: str = __file__) -> dict:
+    """One measurement in a fresh process (``script --worker opts``; the linear variant's bench
+    passes its own file): its RESULT line, or the error that ended it."""
+    cmd = [sys.executable, os.path.abspath(script), "--worker", json.dumps(opts)]
     # A fixed mmap threshold stops glibc from keeping freed large blocks on its heap, so the
     # process RSS follows the live tensors (CPU memory measurement).
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
