@@ -80,8 +80,14 @@ def spec_of(rt) -> ManagerSpec:
                        sampler_state=rt.rl.sampler.state_dict(), step=int(rt.rl.step),
                        entropy_stats=rt.rl.rollout_entropy_stats,
                        rollout_cfg=dataclasses.replace(rollout, sglang=sglang), dtype=dtype,
-                       api_key=getattr(rt.engine, "_api_key", None),
+                       api_key=getattr(_cluster(rt.engine), "_api_key", None),
                        send_sampling_seed=bool(rt.engine.send_sampling_seed))
+
+
+def _cluster(engine):
+    """The `SGLangEngine` over every server: ``engine`` itself, or a `NodeServersEngine`'s
+    ``cluster`` (launched servers: their API key and supervisor are there)."""
+    return getattr(engine, "cluster", None) or engine
 
 
 class ManagerRuntime(SimpleNamespace):
@@ -337,7 +343,7 @@ class _Paused:
         return self
 
     def __exit__(self, *exc):
-        sup = getattr(self.owner.engine, "supervisor", None)
+        sup = getattr(_cluster(self.owner.engine), "supervisor", None)
         in_use = sup.in_use() if sup is not None else None
         self._ask(("continue", exc[0] is None, in_use), f"it continued at weight version {self.version}")
         return False

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -179,3 +180,26 @@ def test_follow_servers_takes_the_trainers_servers_in_use():
     assert engine.supervisor.state == {0: True, 1: True, 2: False}
     follow_servers(engine, None)  # an engine without servers to follow: nothing
     assert engine.supervisor.state == {0: True, 1: True, 2: False}
+
+
+def test_spec_of_takes_the_servers_key_and_seed_mode_of_the_trainers_engine():
+    """Launched servers: rank 0's engine is a `NodeServersEngine`, whose API key is its cluster
+    engine's; the manager's engine must send it, to the same servers, with the same seed mode."""
+    import transformers
+
+    from hapo_megatron.config import load_config
+    from hapo_megatron.rollout.sglang.client import ServerHandle
+    from hapo_megatron.training.asynchronous.manager import spec_of
+    cfg = load_config(overrides=["rollout.engine=sglang", "rollout.sglang.colocate=false", "rollout.max_staleness=1"])
+    hf = transformers.LlamaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=1, intermediate_size=32)
+    cluster = SimpleNamespace(_api_key="secret")
+    engine = SimpleNamespace(cluster=cluster, send_sampling_seed=True,
+                             servers=[ServerHandle(url="http://127.0.0.1:1"), ServerHandle(url="http://127.0.0.1:2")])
+    rt = SimpleNamespace(cfg=cfg, hf_config=hf, engine=engine, tokenizer=None, train_ds=[],
+                         rl=SimpleNamespace(sampler=SimpleNamespace(state_dict=lambda: {"pos": 3}), step=4,
+                                            rollout_entropy_stats=None))
+    spec = spec_of(rt)
+    assert spec.api_key == "secret" and spec.send_sampling_seed and spec.step == 4
+    assert spec.rollout_cfg.sglang.server_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    assert spec.sampler_state == {"pos": 3} and cfg.rollout.sglang.server_urls == []  # the run's config untouched
