@@ -281,6 +281,15 @@ class RolloutConfig(_Section):
     = the servers keep generating while the trainer trains, and a sample may come from weights up to k
     versions older than the ones it is trained from. Needs rollout.engine=sglang with
     rollout.sglang.colocate=false."""
+    async_producer: str = "process"
+    """Where the asynchronous rollouts' producer runs (rollout.max_staleness >= 1; docs/architecture.md,
+    "Asynchronous rollouts"): process (a rollout manager process of its own, spawned by rank 0: its HTTP
+    traffic, parsing, scoring and staleness buffer leave the trainer's interpreter; batches come back as
+    arrays) or thread (threads inside trainer rank 0)."""
+    async_manager_timeout_s: float = 300.0
+    """How long trainer rank 0 waits for a sign of life from the rollout manager process (it sends one
+    every second while the trainer waits for a batch) before it ends the run as hung, saving the last
+    finished step."""
     over_sampling: float = 1.0
     """Over-sampling with partial rollouts (docs/algorithm.md, "Over-sampling and partial rollouts"):
     each generation round starts this factor times the prompts it needs; once enough whole groups are
@@ -312,6 +321,10 @@ class RolloutConfig(_Section):
             _fail(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
         _check_min("rollout.generate_batch_size", self.generate_batch_size, 1)
         _check_min("rollout.max_staleness", self.max_staleness, 0)
+        if self.async_producer not in ("process", "thread"):
+            _fail(f"rollout.async_producer must be 'process' or 'thread', got {self.async_producer!r}")
+        if not self.async_manager_timeout_s > 0:
+            _fail(f"rollout.async_manager_timeout_s must be > 0, got {self.async_manager_timeout_s}")
         if self.max_staleness and (self.engine != "sglang" or self.sglang.colocate):
             _fail(f"rollout.max_staleness={self.max_staleness} needs separate rollout servers: set "
                   "rollout.engine=sglang and rollout.sglang.colocate=false (colocated servers share the "

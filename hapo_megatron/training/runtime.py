@@ -80,7 +80,7 @@ class Runtime:
     def sampling_seed(self, step: int, gen_index: int) -> int:
         """Seed of one generation batch: a pure function of (trainer.seed, step, batch index),
         so a resumed run samples exactly what the uninterrupted run sampled."""
-        return (int(self.cfg.trainer.seed) * 1_000_003 + step * 1_009 + gen_index) % (2**31 - 1)
+        return sampling_seed(self.cfg, step, gen_index)
 
     # ------------------------------------------------------------------ checkpoint state
     def checkpoint_state(self) -> dict[str, Any]:
@@ -102,6 +102,11 @@ class Runtime:
         state = dict(snapshot.rl_state) if snapshot else self.checkpoint_state()
         return self.ckpt.save(state.pop("step"), rl_state=state, save_model=self.actor.save,
                               rng_state=snapshot.rng_state if snapshot else None)
+
+
+def sampling_seed(cfg: HapoConfig, step: int, gen_index: int) -> int:
+    """`Runtime.sampling_seed` (also the rollout manager's, training/asynchronous/manager.py)."""
+    return (int(cfg.trainer.seed) * 1_000_003 + step * 1_009 + gen_index) % (2**31 - 1)
 
 
 @dataclass(frozen=True)

@@ -12,17 +12,18 @@ from typing import Any, Optional
 from hapo_megatron.config import HapoConfig
 from hapo_megatron.training import stages
 from hapo_megatron.training.metrics.diagnostics import token_diagnostics
+from hapo_megatron.training.metrics.host_cpu import HostCpuMeter
 from hapo_megatron.training.metrics.perf import ModelFlops, step_perf_metrics
 from hapo_megatron.training.metrics.sinks import read_jsonl
 from hapo_megatron.training.checkpointing.checkpoint import step_dir_name
-from hapo_megatron.training.checkpointing.preemption import (RunStopped, StopRequest, cpu_group_over_world,
-                                                             shield_checkpoint_writer)
+from hapo_megatron.training.checkpointing.preemption import (RunFailed, RunStopped, StopRequest,
+                                                             cpu_group_over_world, shield_checkpoint_writer)
 from hapo_megatron.training.build import build_runtime, setup_reference
 from hapo_megatron.training.rollout_protocol import RolloutAbandoned
 from hapo_megatron.training.run_records import SUMMARY, write_json_atomic
 from hapo_megatron.training.runtime import Runtime, StepSnapshot
 from hapo_megatron.training.sft import run_sft
-from hapo_megatron.training.asynchronous.producer import start_async_rollout, stop_async_rollout
+from hapo_megatron.training.asynchronous.manager import start_async_rollout, stop_async_rollout
 
 
 class TrainingStopped(RuntimeError):
@@ -56,7 +57,7 @@ def _fit(cfg: HapoConfig, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
     finished), inside and after the rollout and after the old-log-prob pass (the step is
     abandoned: the model is unchanged until the update, the state of the last finished step is
     ``before``). Inside the rollout rank 0 alone decides (`stages.rollout`'s ``stop_check``)."""
-    rl, t0, timer, start_eval, sft_s = rt.rl, time.time(), rt.timer, {}, 0.0
+    rl, t0, start_eval, sft_s = rt.rl, time.time(), {}, 0.0
     if not rl.sft_done and rl.step == 0 and cfg.trainer.sft_warmup_steps > 0:
         sft = run_sft(rt)
         sft_s = time.time() - t0
@@ -64,11 +65,24 @@ def _fit(cfg: HapoConfig, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
     rl.sft_done = True
     setup_reference(rt)  # KL reference (algo.kl_loss_coef > 0 only)
     stages.sync_weights(rt)  # the engine starts from the actor (fresh, after SFT, or resumed)
-    start_async_rollout(rt)  # rollout.max_staleness >= 1: the producer starts generating (rank 0)
+    # rollout.max_staleness >= 1: the producer starts generating (rank 0); the rollout manager
+    # process's crash or hang stops the run at the next safe point, the last finished step saved
+    start_async_rollout(rt, on_failure=stop.fail)
     if cfg.trainer.val_before_train and rl.step == 0:
         start_eval = stages.evaluate(rt, 0)
         rt.logger.log(0, start_eval, advance=False)
     flops = ModelFlops.of(rt.hf_config)  # the update's model FLOPs (perf/model_tflops_per_gpu)
+    host = HostCpuMeter()  # perf/host_*: this process's CPU per step (where the busy time goes)
+    try:
+        _steps(cfg, rt, stop, flops, host)
+    finally:
+        host.close()
+    _stop_if_agreed(rt, stop)  # a stop during the last step: no final evaluation
+    return _finish(rt, t0, start_eval, sft_s)
+
+
+def _steps(cfg: HapoConfig, rt: Runtime, stop: StopRequest, flops: ModelFlops, host: HostCpuMeter) -> None:
+    rl, timer = rt.rl, rt.timer
     for step in range(rl.step + 1, cfg.trainer.total_steps + 1):
         _stop_if_agreed(rt, stop)
         before = rt.snapshot()
@@ -115,13 +129,11 @@ def _fit(cfg: HapoConfig, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
                         **step_perf_metrics(flops, batch.meta.num_tokens, step_s=elapsed,
                                             update_s=timings["timing/update_s"], num_gpus=rt.world_size,
                                             epochs=cfg.trainer.ppo_epochs),
-                        "actor/consecutive_skips": float(rl.consecutive_skips)})
+                        "actor/consecutive_skips": float(rl.consecutive_skips), **host.pop()})
         rt.logger.log(step, metrics)
         _check_skips(rt)
         if cfg.trainer.save_interval and step % cfg.trainer.save_interval == 0:
             rt.save_checkpoint()
-    _stop_if_agreed(rt, stop)  # a stop during the last step: no final evaluation
-    return _finish(rt, t0, start_eval, sft_s)
 
 
 def _stop_if_agreed(rt: Runtime, stop: StopRequest, before: Optional[StepSnapshot] = None) -> None:
@@ -141,8 +153,9 @@ def _stop_if_agreed(rt: Runtime, stop: StopRequest, before: Optional[StepSnapsho
     stop_async_rollout(rt)
     if rt.engine is not None:
         rt.engine.shutdown()
-    raise RunStopped(f"{why}: stopped after step {step}" + (f", saved in {saved}; continue with --resume auto"
-                                                            if saved else " (nothing to save)"))
+    raise (RunFailed if stop.failed else RunStopped)(
+        f"{why}: stopped after step {step}" + (f", saved in {saved}; continue with --resume auto"
+                                               if saved else " (nothing to save)"))
 
 
 def _saved_path(rt: Runtime, step: int) -> Optional[str]:

@@ -42,3 +42,17 @@ def test_combine_sums_the_rounds_of_one_setting():
     assert c["steps"] == 3 and c["wall_s"] == 8.0 and c["steps_per_hour"] == 1350.0
     assert c["idle_frac"] == 0.25 and c["busy_s_per_step"] == 2.0 and c["staleness_max"] == 1.0
     assert c["step_times"] == [2.0, 2.0, 4.0] and c["steps_per_hour_median"] == 1800.0
+
+
+def test_host_figures_are_means_per_measured_step():
+    """The CPU table: each figure summed over the measured steps of every round, per step."""
+    bench = load_tool("bench/async_rollout")
+    row = {"perf/step_time_s": 2.0, "timing/trainer_wait_s": 0.5, "timing/producer_cpu_s": 0.25,
+           "perf/host_process_cpu_s": 1.0, "perf/host_torch_threads": 1.0}
+    a = bench.summarize([{"perf/step_time_s": 9.0, "timing/producer_cpu_s": 7.0}, row, row], warmup=1)
+    a["server_cpu"] = 0.5
+    b = bench.summarize([{**row, "timing/producer_cpu_s": 0.75}], warmup=0)
+    c = bench.combine([a, b])
+    assert c["producer_cpu_per_step"] == (0.25 + 0.25 + 0.75) / 3
+    assert c["process_cpu_per_step"] == 1.0 and c["torch_threads_per_step"] == 1.0
+    assert c["server_cpu_per_step"] == 0.5 / 3 and c["main_cpu_per_step"] == 0.0

@@ -8,6 +8,8 @@ Environment: HAPO_TEST_HOLD_STAGE (``rollout`` or ``update``), HAPO_TEST_HOLD_ST
 ``HAPO_TEST_HOLD_STAGE=async_take`` (rollout.max_staleness >= 1, one process): instead, the trainer
 sends itself SIGTERM as it starts to take step HAPO_TEST_HOLD_STEP's batch from the producer's
 buffer, so the signal arrives while it waits for that batch (the test's servers hold its requests).
+``HAPO_TEST_HOLD_STAGE=kill_manager``: the trainer SIGKILLs its rollout manager process as it
+starts to take step HAPO_TEST_HOLD_STEP's batch (a crashed manager).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ _STAGE_FUNCTIONS = {"rollout": "rollout", "update": "ppo_update"}
 def main(argv: list[str]) -> int:
     stage, step = os.environ["HAPO_TEST_HOLD_STAGE"], int(os.environ["HAPO_TEST_HOLD_STEP"])
     marker_dir, rank = os.environ["HAPO_TEST_MARKER_DIR"], os.environ.get("RANK", "0")
-    if stage == "async_take":
-        _signal_at_async_take(step, marker_dir)
+    if stage in ("async_take", "kill_manager"):
+        (_signal_at_async_take if stage == "async_take" else _kill_manager_at_take)(step, marker_dir)
         from hapo_megatron.train import main as train_main
         return train_main(argv)
     from hapo_megatron.training import stages
@@ -58,15 +60,32 @@ def main(argv: list[str]) -> int:
 def _signal_at_async_take(step: int, marker_dir: str) -> None:
     import signal
 
+    from hapo_megatron.training.asynchronous.manager import RolloutManager
     from hapo_megatron.training.asynchronous.producer import AsyncRollout
-    original = AsyncRollout.take_step
+    for cls in (AsyncRollout, RolloutManager):  # the trainer's take: the producer threads' or the manager's
+        original = cls.take_step
+
+        def take_step(self, s, *args, _original=original, **kwargs):
+            if s == step:
+                open(os.path.join(marker_dir, f"signalled.take.step{s}"), "w").close()
+                os.kill(os.getpid(), signal.SIGTERM)
+            return _original(self, s, *args, **kwargs)
+        cls.take_step = take_step
+
+
+def _kill_manager_at_take(step: int, marker_dir: str) -> None:
+    import signal
+
+    from hapo_megatron.training.asynchronous.manager import RolloutManager
+    original = RolloutManager.take_step
 
     def take_step(self, s, *args, **kwargs):
         if s == step:
-            open(os.path.join(marker_dir, f"signalled.take.step{s}"), "w").close()
-            os.kill(os.getpid(), signal.SIGTERM)
+            with open(os.path.join(marker_dir, f"killed.manager.step{s}"), "w") as f:
+                f.write(str(self.pid))
+            os.kill(self.pid, signal.SIGKILL)
         return original(self, s, *args, **kwargs)
-    AsyncRollout.take_step = take_step
+    RolloutManager.take_step = take_step
 
 
 if __name__ == "__main__":

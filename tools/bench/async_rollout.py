@@ -122,6 +122,23 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [r for r in map(json.loads, f) if "rollout/reward_mean" in r]
 
 
+def proc_cpu_s(procs) -> float:
+    """CPU seconds (user + system) the processes ``procs`` (Popen objects) have used so far."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for p in procs:
+        with open(f"/proc/{p.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+#: per-step CPU figures of the trainer (means over the measured steps; docs/architecture.md,
+#: "Where the trainer's time goes")
+HOST = {"producer_cpu": "timing/producer_cpu_s", "process_cpu": "perf/host_process_cpu_s",
+        "main_cpu": "perf/host_main_thread_cpu_s", "main_runqueue": "perf/host_main_thread_runqueue_s",
+        "torch_threads": "perf/host_torch_threads", "gil_probe_frac": "perf/host_gil_probe_wait_frac"}
+
+
 def summarize(recs: list[dict], *, warmup: int = 2) -> dict[str, float]:
     """Steps per hour and the trainer's idle fraction over the steps after ``warmup``."""
     rows = recs[warmup:]
@@ -130,7 +147,8 @@ def summarize(recs: list[dict], *, warmup: int = 2) -> dict[str, float]:
     gen = [r.get("timing/rollout_s", 0.0) for r in rows]
     return combine([{"steps": len(rows), "wall_s": wall, "idle_s": idle, "rollout_s_sum": sum(gen),
                      "step_times": [r["perf/step_time_s"] for r in rows],
-                     "staleness_max": max((r.get("rollout/staleness_max", 0.0) for r in rows), default=0.0)}])
+                     "staleness_max": max((r.get("rollout/staleness_max", 0.0) for r in rows), default=0.0),
+                     **{k: sum(r.get(key, 0.0) for r in rows) for k, key in HOST.items()}}])
 
 
 def combine(parts: list[dict]) -> dict[str, float]:
@@ -139,7 +157,9 @@ def combine(parts: list[dict]) -> dict[str, float]:
     idle, gen = sum(p["idle_s"] for p in parts), sum(p["rollout_s_sum"] for p in parts)
     times = sorted(t for p in parts for t in p["step_times"])
     median = (times[(len(times) - 1) // 2] + times[len(times) // 2]) / 2 if times else 0.0
-    return {"steps": steps, "wall_s": wall, "idle_s": idle, "rollout_s_sum": gen, "step_times": times,
+    host = {k: sum(p.get(k, 0.0) for p in parts) for k in (*HOST, "server_cpu")}
+    return {**host, **{f"{k}_per_step": v / max(steps, 1) for k, v in host.items()},
+            "steps": steps, "wall_s": wall, "idle_s": idle, "rollout_s_sum": gen, "step_times": times,
             "steps_per_hour": 3600.0 * steps / max(wall, 1e-9), "idle_frac": idle / max(wall, 1e-9),
             # robust to a burst of load from other processes on a shared machine (a few slow steps)
             "steps_per_hour_median": 3600.0 / max(median, 1e-9),
@@ -164,7 +184,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--rollout-is", default="token_tis",
                     help="algo.rollout_is of every setting (the same algorithm in all three: with adaptive "
                          "temperature the correction costs a second forward pass, in the synchronous run too)")
+    ap.add_argument("--producer", choices=("process", "thread"), default="process",
+                    help="rollout.async_producer of the asynchronous settings (the rollout manager process, or "
+                         "threads in the trainer)")
+    ap.add_argument("--gil-probe", action="store_true",
+                    help="run the trainers with HAPO_GIL_PROBE=1 (training/metrics/host_cpu.py): the probe "
+                         "thread's wait for the interpreter lock, as a fraction of the wall time")
     args = ap.parse_args(argv)
+    env = {"HAPO_GIL_PROBE": "1"} if args.gil_probe else None
     steps = 1 if args.small else args.steps
     warmup = 2 if args.small else args.warmup
     length = 4 if args.small else args.length
@@ -172,7 +199,8 @@ def main(argv=None) -> dict:
     size["reward_workers"] = 0
     # a reward that costs no CPU (the stand-in's responses are random tokens): on a GPU box the
     # CPU work of scoring does not slow the trainer; on this CPU job it would compete for the cores
-    size["extra"] = {"reward.reward_fn": "tests.training.parity_reward:score"}
+    size["extra"] = {"reward.reward_fn": "tests.training.parity_reward:score",
+                     "rollout.async_producer": args.producer}
     size["rollout_is"] = args.rollout_is
     work = args.out or tempfile.mkdtemp(prefix="hapo_async_bench_")
     sys.path.insert(0, ROOT)
@@ -200,9 +228,14 @@ def main(argv=None) -> dict:
         for rep in range(args.repeats):
             for k in parts:
                 run_dir = os.path.join(work, f"staleness_{k}" + (f"_{rep}" if rep else ""))
-                parts[k].append(summarize(run_job(data, run_dir, job_overrides(
-                    data, run_dir, urls, max_staleness=k, steps=steps + warmup, response_length=length, **size)),
-                    warmup=warmup))
+                cpu0 = proc_cpu_s(procs)
+                recs = run_job(data, run_dir, job_overrides(
+                    data, run_dir, urls, max_staleness=k, steps=steps + warmup, response_length=length, **size),
+                    env=env)
+                part = summarize(recs, warmup=warmup)
+                # the servers' CPU over the whole job (start-up and warm-up too), per step of it
+                part["server_cpu"] = (proc_cpu_s(procs) - cpu0) * part["steps"] / max(len(recs), 1)
+                parts[k].append(part)
     finally:
         stop_servers(procs)
     results = {k: combine(p) for k, p in parts.items()}
@@ -210,12 +243,24 @@ def main(argv=None) -> dict:
     print(f"training {train_s:.2f} s/step (calibration), token rate {rate:.1f}/s -> generation "
           f"~{length / rate:.2f} s/step; {args.repeats} round(s) of {steps} steps per setting")
     base_median = results[0]["steps_per_hour_median"]
-    print(f"{'max_staleness':>13} {'steps/h':>9} {'ratio':>6} {'idle':>6} {'busy s/step':>11} "
+    base_busy = results[0]["busy_s_per_step"]
+    print(f"{'max_staleness':>13} {'steps/h':>9} {'ratio':>6} {'idle':>6} {'busy s/step':>11} {'busy ratio':>10} "
           f"{'steps/h (median step)':>21} {'ratio':>6} {'staleness_max':>13}")
     for k, r in results.items():
         print(f"{k:>13} {r['steps_per_hour']:>9.0f} {r['steps_per_hour'] / base:>6.2f} {r['idle_frac']:>6.2f} "
-              f"{r['busy_s_per_step']:>11.2f} {r['steps_per_hour_median']:>21.0f} "
+              f"{r['busy_s_per_step']:>11.2f} {r['busy_s_per_step'] / max(base_busy, 1e-9):>10.2f} "
+              f"{r['steps_per_hour_median']:>21.0f} "
               f"{r['steps_per_hour_median'] / base_median:>6.2f} {r['staleness_max']:>13.0f}")
+    print(f"per step (s), means over the measured steps: the producer's CPU ({args.producer}: "
+          + ("the rollout manager process" if args.producer == "process" else "threads in the trainer's process")
+          + "), the trainer process's CPU, its main thread's CPU and run-queue wait, the two servers' CPU")
+    print(f"{'max_staleness':>13} {'producer':>9} {'process':>8} {'main':>6} {'runqueue':>8} {'servers':>8} "
+          f"{'torch threads':>13}" + (f" {'gil probe':>9}" if args.gil_probe else ""))
+    for k, r in results.items():
+        print(f"{k:>13} {r['producer_cpu_per_step']:>9.3f} {r['process_cpu_per_step']:>8.3f} "
+              f"{r['main_cpu_per_step']:>6.3f} {r['main_runqueue_per_step']:>8.3f} {r['server_cpu_per_step']:>8.3f} "
+              f"{r['torch_threads_per_step']:>13.0f}"
+              + (f" {r['gil_probe_frac_per_step']:>9.3f}" if args.gil_probe else ""))
     return {"train_s": train_s, "rate": rate, "results": results}
 
 

@@ -31,6 +31,7 @@ import numpy as np
 from hapo_megatron.rewards.counts import RewardCounts
 from hapo_megatron.rollout.engine import Sample, SamplingParams
 from hapo_megatron.rollout.sglang.engine import STOP_POLL_S, row_seeds
+from hapo_megatron.training.metrics.host_cpu import thread_cpu_s
 from hapo_megatron.training.asynchronous.buffer import BufferClosed, FinishedGroup, StalenessBuffer
 from hapo_megatron.training.batches.rollout_batch import (DynamicSampler, RolloutBatch, build_batch,
                                                           rollout_metrics, shape_rewards)
@@ -70,6 +71,8 @@ class AsyncRollout:
         self._busy_since: Optional[float] = None  # generation busy time (>= 1 group in flight)
         self._in_flight = 0
         self._busy_s = 0.0
+        self._cpu_s = 0.0  # CPU seconds of the groups finished since the last take (their pool threads)
+        self._thread_cpu_s = 0.0  # the producer thread's at the last take
         self._counts = RewardCounts()
         self._generated: list[RolloutBatch] = []  # every finished group since the last take (metrics)
 
@@ -118,6 +121,7 @@ class AsyncRollout:
 
     def _group(self, ticket: int, idx: int) -> None:
         """Generate, score, shape and filter one group; hand it to the buffer."""
+        cpu0 = time.thread_time()
         try:
             if self._stop.is_set():
                 return
@@ -154,6 +158,9 @@ class AsyncRollout:
             if not self._stop.is_set():
                 self.buffer.fail(e)
         finally:
+            cpu = time.thread_time() - cpu0
+            with self._score_lock:
+                self._cpu_s += cpu
             self._busy(-1)
 
     def _generate_resuming(self, record, params) -> list[list[Sample]]:
@@ -213,6 +220,9 @@ class AsyncRollout:
             if self._busy_since is not None:
                 self._busy_since = time.monotonic()
             counts, self._counts = self._counts, RewardCounts()
+            thread_cpu = thread_cpu_s(self._thread)
+            cpu, self._cpu_s = self._cpu_s + thread_cpu - self._thread_cpu_s, 0.0
+            self._thread_cpu_s = thread_cpu
             num_filtered, num_kept = self.buffer.num_filtered, self.buffer.num_kept
         rt = self.rt
         metrics = {**rollout_metrics(RolloutBatch.concat(generated) if generated else kept,
@@ -225,6 +235,7 @@ class AsyncRollout:
                    "rollout/buffer_groups": float(self.buffer.num_live()),
                    "timing/trainer_wait_s": wait_s,
                    "timing/generation_busy_s": busy,  # time with a group in flight since the last take
+                   "timing/producer_cpu_s": cpu,  # HTTP, parsing, scoring, shaping: the producer's CPU
                    # generation time that ran while the trainer did something else
                    "rollout/generation_overlap_frac": max(0.0, 1.0 - wait_s / busy) if busy > 0 else 0.0,
                    "batch/reward_mean": sum(kept.rewards) / max(len(kept), 1),
@@ -292,18 +303,4 @@ def group_id(prompt_index: int, ticket: int) -> int:
     return (int(prompt_index) << 32) + int(ticket) % (1 << 32)
 
 
-def start_async_rollout(rt) -> None:
-    """Start the producer on rank 0 when ``rollout.max_staleness >= 1`` (after the first weight
-    sync: the servers hold version ``rt.rl.step``); a resume regenerates the checkpoint's pending
-    prompts first."""
-    if not rt.cfg.rollout.max_staleness or not rt.is_main or rt.async_rollout is not None:
-        return
-    rt.async_rollout = AsyncRollout(rt, pending=rt.rl.async_pending).start()
-
-
-def stop_async_rollout(rt) -> None:
-    """Stop the producer (idempotent; every rank may call it)."""
-    if rt.async_rollout is not None:
-        rt.async_rollout.close()
-        rt.async_rollout = None
-__all__ = ["AsyncRollout", "group_id", "start_async_rollout", "stop_async_rollout"]
+__all__ = ["AsyncRollout", "group_id"]

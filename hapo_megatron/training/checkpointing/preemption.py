@@ -35,12 +35,20 @@ EXIT_GRACE_EXPIRED = 124  # trainer.exit_grace_s passed before the save finished
 # first is the same request, a later one is a second signal (abort at once)
 REPEAT_WINDOW_S = 2.0
 _TIME_LIMIT = 1000  # the agreed code of trainer.exit_after_minutes (above every signal number)
+_FAILED = 1001  # the agreed code of `StopRequest.fail` (above the others: a failure wins)
 
 
 class RunStopped(Exception):
     """The run stopped early after saving (a signal or trainer.exit_after_minutes)."""
 
     exit_code = EXIT_STOPPED
+
+
+class RunFailed(RunStopped):
+    """The run stopped after saving because a part of it failed (`StopRequest.fail`: the rollout
+    manager process crashed or hung)."""
+
+    exit_code = 1
 
 
 def cpu_group_over_world(timeout_minutes: float = 30.0):
@@ -88,6 +96,8 @@ class StopRequest:
         self.received_at: Optional[float] = None
         self._previous: dict[int, object] = {}
         self._watchdog: Optional[threading.Timer] = None
+        self.failure: Optional[str] = None  # `fail`'s reason (this rank)
+        self.failed = False  # `agreed` returned a failure (some rank's)
 
     # ------------------------------------------------------------------ signals (main thread)
     def install(self) -> "StopRequest":
@@ -131,7 +141,17 @@ class StopRequest:
         self._watchdog.start()
 
     # ------------------------------------------------------------------ agreement (collective)
+    def fail(self, reason: str) -> None:
+        """Stop at the next safe point, saving the last finished step, as a failure (`RunFailed`):
+        ``reason`` is what this rank reports (e.g. rank 0's rollout manager crashed)."""
+        if self.failure is None:
+            self.failure = reason
+            self.log(f"hapo train: rank {_rank()}: {reason}; stopping at the next safe point, saving the last "
+                     "finished step")
+
     def _local_code(self) -> int:
+        if self.failure is not None:
+            return _FAILED
         if self.received is not None:
             return int(self.received)
         if self.exit_after_minutes is not None and self.clock() - self.started >= 60.0 * self.exit_after_minutes:
@@ -154,6 +174,9 @@ class StopRequest:
         if code == 0:
             return None
         self.start_watchdog()  # the exit is bounded from here on, whatever stopped the run
+        if code == _FAILED:
+            self.failed = True
+            return self.failure or "another rank failed"
         if code == _TIME_LIMIT:
             return f"trainer.exit_after_minutes={self.exit_after_minutes:g} reached"
         return f"{signal.Signals(code).name} received"

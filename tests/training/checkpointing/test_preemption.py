@@ -42,6 +42,21 @@ def test_every_rank_agrees_on_a_signal_one_rank_got():
     assert run_distributed(_agree, 2) == [(None, "SIGUSR1 received")] * 2
 
 
+def _agree_on_failure(rank, world):
+    from hapo_megatron.training.checkpointing.preemption import StopRequest
+    stop = StopRequest(signals=[], grace_s=10_000, exit_after_minutes=1.0, clock=lambda: 120.0, log=lambda _: None)
+    if rank == 0:  # rank 0's rollout manager failed; every rank's time limit has passed too
+        stop.fail("the rollout manager process (pid 1) exited with code -9")
+    return stop.agreed(), stop.failed
+
+
+def test_a_failure_on_one_rank_stops_every_rank_as_a_failure():
+    """`StopRequest.fail` wins over the time limit on every rank, which learn that it is a failure
+    (`RunFailed`, exit code 1); only the failing rank knows the reason."""
+    assert run_distributed(_agree_on_failure, 2) == [
+        ("the rollout manager process (pid 1) exited with code -9", True), ("another rank failed", True)]
+
+
 def test_every_rank_agrees_on_the_time_limit():
     assert run_distributed(_agree_on_time, 2) == [(None, "trainer.exit_after_minutes=1 reached")] * 2
 

@@ -1,0 +1,381 @@
+"""The rollout manager: the asynchronous producer (`producer.AsyncRollout`: the servers' HTTP
+traffic, response parsing, scoring, shaping, filtering and the staleness buffer) in a process of
+its own, spawned by trainer rank 0 (``rollout.async_producer: process``; docs/architecture.md,
+"Asynchronous rollouts"). Its threads then never hold the trainer's interpreter lock.
+
+Trainer rank 0 holds a `RolloutManager`, which answers as `AsyncRollout` does (`take_step`,
+`paused`, `snapshot`, `close`) by messages over a pipe:
+
+    take k        -> beats (one a second while the buffer has no batch), then the batch: its
+                     metrics, checkpoint state and sampling statistics, and the rows as arrays
+                     (`transport`: raw buffers, no per-token Python object in the trainer)
+    pause v, st   -> the manager's engine pauses generation (st: the entropy statistics the next
+                     groups are sampled with)
+    continue ok, in_use -> generation continues; ok: the servers hold version v. in_use: the
+                     servers the trainer's engine has in use (a restarted server rejoins at a
+                     weight sync, which the trainer runs: the manager follows it)
+    close         -> the producer stops (requests in flight aborted); the process exits
+
+The manager builds its runtime from a `ManagerSpec` (config, tokenizer, prompts, sampler cursor,
+the servers' URLs); its engine is an `SGLangEngine` over the trainer's servers that launches and
+restarts none (the trainer's engine owns their processes and weight syncs).
+
+Failure: the process exiting, or sending nothing for ``rollout.async_manager_timeout_s`` (hung: it
+is killed), ends the run at the next safe point with a one-line message and the last finished
+step saved (``on_failure``: the trainer's `StopRequest.fail`); the trainer never waits on it
+unboundedly. It ignores SIGINT/SIGTERM (the trainer stops it) and exits when the trainer's end
+of the pipe closes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import signal
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Callable, Optional
+
+from hapo_megatron.compat.processes import children_allowed
+from hapo_megatron.training.asynchronous.producer import AsyncRollout
+from hapo_megatron.training.asynchronous.transport import recv_batch, send_batch
+from hapo_megatron.training.rollout_protocol import RolloutAbandoned
+
+HEARTBEAT_S = 1.0  # the manager's sign of life while the trainer waits for a batch
+_POLL_S = 0.1  # the trainer looks at its stop flag and the process this often while it waits
+_START_S = 600.0  # building the manager's runtime (imports, tokenizer, engine) may take a while
+_CLOSE_S = 30.0  # the producer's own close is bounded (producer._CLOSE_S); then the process is killed
+
+
+class RolloutManagerFailed(RuntimeError):
+    """The rollout manager process crashed, hung or reported an error (one line)."""
+
+
+@dataclass
+class ManagerSpec:
+    """What the manager process builds its runtime from (pickled once, when it starts)."""
+
+    cfg: Any
+    tokenizer: Any
+    train_ds: Any
+    sampler_state: dict
+    step: int
+    entropy_stats: Any
+    rollout_cfg: Any  # engine_settings' rollout section, server_urls = the trainer's servers
+    dtype: Any
+    api_key: Optional[str]
+    send_sampling_seed: bool
+
+
+def spec_of(rt) -> ManagerSpec:
+    """The `ManagerSpec` of trainer rank 0's runtime (its engine's servers, current state)."""
+    import torch
+
+    from hapo_megatron.training.build import engine_settings
+    rollout, dtype = engine_settings(rt.cfg, rt.hf_config, on_gpu=torch.cuda.is_available())
+    sglang = dataclasses.replace(rollout.sglang, server_urls=[s.url for s in rt.engine.servers])
+    return ManagerSpec(cfg=rt.cfg, tokenizer=rt.tokenizer, train_ds=rt.train_ds,
+                       sampler_state=rt.rl.sampler.state_dict(), step=int(rt.rl.step),
+                       entropy_stats=rt.rl.rollout_entropy_stats,
+                       rollout_cfg=dataclasses.replace(rollout, sglang=sglang), dtype=dtype,
+                       api_key=getattr(_cluster(rt.engine), "_api_key", None),
+                       send_sampling_seed=bool(rt.engine.send_sampling_seed))
+
+
+def _cluster(engine):
+    """The `SGLangEngine` over every server: ``engine`` itself, or a `NodeServersEngine`'s
+    ``cluster`` (launched servers: their API key and supervisor are there)."""
+    return getattr(engine, "cluster", None) or engine
+
+
+class ManagerRuntime(SimpleNamespace):
+    """The part of a `Runtime` the producer reads (cfg, engine, train_ds, tokenizer, scorer, rl)."""
+
+    def sampling_seed(self, step: int, gen_index: int) -> int:
+        from hapo_megatron.training.runtime import sampling_seed
+        return sampling_seed(self.cfg, step, gen_index)
+
+
+def build_runtime(spec: ManagerSpec) -> ManagerRuntime:
+    """The manager's runtime (in the manager process)."""
+    from hapo_megatron.data.sampler import PromptSampler
+    from hapo_megatron.rewards.scoring import RewardScorer
+    from hapo_megatron.rollout.sglang.engine import SGLangEngine
+    cfg = spec.cfg
+    sampler = PromptSampler(spec.train_ds, cfg.data.train_batch_size if cfg.rollout.generate_batch_size is None
+                            else cfg.rollout.generate_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    sampler.load_state_dict(spec.sampler_state)
+    engine = SGLangEngine(spec.rollout_cfg.sglang, model_path=cfg.model.hf_model_path, tokenizer=spec.tokenizer,
+                          dtype=spec.dtype, launch=False, wait_for_servers=False, api_key=spec.api_key,
+                          send_sampling_seed=spec.send_sampling_seed,
+                          quantization=spec.rollout_cfg.quantization, kv_cache_dtype=spec.rollout_cfg.kv_cache_dtype)
+    return ManagerRuntime(cfg=cfg, engine=engine, train_ds=spec.train_ds, tokenizer=spec.tokenizer,
+                          scorer=RewardScorer(cfg.reward),
+                          rl=SimpleNamespace(step=spec.step, sampler=sampler,
+                                             rollout_entropy_stats=spec.entropy_stats))
+
+
+def follow_servers(engine, in_use: Optional[list[int]]) -> None:
+    """The manager's engine takes the trainer's servers in use: one the trainer restarted and
+    synced is back, one it took out of use is out (a failure it found first)."""
+    sup = getattr(engine, "supervisor", None)
+    if in_use is None or sup is None:
+        return
+    mine = set(sup.in_use())
+    sup.rejoined([i for i in in_use if i not in mine])
+    for i in sorted(mine - set(in_use)):
+        sup.mark_unhealthy(i, "out of use in the trainer's engine")
+
+
+# ---------------------------------------------------------------------- the manager process
+def _serve(conn, factory: Callable[..., Any], args: tuple, pending: Optional[list[int]]) -> None:
+    """The manager process: build the runtime, start the producer, answer the trainer."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer stops it (close), whatever stops the trainer
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ar = None
+    try:
+        rt = factory(*args)
+        ar = AsyncRollout(rt, pending=pending).start()
+        conn.send(("ready", os.getpid()))
+        last = [time.monotonic()]
+
+        def beat() -> bool:  # asked while take_step waits: a sign of life for the trainer
+            if time.monotonic() - last[0] >= HEARTBEAT_S:
+                conn.send(("beat",))
+                last[0] = time.monotonic()
+            return conn.poll()  # the trainer gave the step up and sent close: stop waiting
+        paused = None
+        while True:
+            msg = conn.recv()
+            kind = msg[0]
+            if kind == "take":
+                try:
+                    kept, metrics, snapshot, seq_stats = ar.take_step(int(msg[1]), stop_check=beat)
+                except RolloutAbandoned:
+                    continue  # the buffer is untouched; the next message is close
+                conn.send(("batch", metrics, snapshot, seq_stats))
+                send_batch(conn, kept)
+            elif kind == "pause":
+                rt.rl.rollout_entropy_stats = msg[2]
+                paused = ar.paused(int(msg[1]))
+                paused.__enter__()
+                conn.send(("ok",))
+            elif kind == "continue":
+                if paused is not None:
+                    failed = None if msg[1] else RuntimeError("the weight update failed")
+                    paused.__exit__(type(failed) if failed else None, failed, None)
+                    paused = None
+                follow_servers(rt.engine, msg[2])
+                conn.send(("ok",))
+            elif kind == "snapshot":
+                conn.send(("snapshot", ar.snapshot()))
+            elif kind == "close":
+                ar.close()
+                ar = None
+                conn.send(("closed",))
+                return
+            else:
+                raise ValueError(f"unknown message {kind!r}")
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the trainer is gone
+    except BaseException as e:  # noqa: BLE001 - reported to the trainer in one line
+        try:
+            conn.send(("error", f"{type(e).__name__}: {_first_line(e)}"))
+        except OSError:
+            pass
+    finally:
+        if ar is not None:
+            ar.close()
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [""])[0][:500]
+
+
+# ---------------------------------------------------------------------- the trainer's side
+class RolloutManager:
+    """Trainer rank 0's handle on the manager process (the interface of `AsyncRollout`).
+
+    ``factory(*args)`` builds the manager's runtime in the new process (`build_runtime` and a
+    `ManagerSpec` in a run; tests pass their own). ``on_failure(message)``: called once when the
+    manager fails, before `take_step` gives its step up (`RolloutAbandoned`); without it the
+    failure raises `RolloutManagerFailed`. ``engine``: the trainer's engine, whose servers in use
+    the manager follows after each weight update; ``entropy_stats()``: the statistics the next
+    groups are sampled with."""
+
+    def __init__(self, factory: Callable[..., Any], args: tuple = (), *, pending: Optional[list[int]] = None,
+                 timeout_s: float = 300.0, on_failure: Optional[Callable[[str], None]] = None,
+                 engine: Any = None, entropy_stats: Callable[[], Any] = lambda: None):
+        self.timeout_s, self.on_failure = float(timeout_s), on_failure
+        self.engine, self.entropy_stats = engine, entropy_stats
+        self.failure: Optional[str] = None
+        ctx = multiprocessing.get_context("spawn")  # no copy of the trainer's torch / gloo state
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, factory, args, pending), name="hapo-rollout-manager")
+        with children_allowed():  # trainer ranks spawned by tests are daemonic
+            self._proc.start()
+        child.close()
+        self.pid = self._proc.pid
+        self._recv("starting", timeout_s=max(self.timeout_s, _START_S))
+
+    # ------------------------------------------------------------------ messages
+    def _fail(self, what: str) -> None:
+        if self.failure is None:
+            self.failure = f"the rollout manager process (pid {self.pid}) {what}"
+            self._kill()
+            if self.on_failure is not None:
+                self.on_failure(self.failure)
+        raise RolloutManagerFailed(self.failure)
+
+    def _recv(self, doing: str, *, stop_check: Optional[Callable[[], bool]] = None,
+              timeout_s: Optional[float] = None) -> tuple:
+        """The next message other than a beat; fails the manager if it exits, reports an error or
+        sends nothing for ``timeout_s``; `RolloutAbandoned` when ``stop_check`` says so."""
+        if self.failure is not None:
+            raise RolloutManagerFailed(self.failure)
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        last = time.monotonic()
+        while True:
+            if stop_check is not None and stop_check():
+                raise RolloutAbandoned(f"stop requested while {doing}")
+            try:
+                ready = self._conn.poll(_POLL_S)
+                msg = self._conn.recv() if ready else None
+            except (EOFError, OSError):
+                self._proc.join(timeout=5)
+                self._fail(f"exited with code {self._proc.exitcode} while {doing}")
+            if msg is None:
+                if not self._proc.is_alive():
+                    self._fail(f"exited with code {self._proc.exitcode} while {doing}")
+                if time.monotonic() - last > limit:
+                    self._fail(f"sent nothing for {limit:g} s while {doing} (hung; killed; "
+                               "rollout.async_manager_timeout_s)")
+                continue
+            last = time.monotonic()
+            if msg[0] == "beat":
+                continue
+            if msg[0] == "error":
+                self._fail(f"failed while {doing}: {msg[1]}")
+            return msg
+
+    def _ask(self, msg: tuple, doing: str, **kw) -> tuple:
+        if self.failure is not None:
+            raise RolloutManagerFailed(self.failure)
+        try:
+            self._conn.send(msg)
+        except OSError:
+            self._proc.join(timeout=5)
+            self._fail(f"exited with code {self._proc.exitcode} before {doing}")
+        return self._recv(doing, **kw)
+
+    # ------------------------------------------------------------------ AsyncRollout's interface
+    def take_step(self, step: int, stop_check: Optional[Callable[[], bool]] = None):
+        """As `AsyncRollout.take_step`. A stop request gives the step up at once: the batch the
+        manager may still send is never trained, and the checkpoint of the last finished step
+        keeps its prompts pending (the snapshot taken with that step's batch)."""
+        t0 = time.monotonic()
+        try:
+            _, metrics, snapshot, seq_stats = self._ask(("take", int(step)), f"step {step} waited for its batch",
+                                                        stop_check=stop_check)
+            t1 = time.monotonic()
+            try:
+                kept = recv_batch(self._conn)
+            except (EOFError, OSError, ValueError) as e:
+                self._fail(f"failed while it sent step {step}'s batch ({type(e).__name__}: {_first_line(e)})")
+        except RolloutManagerFailed as e:
+            if self.on_failure is not None:  # the run stops at the next safe point, the last step saved
+                raise RolloutAbandoned(str(e)) from None
+            raise
+        metrics = {**metrics, "timing/trainer_wait_s": time.monotonic() - t0,
+                   "timing/manager_transport_s": time.monotonic() - t1}
+        if self.engine is not None and hasattr(self.engine, "fault_metrics"):
+            restarts = self.engine.fault_metrics().get("rollout/server_restarts")
+            if restarts is not None:  # the trainer's engine restarts the servers, not the manager's
+                metrics["rollout/server_restarts"] = restarts
+        return kept, metrics, snapshot, seq_stats
+
+    def snapshot(self) -> dict[str, Any]:
+        return self._ask(("snapshot",), "it took a snapshot")[1]
+
+    def paused(self, version: int) -> "_Paused":
+        return _Paused(self, int(version))
+
+    def close(self) -> None:
+        """Stop the producer and the process (bounded: killed after ``_CLOSE_S``)."""
+        if self.failure is None and self._proc.is_alive():
+            deadline = time.monotonic() + _CLOSE_S
+            try:
+                self._conn.send(("close",))
+                while self._proc.is_alive() and time.monotonic() < deadline:
+                    if self._conn.poll(_POLL_S):  # beats, or a batch sent before it saw the close: dropped
+                        self._conn.recv_bytes()
+            except (EOFError, OSError):
+                self._proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._kill()
+        self._conn.close()
+
+    def _kill(self) -> None:
+        self._proc.join(timeout=1.0)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout=10)
+
+
+class _Paused:
+    """Generation paused in the manager around the trainer's weight update. A manager failure
+    here raises nothing when ``on_failure`` is set: the update goes on and the run stops at the
+    next safe point, with this step saved."""
+
+    def __init__(self, owner: RolloutManager, version: int):
+        self.owner, self.version = owner, version
+
+    def _ask(self, msg: tuple, doing: str) -> None:
+        try:
+            self.owner._ask(msg, doing)
+        except RolloutManagerFailed:
+            if self.owner.on_failure is None:
+                raise
+
+    def __enter__(self):
+        self._ask(("pause", self.version, self.owner.entropy_stats()), f"it paused for weight version {self.version}")
+        return self
+
+    def __exit__(self, *exc):
+        sup = getattr(_cluster(self.owner.engine), "supervisor", None)
+        in_use = sup.in_use() if sup is not None else None
+        self._ask(("continue", exc[0] is None, in_use), f"it continued at weight version {self.version}")
+        return False
+
+
+def start_manager(rt, *, pending: Optional[list[int]], on_failure: Optional[Callable[[str], None]]
+                  ) -> RolloutManager:
+    """Trainer rank 0: the manager process over ``rt``'s servers (``rollout.async_producer: process``)."""
+    return RolloutManager(build_runtime, (spec_of(rt),), pending=pending,
+                          timeout_s=rt.cfg.rollout.async_manager_timeout_s, on_failure=on_failure,
+                          engine=rt.engine, entropy_stats=lambda: rt.rl.rollout_entropy_stats)
+
+
+def start_async_rollout(rt, on_failure: Optional[Callable[[str], None]] = None) -> None:
+    """Start the producer on rank 0 when ``rollout.max_staleness >= 1`` (after the first weight
+    sync: the servers hold version ``rt.rl.step``); a resume regenerates the checkpoint's pending
+    prompts first. ``rollout.async_producer: process`` runs it in the rollout manager process
+    (training/asynchronous/manager.py; ``on_failure``: what its crash or hang calls), ``thread``
+    here."""
+    if not rt.cfg.rollout.max_staleness or not rt.is_main or rt.async_rollout is not None:
+        return
+    if rt.cfg.rollout.async_producer == "process":
+        rt.async_rollout = start_manager(rt, pending=rt.rl.async_pending, on_failure=on_failure)
+        return
+    rt.async_rollout = AsyncRollout(rt, pending=rt.rl.async_pending).start()
+
+
+def stop_async_rollout(rt) -> None:
+    """Stop the producer (idempotent; every rank may call it)."""
+    if rt.async_rollout is not None:
+        ar, rt.async_rollout = rt.async_rollout, None
+        ar.close()
+__all__ = ["ManagerRuntime", "ManagerSpec", "RolloutManager", "RolloutManagerFailed", "build_runtime",
+           "follow_servers", "spec_of", "start_async_rollout", "start_manager",
+           "stop_async_rollout"]
