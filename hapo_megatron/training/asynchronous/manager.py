@@ -290,7 +290,7 @@ class RolloutManager:
             raise
         metrics = {**metrics, "timing/trainer_wait_s": time.monotonic() - t0,
                    "timing/manager_transport_s": time.monotonic() - t1}
-        if self.engine is not None and hasattr(self.engine, "fault_metrics"):
+        if self.engine is not None:  # fault_metrics is part of the RolloutEngine protocol
             restarts = self.engine.fault_metrics().get("rollout/server_restarts")
             if restarts is not None:  # the trainer's engine restarts the servers, not the manager's
                 metrics["rollout/server_restarts"] = restarts
