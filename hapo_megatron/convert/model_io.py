@@ -109,7 +109,11 @@ def load_hf_weights_into_mcore(model, hf_model_path_or_state, hf_config, *, tp_r
 
 def _gather_tp(param: torch.Tensor, kind: str, tp_group) -> torch.Tensor:
     """All TP shards of `param` concatenated along its split dim (`param` itself when replicated)."""
-    dim = split_dim(kind)
+    return gather_tp_along(param, split_dim(kind), tp_group)
+
+
+def gather_tp_along(param: torch.Tensor, dim, tp_group) -> torch.Tensor:
+    """All TP shards of `param` concatenated along ``dim`` (None: replicated, a copy of `param`)."""
     size = dist.get_world_size(tp_group) if tp_group is not None else 1
     if dim is None or size == 1:
         return param.detach().clone()  # never hand out a view of a live parameter

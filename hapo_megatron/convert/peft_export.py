@@ -21,18 +21,11 @@ import os
 import torch
 import torch.distributed as dist
 
+from hapo_megatron.convert.model_io import gather_tp_along
 from hapo_megatron.models.lora import lora_layers
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 _OWNER = {"linear_qkv": "self_attn", "linear_proj": "self_attn", "linear_fc1": "mlp", "linear_fc2": "mlp"}
-
-
-def _gathered(p: torch.Tensor, axis, tp_group) -> torch.Tensor:
-    if axis is None or tp_group is None or dist.get_world_size(tp_group) == 1:
-        return p.detach().float().cpu()
-    parts = [torch.empty_like(p) for _ in range(dist.get_world_size(tp_group))]
-    dist.all_gather(parts, p.detach().contiguous(), group=tp_group)
-    return torch.cat(parts, dim=axis).float().cpu()
 
 
 def peft_state_dict(model_chunks, *, tp_group=None, pp_group=None) -> dict[str, torch.Tensor]:
@@ -50,8 +43,8 @@ def peft_state_dict(model_chunks, *, tp_group=None, pp_group=None) -> dict[str, 
                 for part in layer.lora.part_names:
                     for kind, mat in (("A", "a"), ("B", "b")):
                         name = f"{mat}_{part}"
-                        out[f"{prefix}.{part}.lora_{kind}.weight"] = _gathered(
-                            getattr(layer.lora, name), layer.lora.tp_axis(name), tp_group)
+                        out[f"{prefix}.{part}.lora_{kind}.weight"] = gather_tp_along(
+                            getattr(layer.lora, name), layer.lora.tp_axis(name), tp_group).float().cpu()
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         stages: list = [None] * dist.get_world_size(pp_group)
         dist.all_gather_object(stages, out, group=pp_group)
