@@ -467,10 +467,7 @@ class SGLangEngine:
         self._failed_in_sync, self._joining = set(), joining
         try:
             if self.world_size == 1:  # restarted (or returned) servers that answer take this sync
-                joining[:] = self.supervisor.rejoin_candidates()
-                targets = sorted(set(self.supervisor.in_use()) | set(joining))
-                if not targets:  # nothing would hold the new weights: never a silent no-op
-                    raise ServerPoolError(f"weight sync: no SGLang server left in use ({self.supervisor.summary()})")
+                targets = self._one_process_targets(joining)
             else:
                 targets = list(range(len(self.servers)))
             sync[self.weight_sync](stream, targets)
@@ -480,6 +477,16 @@ class SGLangEngine:
         # only now: a server that failed during the sync is out of use (and restarting), one
         # that joined is used once it holds the whole new policy, never with stale weights
         self.supervisor.rejoined([i for i in joining if i not in self._failed_in_sync])
+
+    def _one_process_targets(self, joining: list[int]) -> list[int]:
+        """The servers a sync from one process reaches: those in use and the restarted (or
+        returned) ones that answer, which it puts in ``joining``. None left is an error: nothing
+        would hold the new weights, never a silent no-op."""
+        joining[:] = self.supervisor.rejoin_candidates()
+        targets = sorted(set(self.supervisor.in_use()) | set(joining))
+        if not targets:
+            raise ServerPoolError(f"weight sync: no SGLang server left in use ({self.supervisor.summary()})")
+        return targets
 
     def _sync_lora_adapter(self, named_tensors: Iterable) -> None:
         """Adapter mode (``lora_adapter``): the stream's A and B (peft names) to every server in use
@@ -494,13 +501,11 @@ class SGLangEngine:
             tensors = [(n, t.detach().to("cpu").contiguous()) for n, t in named]
             name = lora_adapter_name(next(self._lora_syncs))
             body, _keep = lora_adapter_payload(tensors, self.lora_adapter, lora_name=name, num_ranks=self.tp)
-            # a restarted server holds the base weights it loaded at start: the new adapter is all it needs
-            joining = self.supervisor.rejoin_candidates()
-            serving = self.supervisor.in_use()
-            if not serving and not joining:
-                raise ServerPoolError(f"weight sync: no SGLang server left in use ({self.supervisor.summary()})")
+            joining: list[int] = []
             self._failed_in_sync, self._joining = set(), joining
-            for s in sorted(set(serving) | set(joining)):
+            serving = self.supervisor.in_use()
+            # a restarted server holds the base weights it loaded at start: the new adapter is all it needs
+            for s in self._one_process_targets(joining):
                 self._post_update(s, "/load_lora_adapter_from_tensors", body)
             previous, self._lora_name = self._lora_name, name
             if previous is not None:  # no request uses it from now on (synchronous rollouts)
