@@ -101,16 +101,27 @@ DEFAULT_POOL_SIZE = 10  # requests' own default (HTTPAdapter pool_connections an
 
 class _PoolSizer:
     """Counts the calls in flight on a ``requests.Session`` and keeps its HTTP(S) adapters' pools
-    at least that large per host, and holding a pool for each host the calls went to."""
+    at least that large per host, and holding a pool for each host the calls went to.
+
+    A replaced adapter is closed only once no call that entered before its replacement is still
+    in flight: such a call may already hold one of its pools, and urllib3 answers a closed pool
+    with ``ClosedPoolError`` (a failed call that never reached the server). Each mount starts a
+    generation; a call counts in the generation it entered, and can only use adapters of that
+    generation or later, so the adapter retired at generation g closes once the calls of
+    generations <= g have all left."""
 
     def __init__(self, session: Any) -> None:
         self.session = session
         self.maxsize = DEFAULT_POOL_SIZE
         self.hosts: set[str] = set()
         self.in_flight = 0
+        self.generation = 0
+        self._calls_by_generation: dict[int, int] = {}
+        self._retired: list[tuple[int, Any]] = []  # (the generation that replaced it, adapter)
         self._lock = threading.Lock()
 
-    def enter(self, url: str) -> None:
+    def enter(self, url: str) -> int:
+        """Counts one call to ``url`` in flight; returns its generation (for :meth:`leave`)."""
         with self._lock:
             self.in_flight += 1
             host = url.split("/", 3)[2] if "://" in url else url
@@ -121,20 +132,34 @@ class _PoolSizer:
                 self.maxsize = max(self.in_flight, 2 * self.maxsize)
             if grow or (new_host and len(self.hosts) > DEFAULT_POOL_SIZE):
                 self._mount()
+            self._calls_by_generation[self.generation] = self._calls_by_generation.get(self.generation, 0) + 1
+            return self.generation
 
-    def leave(self) -> None:
+    def leave(self, generation: int) -> None:
         with self._lock:
             self.in_flight -= 1
+            left = self._calls_by_generation[generation] - 1
+            if left:
+                self._calls_by_generation[generation] = left
+            else:
+                del self._calls_by_generation[generation]
+            oldest_in_flight = min(self._calls_by_generation, default=self.generation)
+            # an adapter replaced by generation g served the calls of generations < g
+            drained = [adapter for replaced_by, adapter in self._retired if replaced_by <= oldest_in_flight]
+            self._retired = [(g, a) for g, a in self._retired if g > oldest_in_flight]
+        for adapter in drained:
+            adapter.close()
 
     def _mount(self) -> None:
         from requests.adapters import HTTPAdapter
 
+        self.generation += 1
         for prefix in ("http://", "https://"):
             old = self.session.adapters.get(prefix)
             self.session.mount(prefix, HTTPAdapter(pool_connections=max(DEFAULT_POOL_SIZE, len(self.hosts)),
                                                    pool_maxsize=self.maxsize))
-            if old is not None:  # idle connections close now; those in use close when released
-                old.close()
+            if old is not None:  # closed once the calls that may hold its pools have left (docstring)
+                self._retired.append((self.generation, old))
 
 
 class SGLangHTTP:
@@ -256,11 +281,11 @@ class SGLangHTTP:
         if self._pool is None:
             yield
             return
-        self._pool.enter(url)
+        generation = self._pool.enter(url)
         try:
             yield
         finally:
-            self._pool.leave()
+            self._pool.leave(generation)
 
     @staticmethod
     def _json(resp: Any) -> Any:

@@ -7,6 +7,11 @@ rounds the session's adapter pools N connections per host, and a further round r
 connections of the round before it: no new TCP connection. Mutation tried: the client without
 its pool sizing (requests' 10 per host): the pool size stays 10 and each round opens N - 10 new
 connections.
+
+A replaced adapter stays open while calls that entered before its replacement are in flight:
+one of them may hold its pool, and urllib3 fails a call on a closed pool (``ClosedPoolError``)
+without reaching the server. Mutation tried: closing the old adapter at once (the client before
+this): the retired adapter is closed with three calls still in flight.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from hapo_megatron.rollout.sglang.client import DEFAULT_POOL_SIZE, ServerHandle, SGLangHTTP
+import requests
+
+from hapo_megatron.rollout.sglang.client import DEFAULT_POOL_SIZE, ServerHandle, SGLangHTTP, _PoolSizer
 
 N = 32  # calls in flight: well past requests' 10 per host
 
@@ -34,7 +41,9 @@ def server():
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
             with state["lock"]:
                 state["ports"].append(self.client_address[1])
-            state["barrier"].wait()  # answer once all N calls of the round are in flight
+            # answer once all N calls of the round are in flight; a call that never arrives breaks
+            # the barrier (every handler fails at once) instead of leaving the others to the timeout
+            state["barrier"].wait(timeout=120)
             body = json.dumps({"ok": True}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -45,7 +54,12 @@ def server():
         def log_message(self, *args):
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(ThreadingHTTPServer):
+        # socketserver listens with a backlog of 5: of N connects at once a few then wait on
+        # SYN retransmits past the barrier's timeout (SGLang's uvicorn listens with 2048)
+        request_queue_size = 4 * N
+
+    httpd = Server(("127.0.0.1", 0), Handler)
     httpd.daemon_threads = True
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -67,7 +81,7 @@ def _round(http, url, state):
 
 def test_pool_size_follows_the_calls_in_flight(server):
     url, state = server
-    http = SGLangHTTP(timeout_s=600, max_retries=0)
+    http = SGLangHTTP(timeout_s=300, max_retries=0)
 
     def pool_size():
         return http.session.get_adapter(url).poolmanager.connection_pool_kw["maxsize"]
@@ -90,3 +104,24 @@ def test_an_injected_session_is_left_alone():
     http = SGLangHTTP(timeout_s=10, max_retries=0, session=Fake())
     assert http.request(ServerHandle(url="http://127.0.0.1:9"), "/generate", {}) == {}
     assert http._pool is None
+
+
+def test_a_replaced_adapter_closes_only_after_the_calls_that_may_hold_it():
+    session = requests.Session()
+    closed = []
+    first = session.adapters["http://"]
+    first.close = lambda: closed.append("first")
+    sizer = _PoolSizer(session)
+    url = "http://127.0.0.1:9/generate"
+    early = [sizer.enter(url) for _ in range(DEFAULT_POOL_SIZE)]
+    late = sizer.enter(url)  # the call past the size mounts a larger pool
+    assert session.adapters["http://"] is not first
+    second = session.adapters["http://"]
+    second.close = lambda: closed.append("second")
+    sizer.leave(late)
+    for generation in early[:-1]:
+        sizer.leave(generation)
+    assert closed == []  # one call from before the mount is still in flight: it may hold a pool
+    sizer.leave(early[-1])
+    assert closed == ["first"]  # the https adapter is closed too (not recorded); the live one stays
+    assert session.adapters["http://"] is second and sizer.in_flight == 0
