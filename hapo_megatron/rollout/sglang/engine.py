@@ -252,6 +252,11 @@ class SGLangEngine:
             raise ValueError(f"weight_sync='tensor' needs one trainer rank per server GPU: world size "
                              f"{self.world_size} != {len(self.servers)} servers x tp {self.tp}")
 
+    @property
+    def api_key(self) -> Optional[str]:
+        """The key every request sends (a rollout manager's engine over these servers needs it)."""
+        return self._api_key
+
     # ------------------------------------------------------------------ servers
     def _launch_servers(self, num_servers, mem_fraction, dtype, extra, port_base, timeout_s, log_dir):
         """Leader ranks launch their server; URLs are all-gathered so every rank knows all."""

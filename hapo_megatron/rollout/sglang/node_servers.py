@@ -173,6 +173,17 @@ class NodeServersEngine:
             launcher.stop_process(h)
 
 
+
+def sglang_cluster(engine: Any) -> SGLangEngine:
+    """The `SGLangEngine` over every server of trainer rank 0's ``engine``: the engine itself, or
+    a `NodeServersEngine`'s cluster (launched servers: their API key and supervisor are there).
+    A rollout manager process talks to these servers (training/asynchronous/manager.py)."""
+    if isinstance(engine, NodeServersEngine):
+        return engine._rank0("the rollout manager")
+    if isinstance(engine, SGLangEngine):
+        return engine
+    raise TypeError(f"the rollout manager needs an SGLang engine (rollout.engine=sglang), got {type(engine).__name__}")
+
 def _launch_own(slots, *, ctx, host: str, model_path: str, cfg, dtype, device: str, log_dir: str,
                 timeout_s: float, http: SGLangHTTP, api_key: Optional[str], quantization: str,
                 kv_cache_dtype: str) -> tuple[list[ServerHandle], Optional[str]]:
@@ -285,4 +296,4 @@ def start_node_servers(cfg: Any, *, model_path: str, tokenizer: Any = None, dtyp
                              leaders_group=leaders_group, dtype=dtype)
 
 
-__all__ = ["NodeServersEngine", "start_node_servers", "REACH_TIMEOUT_S"]
+__all__ = ["NodeServersEngine", "sglang_cluster", "start_node_servers", "REACH_TIMEOUT_S"]

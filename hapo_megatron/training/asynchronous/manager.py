@@ -73,21 +73,16 @@ def spec_of(rt) -> ManagerSpec:
     """The `ManagerSpec` of trainer rank 0's runtime (its engine's servers, current state)."""
     import torch
 
+    from hapo_megatron.rollout.sglang.node_servers import sglang_cluster
     from hapo_megatron.training.build import engine_settings
+    cluster = sglang_cluster(rt.engine)
     rollout, dtype = engine_settings(rt.cfg, rt.hf_config, on_gpu=torch.cuda.is_available())
-    sglang = dataclasses.replace(rollout.sglang, server_urls=[s.url for s in rt.engine.servers])
+    sglang = dataclasses.replace(rollout.sglang, server_urls=[s.url for s in cluster.servers])
     return ManagerSpec(cfg=rt.cfg, tokenizer=rt.tokenizer, train_ds=rt.train_ds,
                        sampler_state=rt.rl.sampler.state_dict(), step=int(rt.rl.step),
                        entropy_stats=rt.rl.rollout_entropy_stats,
                        rollout_cfg=dataclasses.replace(rollout, sglang=sglang), dtype=dtype,
-                       api_key=getattr(_cluster(rt.engine), "_api_key", None),
-                       send_sampling_seed=bool(rt.engine.send_sampling_seed))
-
-
-def _cluster(engine):
-    """The `SGLangEngine` over every server: ``engine`` itself, or a `NodeServersEngine`'s
-    ``cluster`` (launched servers: their API key and supervisor are there)."""
-    return getattr(engine, "cluster", None) or engine
+                       api_key=cluster.api_key, send_sampling_seed=bool(cluster.send_sampling_seed))
 
 
 class ManagerRuntime(SimpleNamespace):
@@ -117,12 +112,9 @@ def build_runtime(spec: ManagerSpec) -> ManagerRuntime:
                                              rollout_entropy_stats=spec.entropy_stats))
 
 
-def follow_servers(engine, in_use: Optional[list[int]]) -> None:
-    """The manager's engine takes the trainer's servers in use: one the trainer restarted and
-    synced is back, one it took out of use is out (a failure it found first)."""
-    sup = getattr(engine, "supervisor", None)
-    if in_use is None or sup is None:
-        return
+def follow_servers(sup, in_use: list[int]) -> None:
+    """The manager's engine's supervisor ``sup`` takes the trainer's servers in use: one the
+    trainer restarted and synced is back, one it took out of use is out (a failure it found first)."""
     mine = set(sup.in_use())
     sup.rejoined([i for i in in_use if i not in mine])
     for i in sorted(mine - set(in_use)):
@@ -167,7 +159,8 @@ def _serve(conn, factory: Callable[..., Any], args: tuple, pending: Optional[lis
                     failed = None if msg[1] else RuntimeError("the weight update failed")
                     paused.__exit__(type(failed) if failed else None, failed, None)
                     paused = None
-                follow_servers(rt.engine, msg[2])
+                if msg[2] is not None:  # the trainer's servers in use (None: tests without servers)
+                    follow_servers(rt.engine.supervisor, msg[2])
                 conn.send(("ok",))
             elif kind == "snapshot":
                 conn.send(("snapshot", ar.snapshot()))
@@ -201,15 +194,17 @@ class RolloutManager:
     ``factory(*args)`` builds the manager's runtime in the new process (`build_runtime` and a
     `ManagerSpec` in a run; tests pass their own). ``on_failure(message)``: called once when the
     manager fails, before `take_step` gives its step up (`RolloutAbandoned`); without it the
-    failure raises `RolloutManagerFailed`. ``engine``: the trainer's engine, whose servers in use
-    the manager follows after each weight update; ``entropy_stats()``: the statistics the next
-    groups are sampled with."""
+    failure raises `RolloutManagerFailed`. ``engine``: the trainer's engine (its fault metrics);
+    ``servers_in_use()``: the indices of its servers in use, which the manager follows after each
+    weight update (None: none to follow); ``entropy_stats()``: the statistics the next groups are
+    sampled with."""
 
     def __init__(self, factory: Callable[..., Any], args: tuple = (), *, pending: Optional[list[int]] = None,
                  timeout_s: float = 300.0, on_failure: Optional[Callable[[str], None]] = None,
-                 engine: Any = None, entropy_stats: Callable[[], Any] = lambda: None):
+                 engine: Any = None, servers_in_use: Callable[[], Optional[list[int]]] = lambda: None,
+                 entropy_stats: Callable[[], Any] = lambda: None):
         self.timeout_s, self.on_failure = float(timeout_s), on_failure
-        self.engine, self.entropy_stats = engine, entropy_stats
+        self.engine, self.servers_in_use, self.entropy_stats = engine, servers_in_use, entropy_stats
         self.failure: Optional[str] = None
         ctx = multiprocessing.get_context("spawn")  # no copy of the trainer's torch / gloo state
         self._conn, child = ctx.Pipe()
@@ -343,18 +338,20 @@ class _Paused:
         return self
 
     def __exit__(self, *exc):
-        sup = getattr(_cluster(self.owner.engine), "supervisor", None)
-        in_use = sup.in_use() if sup is not None else None
-        self._ask(("continue", exc[0] is None, in_use), f"it continued at weight version {self.version}")
+        self._ask(("continue", exc[0] is None, self.owner.servers_in_use()),
+                  f"it continued at weight version {self.version}")
         return False
 
 
 def start_manager(rt, *, pending: Optional[list[int]], on_failure: Optional[Callable[[str], None]]
                   ) -> RolloutManager:
     """Trainer rank 0: the manager process over ``rt``'s servers (``rollout.async_producer: process``)."""
+    from hapo_megatron.rollout.sglang.node_servers import sglang_cluster
+    supervisor = sglang_cluster(rt.engine).supervisor
     return RolloutManager(build_runtime, (spec_of(rt),), pending=pending,
                           timeout_s=rt.cfg.rollout.async_manager_timeout_s, on_failure=on_failure,
-                          engine=rt.engine, entropy_stats=lambda: rt.rl.rollout_entropy_stats)
+                          engine=rt.engine, servers_in_use=supervisor.in_use,
+                          entropy_stats=lambda: rt.rl.rollout_entropy_stats)
 
 
 def start_async_rollout(rt, on_failure: Optional[Callable[[str], None]] = None) -> None:

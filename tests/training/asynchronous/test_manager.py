@@ -9,6 +9,8 @@ Mutation tried: `follow_servers` not rejoining the trainer's servers fails
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import signal
 import threading
@@ -174,12 +176,9 @@ class _Supervisor:
 
 
 def test_follow_servers_takes_the_trainers_servers_in_use():
-    engine = type("E", (), {})()
-    engine.supervisor = _Supervisor({0: True, 1: False, 2: True})
-    follow_servers(engine, [0, 1])  # 1 restarted and synced by the trainer; 2 failed there
-    assert engine.supervisor.state == {0: True, 1: True, 2: False}
-    follow_servers(engine, None)  # an engine without servers to follow: nothing
-    assert engine.supervisor.state == {0: True, 1: True, 2: False}
+    sup = _Supervisor({0: True, 1: False, 2: True})
+    follow_servers(sup, [0, 1])  # 1 restarted and synced by the trainer; 2 failed there
+    assert sup.state == {0: True, 1: True, 2: False}
 
 
 def test_spec_of_takes_the_servers_key_and_seed_mode_of_the_trainers_engine():
@@ -193,9 +192,14 @@ def test_spec_of_takes_the_servers_key_and_seed_mode_of_the_trainers_engine():
     cfg = load_config(overrides=["rollout.engine=sglang", "rollout.sglang.colocate=false", "rollout.max_staleness=1"])
     hf = transformers.LlamaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                   num_key_value_heads=1, intermediate_size=32)
-    cluster = SimpleNamespace(_api_key="secret")
-    engine = SimpleNamespace(cluster=cluster, send_sampling_seed=True,
-                             servers=[ServerHandle(url="http://127.0.0.1:1"), ServerHandle(url="http://127.0.0.1:2")])
+    from hapo_megatron.rollout.sglang.engine import SGLangEngine
+    from hapo_megatron.rollout.sglang.node_servers import NodeServersEngine
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    cluster = SGLangEngine(dataclasses.replace(cfg.rollout.sglang, server_urls=urls), launch=False,
+                           wait_for_servers=False, api_key="secret", send_sampling_seed=True,
+                           quantization="none", kv_cache_dtype="auto")
+    engine = NodeServersEngine(ctx=SimpleNamespace(rank=0), slots=[], own=[ServerHandle(url=urls[0])],
+                               cluster=cluster, node_sync=None, weight_sync="disk", leaders_group=None, dtype=None)
     rt = SimpleNamespace(cfg=cfg, hf_config=hf, engine=engine, tokenizer=None, train_ds=[],
                          rl=SimpleNamespace(sampler=SimpleNamespace(state_dict=lambda: {"pos": 3}), step=4,
                                             rollout_entropy_stats=None))
@@ -203,3 +207,6 @@ def test_spec_of_takes_the_servers_key_and_seed_mode_of_the_trainers_engine():
     assert spec.api_key == "secret" and spec.send_sampling_seed and spec.step == 4
     assert spec.rollout_cfg.sglang.server_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     assert spec.sampler_state == {"pos": 3} and cfg.rollout.sglang.server_urls == []  # the run's config untouched
+    assert spec_of(SimpleNamespace(**{**vars(rt), "engine": cluster})).api_key == "secret"  # attached servers
+    with pytest.raises(TypeError, match="needs an SGLang engine"):
+        spec_of(SimpleNamespace(**{**vars(rt), "engine": object()}))
