@@ -286,10 +286,15 @@ class RolloutConfig(_Section):
     "Asynchronous rollouts"): process (a rollout manager process of its own, spawned by rank 0: its HTTP
     traffic, parsing, scoring and staleness buffer leave the trainer's interpreter; batches come back as
     arrays) or thread (threads inside trainer rank 0)."""
+    sync_producer: str = "inline"
+    """Where the synchronous loop's rank-0 rollout work runs (rollout.max_staleness=0, rollout.engine=sglang):
+    inline (in trainer rank 0) or process (the rollout manager process of rollout.async_producer: the HTTP
+    traffic, response parsing, scoring and dynamic sampling leave the trainer's process; the same batches,
+    bit for bit; docs/architecture.md, "The rollout manager"). Not yet with rollout.over_sampling > 1."""
     async_manager_timeout_s: float = 300.0
     """How long trainer rank 0 waits for a sign of life from the rollout manager process (it sends one
-    every second while the trainer waits for a batch) before it ends the run as hung, saving the last
-    finished step."""
+    every second while the trainer waits for a batch; rollout.async_producer or rollout.sync_producer:
+    process) before it ends the run as hung, saving the last finished step."""
     over_sampling: float = 1.0
     """Over-sampling with partial rollouts (docs/algorithm.md, "Over-sampling and partial rollouts"):
     each generation round starts this factor times the prompts it needs; once enough whole groups are
@@ -323,6 +328,14 @@ class RolloutConfig(_Section):
         _check_min("rollout.max_staleness", self.max_staleness, 0)
         if self.async_producer not in ("process", "thread"):
             _fail(f"rollout.async_producer must be 'process' or 'thread', got {self.async_producer!r}")
+        if self.sync_producer not in ("inline", "process"):
+            _fail(f"rollout.sync_producer must be 'inline' or 'process', got {self.sync_producer!r}")
+        if self.sync_producer == "process" and not self.max_staleness and self.engine != "sglang":
+            _fail(f"rollout.sync_producer=process runs the rollout manager over SGLang servers: set "
+                  f"rollout.engine=sglang (is {self.engine!r}) or rollout.sync_producer=inline")
+        if self.sync_producer == "process" and not self.max_staleness and self.over_sampling > 1.0:
+            _fail(f"rollout.sync_producer=process does not carry over-sampling's partial rollouts yet: set "
+                  f"rollout.sync_producer=inline or rollout.over_sampling=1.0 (is {self.over_sampling})")
         if not self.async_manager_timeout_s > 0:
             _fail(f"rollout.async_manager_timeout_s must be > 0, got {self.async_manager_timeout_s}")
         if self.max_staleness and (self.engine != "sglang" or self.sglang.colocate):

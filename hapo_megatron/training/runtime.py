@@ -55,6 +55,7 @@ class Runtime:
     control: Any = None  # rollout_protocol.Rank0Channel: rank 0's messages while it alone works (CPU group)
     previous_summary: Optional[dict] = None  # rank 0, resumed: the summary it set aside (run_records.py)
     async_rollout: Any = None  # rank 0 with rollout.max_staleness >= 1: training.asynchronous.producer.AsyncRollout
+    sync_manager: Any = None  # rank 0 with rollout.sync_producer: process: training.asynchronous.manager.RolloutManager
 
     @property
     def is_main(self) -> bool:

@@ -188,6 +188,24 @@ def _apply_sampler_state(rt: Runtime, state: dict) -> None:
 
 def _rollout_rank0(rt: Runtime, step: int, stop_check: Optional[Callable[[], bool]] = None
                    ) -> tuple[RolloutBatch, dict[str, float], dict]:
+    """The synchronous loop's rollout on rank 0: `generate_step` here, or in the rollout manager
+    process (``rollout.sync_producer: process``), with the memory moves of colocated servers here."""
+    if rt.sync_manager is None:
+        return generate_step(rt, step, stop_check)
+    rt.memory.resume_generation()  # the KV cache (the weights came back in sync_weights)
+    kept, metrics, state = rt.sync_manager.rollout_step(step, rt.rl.sampler.state_dict(),
+                                                        rt.rl.rollout_entropy_stats, stop_check)
+    if len(kept):  # as generate_step does: the weights stay unless the step is skipped
+        rt.memory.release_all()
+    else:
+        rt.memory.release_generation()
+    return kept, metrics, state
+
+
+def generate_step(rt: Runtime, step: int, stop_check: Optional[Callable[[], bool]] = None
+                  ) -> tuple[RolloutBatch, dict[str, float], dict]:
+    """Generate, score and filter until the step's batch is full (rank 0, or the rollout manager
+    with ``rollout.sync_producer: process``): the kept batch, the metrics, the sampler state."""
     if rt.cfg.rollout.over_sampling > 1.0:  # abort the long tail, resume it next step
         from hapo_megatron.training.partial_rollouts import rollout_rank0
         return rollout_rank0(rt, step, stop_check, _stop_ids(rt))

@@ -23,7 +23,7 @@ from hapo_megatron.training.rollout_protocol import RolloutAbandoned
 from hapo_megatron.training.run_records import SUMMARY, write_json_atomic
 from hapo_megatron.training.runtime import Runtime, StepSnapshot
 from hapo_megatron.training.sft import run_sft
-from hapo_megatron.training.asynchronous.manager import start_async_rollout, stop_async_rollout
+from hapo_megatron.training.asynchronous.manager import start_rollout_producer, stop_rollout_producer
 
 
 class TrainingStopped(RuntimeError):
@@ -48,7 +48,7 @@ def fit(cfg: HapoConfig, *, tokenizer=None, datasets=None) -> dict[str, Any]:
         return _fit(cfg, rt, stop)
     finally:
         if rt is not None:  # an error: no request of the producer outlives the run
-            stop_async_rollout(rt)
+            stop_rollout_producer(rt)
         stop.uninstall()
 
 
@@ -65,9 +65,10 @@ def _fit(cfg: HapoConfig, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
     rl.sft_done = True
     setup_reference(rt)  # KL reference (algo.kl_loss_coef > 0 only)
     stages.sync_weights(rt)  # the engine starts from the actor (fresh, after SFT, or resumed)
-    # rollout.max_staleness >= 1: the producer starts generating (rank 0); the rollout manager
-    # process's crash or hang stops the run at the next safe point, the last finished step saved
-    start_async_rollout(rt, on_failure=stop.fail)
+    # rollout.max_staleness >= 1: the producer starts generating (rank 0); rollout.sync_producer:
+    # process starts the manager the rollouts run in. The rollout manager process's crash or hang
+    # stops the run at the next safe point, the last finished step saved
+    start_rollout_producer(rt, on_failure=stop.fail)
     if cfg.trainer.val_before_train and rl.step == 0:
         start_eval = stages.evaluate(rt, 0)
         rt.logger.log(0, start_eval, advance=False)
@@ -150,7 +151,7 @@ def _stop_if_agreed(rt: Runtime, stop: StopRequest, before: Optional[StepSnapsho
     rt.logger.write(f"stopping: {why}; " + (f"step {step} is saved in {saved}" if saved else
                                             "no step finished since the start, nothing to save"))
     rt.logger.close()
-    stop_async_rollout(rt)
+    stop_rollout_producer(rt)
     if rt.engine is not None:
         rt.engine.shutdown()
     raise (RunFailed if stop.failed else RunStopped)(
@@ -184,7 +185,7 @@ def _finish(rt: Runtime, t0: float, start_eval: dict, sft_s: float) -> dict[str,
     """Final checkpoint and evaluation, then the summary (printed and saved by rank 0)."""
     cfg = rt.cfg
     step = rt.rl.step
-    stop_async_rollout(rt)  # nothing more to train on; the final evaluation needs the servers
+    stop_rollout_producer(rt)  # nothing more to train on; the final evaluation needs the servers
     if step > rt.start_step and _saved_path(rt, step) is None:
         rt.save_checkpoint()
     end_eval = stages.evaluate(rt, step) if cfg.trainer.val_at_end else {}

@@ -307,11 +307,11 @@ def _texts(batch):
 
 def test_the_preset_corrects_wrong_responses_in_the_rollout(monkeypatch):
     monkeypatch.setattr(stages, "broadcast_object", lambda obj: obj)
-    kept, metrics, _ = stages._rollout_rank0(_runtime(_Engine()), 1)
+    kept, metrics, _ = stages.generate_step(_runtime(_Engine()), 1)
     # prompt 0: "Answer: 0" x2 right, "Answer: 9" x2 wrong; prompt 1: ... every wrong one corrected
     assert metrics["gec/wrong_frac"] == 0.5 and metrics["gec/corrected_frac"] == 0.5
     assert metrics["gec/fixed_frac"] == 1.0 and all(kept.accs)
-    off_kept, off_metrics, _ = stages._rollout_rank0(_runtime(_Engine(), ["algo.edge_gec=false"]), 1)
+    off_kept, off_metrics, _ = stages.generate_step(_runtime(_Engine(), ["algo.edge_gec=false"]), 1)
     assert not any(k.startswith("gec/") for k in off_metrics) and sum(off_kept.accs) == 4
     assert _texts(off_kept) != _texts(kept)
 
@@ -321,7 +321,7 @@ def test_each_knob_reaches_the_rollout(monkeypatch):
 
     def rollout(*overrides):
         engine = _Engine()
-        kept, metrics, _ = stages._rollout_rank0(_runtime(engine, list(overrides)), 3)
+        kept, metrics, _ = stages.generate_step(_runtime(engine, list(overrides)), 3)
         return engine, _texts(kept), metrics
     # reflection: the cue and the budget reach the continuation call, with its own seed
     engine, texts, metrics = rollout("algo.edge_gec_reflect_prob=1.0", 'algo.edge_gec_cue=" Hmm."',
@@ -347,7 +347,7 @@ def test_each_knob_reaches_the_rollout(monkeypatch):
 
 def test_the_rollout_is_reproducible(monkeypatch):
     monkeypatch.setattr(stages, "broadcast_object", lambda obj: obj)
-    runs = [stages._rollout_rank0(_runtime(_Engine(), ["algo.edge_gec_reflect_prob=0.5"]), 2)[0] for _ in range(2)]
+    runs = [stages.generate_step(_runtime(_Engine(), ["algo.edge_gec_reflect_prob=0.5"]), 2)[0] for _ in range(2)]
     assert runs[0] == runs[1]
 
 
@@ -377,7 +377,7 @@ def test_with_the_real_hf_engine_and_character_tokenizer(monkeypatch, tmp_path):
                                ground_truth=str(p + 1), data_source="d",
                                extra_info={"solution": f"Answer: {p + 1}"}) for p in range(2)]
     rt.rl.sampler = SimpleNamespace(next_batch=lambda: records, state_dict=lambda: {})
-    kept, metrics, _ = stages._rollout_rank0(rt, 1)
+    kept, metrics, _ = stages.generate_step(rt, 1)
     assert metrics["gec/wrong_frac"] == 1.0  # a random model answers nothing
     assert metrics["gec/corrected_frac"] + metrics["gec/skipped_frac"] == 1.0 and metrics["gec/corrected_frac"] > 0
     texts = [tok.decode(kept.response_ids[i], skip_special_tokens=True) for i in range(len(kept))]
@@ -386,7 +386,7 @@ def test_with_the_real_hf_engine_and_character_tokenizer(monkeypatch, tmp_path):
     guided = [t for t in texts if t.endswith(("Answer: 1", "Answer: 2"))]
     assert len(reflected) + len(guided) == round(8 * metrics["gec/corrected_frac"])
     assert metrics["gec/fixed_frac"] == len(guided) / (len(reflected) + len(guided))
-    again, _, _ = stages._rollout_rank0(rt, 1)
+    again, _, _ = stages.generate_step(rt, 1)
     assert again == kept  # the same seeds give the same corrected batch
 
 
@@ -400,7 +400,7 @@ def test_reflections_sample_like_their_round_under_the_adaptive_temperature(monk
     rt = _runtime(engine, ["algo.adaptive_temperature=true", "algo.temperature_tau=0.3", "rollout.temperature=0.9",
                            "rollout.top_p=0.95", "algo.edge_gec_reflect_prob=1.0"])
     rt.rl.rollout_entropy_stats = EntropyStats(pivot=-1.0, std=0.5, pos_max=2.0, neg_min=-2.0)
-    stages._rollout_rank0(rt, 1)
+    stages.generate_step(rt, 1)
     (_, first), (_, cont) = engine.calls
     assert cont.uses_adaptive and cont.entropy_stats == first.entropy_stats == rt.rl.rollout_entropy_stats
     assert (cont.temperature, cont.top_p, cont.temperature_tau) == (first.temperature, first.top_p, 0.3)

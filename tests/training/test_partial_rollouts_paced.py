@@ -1,4 +1,4 @@
-"""Over-sampling end to end over HTTP: the rollout stage (`stages._rollout_rank0`) with the SGLang
+"""Over-sampling end to end over HTTP: the rollout stage (`stages.generate_step`) with the SGLang
 engine against the paced stand-in with heavy-tailed lengths (tools/bench/paced_sglang_server.py
 ``--length-median``: lognormal, capped; it aborts on ``/abort_request`` and continues a response
 sent back as prompt + partial). Whole groups, none dropped, every trained response equal to the

@@ -69,12 +69,12 @@ def test_math_reward_timeouts_in_process_over_every_round(monkeypatch):
     # 2 s: far above a normal verify on a loaded 2-core machine (its first call also imports the
     # LaTeX parser), far below 9^(9^9)'s
     kw = dict(num_workers=0, reward_fn="math", reward_kwargs={"verify_timeout_s": 2.0})
-    _, metrics, _ = stages._rollout_rank0(_runtime(engine, ["1024", "1024"], n=2, **kw), 1)
+    _, metrics, _ = stages.generate_step(_runtime(engine, ["1024", "1024"], n=2, **kw), 1)
     assert metrics["rollout/num_gen_batches"] == 1.0 and metrics["reward/timeouts"] == 2.0  # 2 of 4
     assert metrics["rollout/acc"] == 0.25 and metrics["reward/errors"] == 0.0
     # prompt 1's group (7, timeout) is all wrong: dynamic sampling keeps one group of 2 per round,
     # so it runs 2 rounds, each with 2 timeouts
-    _, metrics, _ = stages._rollout_rank0(_runtime(engine, ["1024", "1024"], n=2, filter_groups=True, **kw), 1)
+    _, metrics, _ = stages.generate_step(_runtime(engine, ["1024", "1024"], n=2, filter_groups=True, **kw), 1)
     assert metrics["rollout/num_gen_batches"] == 2.0 and metrics["reward/timeouts"] == 4.0
 
 
@@ -85,7 +85,7 @@ def test_misbehaving_rewards_in_workers_while_generating(tmp_path):
     rt = _runtime(engine, truths, n=2, reward_fn="tests.training.misbehaving_reward:score", num_workers=2,
                   timeout_s=2.0, score_format="01", reward_kwargs={"log_dir": str(tmp_path)})  # >> 0.05 s sleeps
     try:
-        batch, metrics, _ = stages._rollout_rank0(rt, 1)
+        batch, metrics, _ = stages.generate_step(rt, 1)
     finally:
         rt.scorer.close()
     assert engine.waited  # the first chunk (prompts 0-3) was scored before the second was generated

@@ -69,7 +69,7 @@ def _rollout_protocol(rank, world, fail):
     rt = SimpleNamespace(is_main=rank == 0, memory=EngineMemory(), rl=SimpleNamespace(sampler=sampler), control=channel,
                          groups=SimpleNamespace(dp_rank=0, dp_size=1, pp_rank=0, pp_size=1),
                          actor=SimpleNamespace(routing="off"),  # one DP group: both ranks get the batch
-                         async_rollout=None,
+                         async_rollout=None, sync_manager=None,
                          # the step plan is made where the batch is shared out (stages._plan)
                          cfg=HapoConfig.from_dict({"trainer": {"ppo_mini_batch_size": 1},
                                                    "data": {"train_batch_size": 1}}))

@@ -60,7 +60,7 @@ def test_training_rollouts_ask_for_routes_when_the_actor_uses_them(monkeypatch, 
     monkeypatch.setattr(stages, "broadcast_object", lambda obj: obj)
     rt = _runtime(engine, ["1", "1"], n=2, num_workers=0)
     rt.actor = SimpleNamespace(routing=routing)
-    stages._rollout_rank0(rt, 1)
+    stages.generate_step(rt, 1)
     assert asked == [routing != "off"]
 
 

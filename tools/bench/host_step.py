@@ -5,7 +5,7 @@ response lengths of mean ``--mean`` and shape ``--sigma``, capped at ``--cap``; 
 a ``\\boxed{}`` answer, right or wrong) goes through the real math reward and the real data path,
 each role in a fresh process (its peak RSS is its own):
 
-- **rank 0** (`stages._rollout_rank0` with a stand-in engine that hands over chunks of ``--chunk``
+- **rank 0** (`stages.generate_step` with a stand-in engine that hands over chunks of ``--chunk``
   responses evenly over ``--gen-s`` seconds, as SGLang's ``/generate`` calls return; the reward
   workers, ``reward.num_workers`` auto, score while it "generates"), then the kept batch split per
   DP rank and pickled (`stages._share_out`'s work). Reported: the seconds from the last response
@@ -187,7 +187,7 @@ def role_rank0(d: dict, out_dir: str, cap: int, chunk: int, gen_s: float, dps: l
                            sampler=SimpleNamespace(next_batch=lambda: recs, state_dict=lambda: {}),
                            rollout_entropy_stats=None))
     try:
-        kept, metrics, _ = stages._rollout_rank0(rt, 1)
+        kept, metrics, _ = stages.generate_step(rt, 1)
         t_ready = time.perf_counter()
         meta = SequenceMeta.of(kept)
         out = {}

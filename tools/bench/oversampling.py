@@ -6,7 +6,7 @@ sigma 1.0, capped at the maximum response length) that emits tokens at a fixed r
     PYTHONPATH=$PWD python tools/bench/oversampling.py            # the figures
     PYTHONPATH=$PWD python tools/bench/oversampling.py --small    # seconds
 
-The rollout stage runs as the trainer runs it (`stages._rollout_rank0` on rank 0: generation
+The rollout stage runs as the trainer runs it (`stages.generate_step` on rank 0: generation
 rounds, scoring, dynamic sampling; with over-sampling the abort and the resumption of the partial
 responses), step after step with the weight version advancing, without the update in between (it
 takes the same time with and without). Trained tokens per second = response tokens of the trained
@@ -80,13 +80,13 @@ def build_rt(url: Optional[str], *, over_sampling: float, batch: int, n: int, ma
 
 
 def run_steps(rt, steps: int, first_step: int = 1) -> list[dict]:
-    """``steps`` rollouts (`stages._rollout_rank0`), the weight version advancing after each;
+    """``steps`` rollouts (`stages.generate_step`), the weight version advancing after each;
     per step: its metrics, its rollout seconds, its kept batch."""
-    from hapo_megatron.training.stages import _apply_sampler_state, _rollout_rank0
+    from hapo_megatron.training.stages import _apply_sampler_state, generate_step
     out = []
     for step in range(first_step, first_step + steps):
         t0 = time.monotonic()
-        kept, metrics, state = _rollout_rank0(rt, step)
+        kept, metrics, state = generate_step(rt, step)
         out.append({"metrics": metrics, "rollout_s": time.monotonic() - t0, "kept": kept})
         _apply_sampler_state(rt, state)
         rt.rl.step = step

@@ -39,6 +39,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 from hapo_megatron.compat.processes import children_allowed
+from hapo_megatron.rollout.engine import GenerationAborted
 from hapo_megatron.training.asynchronous.producer import AsyncRollout
 from hapo_megatron.training.asynchronous.transport import recv_batch, send_batch
 from hapo_megatron.training.rollout_protocol import RolloutAbandoned
@@ -47,6 +48,9 @@ HEARTBEAT_S = 1.0  # the manager's sign of life while the trainer waits for a ba
 _POLL_S = 0.1  # the trainer looks at its stop flag and the process this often while it waits
 _START_S = 600.0  # building the manager's runtime (imports, tokenizer, engine) may take a while
 _CLOSE_S = 30.0  # the producer's own close is bounded (producer._CLOSE_S); then the process is killed
+
+
+_ABANDONED = (RolloutAbandoned, GenerationAborted)  # the trainer's stop reached the step (its beat saw the close)
 
 
 class RolloutManagerFailed(RuntimeError):
@@ -67,6 +71,8 @@ class ManagerSpec:
     dtype: Any
     api_key: Optional[str]
     send_sampling_seed: bool
+    routing: str = "off"  # the actor's MoE routing mode: which steps fetch routes (stages.fetches_routes)
+    asynchronous: bool = True  # the producer (max_staleness >= 1), else one `stages.generate_step` per ask
 
 
 def spec_of(rt) -> ManagerSpec:
@@ -82,11 +88,14 @@ def spec_of(rt) -> ManagerSpec:
                        sampler_state=rt.rl.sampler.state_dict(), step=int(rt.rl.step),
                        entropy_stats=rt.rl.rollout_entropy_stats,
                        rollout_cfg=dataclasses.replace(rollout, sglang=sglang), dtype=dtype,
-                       api_key=cluster.api_key, send_sampling_seed=bool(cluster.send_sampling_seed))
+                       api_key=cluster.api_key, send_sampling_seed=bool(cluster.send_sampling_seed),
+                       routing=str(rt.actor.routing), asynchronous=bool(rt.cfg.rollout.max_staleness))
 
 
 class ManagerRuntime(SimpleNamespace):
-    """The part of a `Runtime` the producer reads (cfg, engine, train_ds, tokenizer, scorer, rl)."""
+    """The part of a `Runtime` the producer and `stages.generate_step` read (cfg, engine, train_ds,
+    tokenizer, scorer, rl, actor.routing; memory: no moves here, the trainer makes them; control:
+    the progress the trainer forwards to its other ranks)."""
 
     def sampling_seed(self, step: int, gen_index: int) -> int:
         from hapo_megatron.training.runtime import sampling_seed
@@ -98,6 +107,8 @@ def build_runtime(spec: ManagerSpec) -> ManagerRuntime:
     from hapo_megatron.data.sampler import PromptSampler
     from hapo_megatron.rewards.scoring import RewardScorer
     from hapo_megatron.rollout.sglang.engine import SGLangEngine
+    from hapo_megatron.training.batches.rollout_batch import DynamicSampler
+    from hapo_megatron.training.memory.engine_memory import EngineMemory
     cfg = spec.cfg
     sampler = PromptSampler(spec.train_ds, cfg.data.train_batch_size if cfg.rollout.generate_batch_size is None
                             else cfg.rollout.generate_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
@@ -106,9 +117,12 @@ def build_runtime(spec: ManagerSpec) -> ManagerRuntime:
                           dtype=spec.dtype, launch=False, wait_for_servers=False, api_key=spec.api_key,
                           send_sampling_seed=spec.send_sampling_seed,
                           quantization=spec.rollout_cfg.quantization, kv_cache_dtype=spec.rollout_cfg.kv_cache_dtype)
+    dyn = DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
+                         max_num_gen_batches=cfg.algo.max_num_gen_batches)
     return ManagerRuntime(cfg=cfg, engine=engine, train_ds=spec.train_ds, tokenizer=spec.tokenizer,
-                          scorer=RewardScorer(cfg.reward),
-                          rl=SimpleNamespace(step=spec.step, sampler=sampler,
+                          scorer=RewardScorer(cfg.reward), memory=EngineMemory(), control=None,
+                          actor=SimpleNamespace(routing=spec.routing),
+                          rl=SimpleNamespace(step=spec.step, sampler=sampler, dyn=dyn,
                                              rollout_entropy_stats=spec.entropy_stats))
 
 
@@ -122,14 +136,29 @@ def follow_servers(sup, in_use: list[int]) -> None:
 
 
 # ---------------------------------------------------------------------- the manager process
-def _serve(conn, factory: Callable[..., Any], args: tuple, pending: Optional[list[int]]) -> None:
-    """The manager process: build the runtime, start the producer, answer the trainer."""
+class _ProgressToTrainer:
+    """The manager runtime's ``control``: `stages.generate_step`'s progress between generation
+    rounds goes to the trainer, which passes it on to its other ranks."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def send(self, kind: str, payload: Any) -> None:
+        self.conn.send(("progress", kind, payload))
+
+
+def _serve(conn, factory: Callable[..., Any], args: tuple, pending: Optional[list[int]],
+           asynchronous: bool = True) -> None:
+    """The manager process: build the runtime, start the producer (asynchronous) or generate one
+    step per ``rollout`` message (synchronous), answer the trainer."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer stops it (close), whatever stops the trainer
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ar = None
     try:
         rt = factory(*args)
-        ar = AsyncRollout(rt, pending=pending).start()
+        rt.control = _ProgressToTrainer(conn)
+        if asynchronous:
+            ar = AsyncRollout(rt, pending=pending).start()
         conn.send(("ready", os.getpid()))
         last = [time.monotonic()]
 
@@ -142,7 +171,14 @@ def _serve(conn, factory: Callable[..., Any], args: tuple, pending: Optional[lis
         while True:
             msg = conn.recv()
             kind = msg[0]
-            if kind == "take":
+            if kind == "rollout":
+                try:
+                    kept, metrics, state = _generate_step(rt, *msg[1:], stop_check=beat)
+                except _ABANDONED:
+                    continue  # the trainer gave the step up; the next message is close
+                conn.send(("batch", metrics, state))
+                send_batch(conn, kept)
+            elif kind == "take":
                 try:
                     kept, metrics, snapshot, seq_stats = ar.take_step(int(msg[1]), stop_check=beat)
                 except RolloutAbandoned:
@@ -165,8 +201,9 @@ def _serve(conn, factory: Callable[..., Any], args: tuple, pending: Optional[lis
             elif kind == "snapshot":
                 conn.send(("snapshot", ar.snapshot()))
             elif kind == "close":
-                ar.close()
-                ar = None
+                if ar is not None:
+                    ar.close()
+                    ar = None
                 conn.send(("closed",))
                 return
             else:
@@ -183,6 +220,18 @@ def _serve(conn, factory: Callable[..., Any], args: tuple, pending: Optional[lis
             ar.close()
 
 
+def _generate_step(rt, step: int, sampler_state: dict, entropy_stats: Any, in_use: Optional[list[int]], *,
+                   stop_check: Callable[[], bool]):
+    """One synchronous step's rollout in the manager, from the trainer's sampler cursor, entropy
+    statistics and servers in use: `stages.generate_step`, as trainer rank 0 runs it inline."""
+    from hapo_megatron.training.stages import generate_step
+    if in_use is not None:
+        follow_servers(rt.engine.supervisor, in_use)
+    rt.rl.step, rt.rl.rollout_entropy_stats = int(step), entropy_stats
+    rt.rl.sampler.load_state_dict(sampler_state)
+    return generate_step(rt, int(step), stop_check)
+
+
 def _first_line(e: BaseException) -> str:
     return (str(e).splitlines() or [""])[0][:500]
 
@@ -197,18 +246,23 @@ class RolloutManager:
     failure raises `RolloutManagerFailed`. ``engine``: the trainer's engine (its fault metrics);
     ``servers_in_use()``: the indices of its servers in use, which the manager follows after each
     weight update (None: none to follow); ``entropy_stats()``: the statistics the next groups are
-    sampled with."""
+    sampled with. ``asynchronous=False``: no producer; `rollout_step` runs one synchronous step's
+    rollout (``rollout.sync_producer: process``), ``on_progress(kind, payload)`` receiving the
+    progress it reports between generation rounds."""
 
     def __init__(self, factory: Callable[..., Any], args: tuple = (), *, pending: Optional[list[int]] = None,
                  timeout_s: float = 300.0, on_failure: Optional[Callable[[str], None]] = None,
                  engine: Any = None, servers_in_use: Callable[[], Optional[list[int]]] = lambda: None,
-                 entropy_stats: Callable[[], Any] = lambda: None):
+                 entropy_stats: Callable[[], Any] = lambda: None, asynchronous: bool = True,
+                 on_progress: Callable[[str, Any], None] = lambda kind, payload: None):
         self.timeout_s, self.on_failure = float(timeout_s), on_failure
         self.engine, self.servers_in_use, self.entropy_stats = engine, servers_in_use, entropy_stats
+        self.on_progress = on_progress
         self.failure: Optional[str] = None
         ctx = multiprocessing.get_context("spawn")  # no copy of the trainer's torch / gloo state
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, factory, args, pending), name="hapo-rollout-manager")
+        self._proc = ctx.Process(target=_serve, args=(child, factory, args, pending, asynchronous),
+                                 name="hapo-rollout-manager")
         with children_allowed():  # trainer ranks spawned by tests are daemonic
             self._proc.start()
         child.close()
@@ -251,6 +305,9 @@ class RolloutManager:
             last = time.monotonic()
             if msg[0] == "beat":
                 continue
+            if msg[0] == "progress":
+                self.on_progress(msg[1], msg[2])
+                continue
             if msg[0] == "error":
                 self._fail(f"failed while {doing}: {msg[1]}")
             return msg
@@ -266,14 +323,12 @@ class RolloutManager:
         return self._recv(doing, **kw)
 
     # ------------------------------------------------------------------ AsyncRollout's interface
-    def take_step(self, step: int, stop_check: Optional[Callable[[], bool]] = None):
-        """As `AsyncRollout.take_step`. A stop request gives the step up at once: the batch the
-        manager may still send is never trained, and the checkpoint of the last finished step
-        keeps its prompts pending (the snapshot taken with that step's batch)."""
+    def _batch(self, msg: tuple, step: int, stop_check: Optional[Callable[[], bool]]) -> tuple:
+        """Ask ``msg``; the answer's fields after its kind, the batch (arrays, `transport`) and the
+        metrics with the wait, the transport and the trainer's server restarts."""
         t0 = time.monotonic()
         try:
-            _, metrics, snapshot, seq_stats = self._ask(("take", int(step)), f"step {step} waited for its batch",
-                                                        stop_check=stop_check)
+            answer = self._ask(msg, f"step {step} waited for its batch", stop_check=stop_check)
             t1 = time.monotonic()
             try:
                 kept = recv_batch(self._conn)
@@ -283,13 +338,30 @@ class RolloutManager:
             if self.on_failure is not None:  # the run stops at the next safe point, the last step saved
                 raise RolloutAbandoned(str(e)) from None
             raise
-        metrics = {**metrics, "timing/trainer_wait_s": time.monotonic() - t0,
+        metrics = {**answer[1], "timing/trainer_wait_s": time.monotonic() - t0,
                    "timing/manager_transport_s": time.monotonic() - t1}
         if self.engine is not None:  # fault_metrics is part of the RolloutEngine protocol
             restarts = self.engine.fault_metrics().get("rollout/server_restarts")
             if restarts is not None:  # the trainer's engine restarts the servers, not the manager's
                 metrics["rollout/server_restarts"] = restarts
+        return kept, metrics, answer[2:]
+
+    def take_step(self, step: int, stop_check: Optional[Callable[[], bool]] = None):
+        """As `AsyncRollout.take_step`. A stop request gives the step up at once: the batch the
+        manager may still send is never trained, and the checkpoint of the last finished step
+        keeps its prompts pending (the snapshot taken with that step's batch)."""
+        kept, metrics, (snapshot, seq_stats) = self._batch(("take", int(step)), step, stop_check)
         return kept, metrics, snapshot, seq_stats
+
+    def rollout_step(self, step: int, sampler_state: dict, entropy_stats: Any,
+                     stop_check: Optional[Callable[[], bool]] = None):
+        """As `stages.generate_step` (the synchronous loop), run in the manager from the trainer's
+        sampler cursor and entropy statistics: the kept batch, its metrics and the sampler state.
+        A stop request gives the step up at once (`RolloutAbandoned`; the manager's engine aborts
+        its requests when it sees the close that follows)."""
+        msg = ("rollout", int(step), sampler_state, entropy_stats, self.servers_in_use())
+        kept, metrics, (state,) = self._batch(msg, step, stop_check)
+        return kept, metrics, state
 
     def snapshot(self) -> dict[str, Any]:
         return self._ask(("snapshot",), "it took a snapshot")[1]
@@ -345,34 +417,51 @@ class _Paused:
 
 def start_manager(rt, *, pending: Optional[list[int]], on_failure: Optional[Callable[[str], None]]
                   ) -> RolloutManager:
-    """Trainer rank 0: the manager process over ``rt``'s servers (``rollout.async_producer: process``)."""
+    """Trainer rank 0: the manager process over ``rt``'s servers (``rollout.async_producer`` or,
+    with ``rollout.max_staleness: 0``, ``rollout.sync_producer``: process)."""
     from hapo_megatron.rollout.sglang.node_servers import sglang_cluster
+    from hapo_megatron.training.rollout_protocol import PROGRESS
     supervisor = sglang_cluster(rt.engine).supervisor
-    return RolloutManager(build_runtime, (spec_of(rt),), pending=pending,
+    spec = spec_of(rt)
+
+    def forward_progress(kind: str, payload: Any) -> None:  # the other ranks' per-round progress
+        assert kind == PROGRESS, kind
+        rt.control.send(kind, payload)
+    return RolloutManager(build_runtime, (spec,), pending=pending,
                           timeout_s=rt.cfg.rollout.async_manager_timeout_s, on_failure=on_failure,
                           engine=rt.engine, servers_in_use=supervisor.in_use,
-                          entropy_stats=lambda: rt.rl.rollout_entropy_stats)
+                          entropy_stats=lambda: rt.rl.rollout_entropy_stats, asynchronous=spec.asynchronous,
+                          on_progress=forward_progress)
 
 
-def start_async_rollout(rt, on_failure: Optional[Callable[[str], None]] = None) -> None:
-    """Start the producer on rank 0 when ``rollout.max_staleness >= 1`` (after the first weight
-    sync: the servers hold version ``rt.rl.step``); a resume regenerates the checkpoint's pending
-    prompts first. ``rollout.async_producer: process`` runs it in the rollout manager process
-    (training/asynchronous/manager.py; ``on_failure``: what its crash or hang calls), ``thread``
-    here."""
-    if not rt.cfg.rollout.max_staleness or not rt.is_main or rt.async_rollout is not None:
+def start_rollout_producer(rt, on_failure: Optional[Callable[[str], None]] = None) -> None:
+    """Rank 0, after the first weight sync. ``rollout.max_staleness >= 1``: start the producer
+    (the servers hold version ``rt.rl.step``; a resume regenerates the checkpoint's pending prompts
+    first), in the rollout manager process (``rollout.async_producer: process``) or here
+    (``thread``). ``max_staleness: 0`` with ``rollout.sync_producer: process``: start the manager
+    that runs each step's rollout. ``on_failure``: what the manager's crash or hang calls."""
+    if not rt.is_main or rt.async_rollout is not None or rt.sync_manager is not None:
         return
-    if rt.cfg.rollout.async_producer == "process":
+    rollout = rt.cfg.rollout
+    if not rollout.max_staleness:
+        if rollout.sync_producer == "process":
+            rt.sync_manager = start_manager(rt, pending=None, on_failure=on_failure)
+        return
+    if rollout.async_producer == "process":
         rt.async_rollout = start_manager(rt, pending=rt.rl.async_pending, on_failure=on_failure)
         return
     rt.async_rollout = AsyncRollout(rt, pending=rt.rl.async_pending).start()
 
 
-def stop_async_rollout(rt) -> None:
-    """Stop the producer (idempotent; every rank may call it)."""
+def stop_rollout_producer(rt) -> None:
+    """Stop the producer or the manager (idempotent; every rank may call it)."""
     if rt.async_rollout is not None:
         ar, rt.async_rollout = rt.async_rollout, None
         ar.close()
+    if rt.sync_manager is not None:
+        manager, rt.sync_manager = rt.sync_manager, None
+        manager.close()
+
+
 __all__ = ["ManagerRuntime", "ManagerSpec", "RolloutManager", "RolloutManagerFailed", "build_runtime",
-           "follow_servers", "spec_of", "start_async_rollout", "start_manager",
-           "stop_async_rollout"]
+           "follow_servers", "spec_of", "start_manager", "start_rollout_producer", "stop_rollout_producer"]

@@ -2,7 +2,7 @@
 (``rollout.engine: sglang``, ``rollout.sglang.num_servers: 2``, no ``server_urls``): the engine comes
 from the trainer's own `build.build_engine` (`node_servers.start_node_servers` launches the two
 servers and hands rank 0 a `NodeServersEngine`), and the rollout stage runs on it as the trainer
-runs it (`stages._rollout_rank0`, tools/bench/oversampling.py). The servers are the paced stand-in
+runs it (`stages.generate_step`, tools/bench/oversampling.py). The servers are the paced stand-in
 (tools/bench/paced_sglang_server.py, heavy-tailed lengths; it aborts on ``/abort_request`` and
 continues a response sent back as prompt + partial) started from the real command line, the
 stand-in's module in SGLang's place.

@@ -201,10 +201,12 @@ def test_spec_of_takes_the_servers_key_and_seed_mode_of_the_trainers_engine():
     engine = NodeServersEngine(ctx=SimpleNamespace(rank=0), slots=[], own=[ServerHandle(url=urls[0])],
                                cluster=cluster, node_sync=None, weight_sync="disk", leaders_group=None, dtype=None)
     rt = SimpleNamespace(cfg=cfg, hf_config=hf, engine=engine, tokenizer=None, train_ds=[],
+                         actor=SimpleNamespace(routing="replay"),
                          rl=SimpleNamespace(sampler=SimpleNamespace(state_dict=lambda: {"pos": 3}), step=4,
                                             rollout_entropy_stats=None))
     spec = spec_of(rt)
     assert spec.api_key == "secret" and spec.send_sampling_seed and spec.step == 4
+    assert spec.routing == "replay" and spec.asynchronous  # MoE replay: every step fetches routes
     assert spec.rollout_cfg.sglang.server_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     assert spec.sampler_state == {"pos": 3} and cfg.rollout.sglang.server_urls == []  # the run's config untouched
     assert spec_of(SimpleNamespace(**{**vars(rt), "engine": cluster})).api_key == "secret"  # attached servers

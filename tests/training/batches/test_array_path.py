@@ -234,7 +234,7 @@ def _distributed_share(rank, world, seed):
     channel = Rank0Channel.create(timeout_minutes=5, heartbeat_s=5)
     sampler = SimpleNamespace(load_state_dict=lambda s: None)
     rt = SimpleNamespace(is_main=rank == 0, memory=EngineMemory(), rl=SimpleNamespace(sampler=sampler),
-                         async_rollout=None,
+                         async_rollout=None, sync_manager=None,
                          control=channel, cfg=cfg, groups=SimpleNamespace(tp_size=2, cp_size=1, dp_size=2,
                                                                           dp_rank=rank // 2, pp_rank=0, pp_size=1),
                          actor=SimpleNamespace(routing="off"))
