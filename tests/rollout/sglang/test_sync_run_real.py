@@ -5,8 +5,9 @@
 - The run finishes (it used to wait at the first sync until the 30-minute store timeout), the
   servers report the weight version of every sync so far (advancing with the steps) and hold
   trained weights (not the initial model's), and none of their processes is left after the run.
-- A rank lost mid-run (SIGKILL of rank 1): torchrun tears the job down, and no server process is
-  left 30 s after it exited. One launched server there: each server has a guard of its own
+- A rank lost mid-run (SIGKILL of rank 1), the synchronous loop with its rollouts in the rollout
+  manager process (``rollout.sync_producer: process``): torchrun tears the job down, and no server
+  process, nor the manager, is left 30 s after it exited. One launched server there: each server has a guard of its own
   (server_guard.py), so a second one would only double the start-up (most of the run's time).
 """
 
@@ -44,7 +45,7 @@ def tiny(tmp_path_factory):
 class Run:
     """One torchrun job of the CPU example with launched servers, its output read as it comes."""
 
-    def __init__(self, data: str, run_dir: str, steps: int, servers: int = 2):
+    def __init__(self, data: str, run_dir: str, steps: int, servers: int = 2, extra: dict | None = None):
         self.run_dir, self.port, self.num_servers = run_dir, free_port(), servers
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "hapo_megatron.train", "--config", os.path.join(ROOT, "examples/cpu_tiny/config.yaml"),
@@ -53,7 +54,7 @@ class Run:
                    "rollout.sglang.colocate": "false",
                    "rollout.max_staleness": 1, "rollout.sglang.port_base": self.port,
                    "trainer.total_steps": steps, "trainer.sft_warmup_steps": 0, "trainer.save_interval": 0,
-                   "trainer.val_at_end": "false", "data.val_files": "[]"})]
+                   "trainer.val_at_end": "false", "data.val_files": "[]", **(extra or {})})]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -66,12 +67,15 @@ class Run:
     def text(self) -> str:
         return "".join(self.out)
 
-    def steps(self) -> list[int]:
+    def records(self) -> list[dict]:
         path = os.path.join(self.run_dir, "metrics.jsonl")
         if not os.path.exists(path):
             return []
         with open(path) as f:
-            return [r["step"] for r in map(json.loads, f) if "rollout/reward_mean" in r]
+            return [r for r in map(json.loads, f) if "rollout/reward_mean" in r]
+
+    def steps(self) -> list[int]:
+        return [r["step"] for r in self.records()]
 
     def wait_for(self, what: str, cond) -> None:
         while not cond():
@@ -127,15 +131,22 @@ def test_distributed_sync_on_launched_servers_finishes_and_leaves_no_server(tiny
 
 
 def test_a_rank_lost_mid_run_leaves_no_server(tiny, tmp_path):
+    """The synchronous loop with its rollouts in the rollout manager process
+    (``rollout.sync_producer: process``): the steps' batches come through it, and neither a
+    server nor the manager outlives the job."""
     import psutil
-    run = Run(tiny, str(tmp_path / "run"), steps=1000, servers=1)
+    run = Run(tiny, str(tmp_path / "run"), steps=1000, servers=1,
+              extra={"rollout.max_staleness": 0, "rollout.sync_producer": "process"})
     try:
         run.wait_for("step 1", lambda: len(run.steps()) >= 1)
         group = run.server_processes()
         ranks = {int(p.environ().get("RANK", -1)): p for p in psutil.Process(run.proc.pid).children()}
+        managers = [p for p in ranks[0].children() if "multiprocessing" in " ".join(p.cmdline())]
         ranks[1].send_signal(signal.SIGKILL)
         run.proc.wait()  # torchrun ends the other rank; a hang here is a failure
     finally:
         run.close()
     assert run.proc.returncode != 0
+    assert "timing/manager_transport_s" in run.records()[0]  # step 1's batch came from the manager
+    assert managers and procs.survivors(managers, GONE_WITHIN_S) == []  # the manager (and reward workers)
     assert len(group) >= 2 and procs.survivors(group, GONE_WITHIN_S) == [], run.text()[-3000:]
