@@ -299,7 +299,10 @@ class RolloutConfig(_Section):
     """Over-sampling with partial rollouts (docs/algorithm.md, "Over-sampling and partial rollouts"):
     each generation round starts this factor times the prompts it needs; once enough whole groups are
     in (after dynamic sampling) the rest are aborted and kept, and the next step resumes them first
-    under the new weights. 1.0 = off. Needs rollout.engine=sglang and rollout.max_staleness=0."""
+    under the new weights. With rollout.max_staleness >= 1: a batch slot admits this factor times the
+    groups, and a batch takes the groups that finish first; one passed over trains later, its tokens
+    past the bound handled by rollout.partial_mode (docs/architecture.md, "Over-sampling under
+    asynchronous rollouts"). 1.0 = off. Needs rollout.engine=sglang."""
     partial_mode: str = "correct"
     """How a resumed response's tokens from older weights train: correct (the off-policy correction,
     algo.rollout_is; auto picks token_tis) or mask_prefix (those tokens are left out of the loss)."""
@@ -344,12 +347,9 @@ class RolloutConfig(_Section):
                   "trainer's GPUs, so generation cannot overlap training), or rollout.max_staleness=0")
         _check_min("rollout.over_sampling", self.over_sampling, 1.0)
         _check_choice("rollout.partial_mode", self.partial_mode, PARTIAL_MODES)
-        if self.over_sampling > 1.0 and (self.engine != "sglang" or self.max_staleness):
-            # name only the settings in the way (the user may have set the others already)
-            need = ([f"rollout.engine=sglang (is {self.engine!r})"] if self.engine != "sglang" else []) + \
-                ([f"rollout.max_staleness=0 (is {self.max_staleness})"] if self.max_staleness else [])
-            _fail(f"rollout.over_sampling={self.over_sampling} aborts and resumes SGLang requests in the "
-                  f"synchronous loop: set {' and '.join(need)}, or rollout.over_sampling=1.0")
+        if self.over_sampling > 1.0 and self.engine != "sglang":
+            _fail(f"rollout.over_sampling={self.over_sampling} aborts and resumes SGLang requests: set "
+                  f"rollout.engine=sglang (is {self.engine!r}), or rollout.over_sampling=1.0")
 
 # LoRA: the HF projections an adapter can target, by the Megatron layer that holds them
 LORA_MODULE_PARTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),

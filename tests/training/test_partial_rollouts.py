@@ -300,9 +300,6 @@ SGLANG = ["rollout.engine=sglang", "rollout.sglang.colocate=false"]
 @pytest.mark.parametrize("overrides,message", [
     (SGLANG + ["rollout.over_sampling=0.9"], r"rollout\.over_sampling"),
     (["rollout.over_sampling=1.5"], r"rollout\.over_sampling=1\.5 .*rollout\.engine=sglang"),
-    # only what is in the way is named: sglang is set already here
-    (SGLANG + ["rollout.over_sampling=1.5", "rollout.max_staleness=1"],
-     r"synchronous loop: set rollout\.max_staleness=0 \(is 1\), or rollout\.over_sampling=1\.0$"),
     (SGLANG + ["rollout.partial_mode=drop"], r"rollout\.partial_mode"),
     (SGLANG + ["rollout.over_sampling=1.5", "algo.rollout_is=none"], r"partial_mode=correct .*algo\.rollout_is"),
     (SGLANG + ["rollout.over_sampling=1.5", "model.routing_replay=true"], r"model\.routing_replay"),
@@ -311,6 +308,12 @@ def test_config_refusals_name_the_field(overrides, message):
     from hapo_megatron.config import load_config
     with pytest.raises(ValueError, match=message):
         load_config(overrides=overrides)
+
+
+def test_over_sampling_with_asynchronous_rollouts_is_accepted():
+    from hapo_megatron.config import load_config
+    cfg = load_config(overrides=SGLANG + ["rollout.over_sampling=1.5", "rollout.max_staleness=1"])
+    assert cfg.rollout.over_sampling == 1.5 and cfg.algo.loss.rollout_is == "token_tis"
 
 
 def test_config_correct_turns_the_correction_on():

@@ -16,10 +16,19 @@ and every token it gets is at most ``max_staleness`` versions older than the wei
 trained from. Consuming in admission order is what makes the bound hold: a slow group is never
 overtaken by later ones (which would push it into a later batch). Samples are never dropped for
 age; a filtered group frees its place at once (it does not count towards a batch).
+
+Over-sampling (``over_sampling`` f > 1; docs/architecture.md, "Over-sampling under asynchronous
+rollouts"): a batch slot holds ``ceil(f * batch_groups)`` groups in the admission rule, and a batch
+is the first ``batch_groups`` *finished* kept groups in admission order, so the long tail no longer
+holds the batch back. A group passed over keeps generating and trains in a later batch: its oldest
+tokens may then be more than ``max_staleness`` versions old, which ``rollout.partial_mode`` handles
+as it does the synchronous loop's resumed responses (masked, or corrected by ``algo.rollout_is``);
+the bound then holds for admission (how far generation runs ahead), not per token.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -48,12 +57,17 @@ class FinishedGroup:
 class StalenessBuffer:
     """Thread-safe admission / finish / take (see the module docstring)."""
 
-    def __init__(self, batch_groups: int, max_staleness: int, *, version: int = 0, taken: Optional[int] = None):
+    def __init__(self, batch_groups: int, max_staleness: int, *, version: int = 0, taken: Optional[int] = None,
+                 over_sampling: float = 1.0):
         if int(batch_groups) < 1:
             raise ValueError(f"batch_groups must be >= 1, got {batch_groups}")
         if int(max_staleness) < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if not over_sampling >= 1.0:
+            raise ValueError(f"over_sampling must be >= 1, got {over_sampling}")
         self.batch_groups, self.max_staleness = int(batch_groups), int(max_staleness)
+        self.over_sampling = float(over_sampling)
+        self.slot = math.ceil(self.over_sampling * self.batch_groups)  # groups per batch slot at admission
         self.version = int(version)
         self.taken = int(version if taken is None else taken)
         self._cond = threading.Condition()
@@ -64,11 +78,12 @@ class StalenessBuffer:
         self._error: Optional[BaseException] = None
         self.num_filtered = 0
         self.num_kept = 0
+        self.passed_over = 0  # the last batch: live groups admitted before its newest that it left
 
     # ------------------------------------------------------------------ producer side
     def may_admit(self) -> bool:
         """Whether a new group may start now (the lag rule of the module docstring)."""
-        lands_in = self.taken + len(self._live) // self.batch_groups
+        lands_in = self.taken + len(self._live) // self.slot
         return lands_in - self.version <= self.max_staleness
 
     def admit(self, prompt_index: int, *, timeout: Optional[float] = None) -> Optional[int]:
@@ -121,29 +136,39 @@ class StalenessBuffer:
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ trainer side
-    def _head_ready(self) -> bool:
-        head = list(self._live)[:self.batch_groups]
-        return len(head) == self.batch_groups and all(t in self._done for t in head)
+    def _next_batch(self) -> Optional[list[int]]:
+        """The tickets of the next batch, or None while it is not ready: the first
+        ``batch_groups`` live groups once all are finished; over-sampling: the first
+        ``batch_groups`` finished ones (module docstring)."""
+        if self.over_sampling > 1.0:
+            head = [t for t in self._live if t in self._done][:self.batch_groups]
+        else:
+            head = [t for t in list(self._live)[:self.batch_groups] if t in self._done]
+        return head if len(head) == self.batch_groups else None
 
     def take(self, *, timeout: Optional[float] = None) -> Optional[list[FinishedGroup]]:
-        """The next batch: the first ``batch_groups`` live groups in admission order, once all
-        are finished and kept. None after ``timeout``; raises the producer's error, or
-        `BufferClosed`. Checks the lag rule on every group (an error here is a bug)."""
+        """The next batch (`_next_batch`), in admission order. None after ``timeout``; raises the
+        producer's error, or `BufferClosed`. Without over-sampling, checks the lag rule on every
+        group (an error here is a bug)."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._error is not None or self._closed or self._head_ready(),
-                                       timeout=timeout):
+            if not self._cond.wait_for(lambda: self._error is not None or self._closed or
+                                       self._next_batch() is not None, timeout=timeout):
                 return None
             if self._closed:
                 raise BufferClosed("the rollout buffer is closed")
             if self._error is not None:
                 raise self._error
-            head = list(self._live)[:self.batch_groups]
+            head = self._next_batch()
+            taken = set(head)
+            self.passed_over = sum(1 for t in self._live if t < head[-1] and t not in taken)
             out = [self._done.pop(t) for t in head]
             for t in head:
                 del self._live[t]
             batch_version = self.taken
             self.taken += 1
             self._cond.notify_all()
+        if self.over_sampling > 1.0:  # a group passed over may be older: rollout.partial_mode handles it
+            return out
         for g in out:
             lag = batch_version - g.min_version
             if lag > self.max_staleness or lag < 0:

@@ -35,7 +35,7 @@ from hapo_megatron.training.metrics.host_cpu import thread_cpu_s
 from hapo_megatron.training.asynchronous.buffer import BufferClosed, FinishedGroup, StalenessBuffer
 from hapo_megatron.training.batches.rollout_batch import (DynamicSampler, RolloutBatch, build_batch,
                                                           rollout_metrics, shape_rewards)
-from hapo_megatron.training.partial_rollouts import PartialGroup, PartialRow, group_samples, row_requests
+from hapo_megatron.training.partial_rollouts import PartialGroup, PartialRow, group_samples, prefix_mask, row_requests
 from hapo_megatron.training.rollout_protocol import RolloutAbandoned
 
 #: how long the producer waits for the lag rule before looking at its stop flag again
@@ -56,7 +56,10 @@ class AsyncRollout:
         self.k = int(cfg.rollout.max_staleness)
         self.batch_groups = int(cfg.data.train_batch_size)
         version = int(rt.rl.step)
-        self.buffer = StalenessBuffer(self.batch_groups, self.k, version=version)
+        self.buffer = StalenessBuffer(self.batch_groups, self.k, version=version,
+                                      over_sampling=cfg.rollout.over_sampling)
+        # over-sampling: a group passed over may train with tokens older than the bound
+        self.mask_old_tokens = cfg.rollout.over_sampling > 1.0 and cfg.rollout.partial_mode == "mask_prefix"
         self.pause_mode = cfg.rollout.sglang.pause_mode
         self._lock = threading.Lock()  # the sampler cursor and the queue of drawn prompts
         self._queue: deque[int] = deque(pending or ())  # drawn (or from a checkpoint), not admitted
@@ -65,7 +68,7 @@ class AsyncRollout:
         self._stop = threading.Event()
         self._filter = DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
                                       max_num_gen_batches=cfg.algo.max_num_gen_batches)
-        self._pool = ThreadPoolExecutor(max_workers=(self.k + 1) * self.batch_groups,
+        self._pool = ThreadPoolExecutor(max_workers=(self.k + 1) * self.buffer.slot,
                                         thread_name_prefix="hapo-rollout")
         self._thread = threading.Thread(target=self._run, name="hapo-rollout-producer", daemon=True)
         self._busy_since: Optional[float] = None  # generation busy time (>= 1 group in flight)
@@ -151,7 +154,9 @@ class AsyncRollout:
                 ticket=ticket, prompt_index=idx, payload=batch, kept=kept,
                 min_version=int(min(int(v.min()) for v in versions)),
                 max_version=int(max(int(v.max()) for v in versions)),
-                sampling_stats=stats.to_dict() if stats is not None else None))
+                sampling_stats=stats.to_dict() if stats is not None else None,
+                extra={"versions": [_token_versions(smp, version) for smp in samples[0]]}
+                if self.mask_old_tokens else {}))
         except BufferClosed:
             pass
         except BaseException as e:  # noqa: BLE001 - handed to the trainer, which raises it
@@ -211,7 +216,10 @@ class AsyncRollout:
             got = self.buffer.take(timeout=STOP_POLL_S if stop_check is not None else None)
         wait_s = time.monotonic() - t0
         kept = RolloutBatch.concat([g.payload for g in got])
-        lags = [self.buffer.taken - 1 - g.min_version for g in got for _ in range(len(g.payload))]
+        batch_version = self.buffer.taken - 1
+        lags = [batch_version - g.min_version for g in got for _ in range(len(g.payload))]
+        if self.mask_old_tokens:  # rollout.partial_mode: mask_prefix leaves out the tokens past the bound
+            kept.token_mask = [prefix_mask(v, batch_version - self.k) for g in got for v in g.extra["versions"]]
         seq_stats = [g.sampling_stats for g in got for _ in range(len(g.payload))]
         with self._score_lock:
             generated, self._generated = self._generated, []
@@ -231,6 +239,7 @@ class AsyncRollout:
                    **rt.engine.fault_metrics(),
                    "rollout/staleness_mean": float(np.mean(lags)) if lags else 0.0,
                    "rollout/staleness_max": float(max(lags)) if lags else 0.0,
+                   "rollout/passed_over_groups": float(self.buffer.passed_over),
                    "rollout/kept_group_frac": num_kept / max(num_kept + num_filtered, 1),
                    "rollout/buffer_groups": float(self.buffer.num_live()),
                    "timing/trainer_wait_s": wait_s,
@@ -287,6 +296,14 @@ class _Paused:
         if exc[0] is None:
             self.owner.buffer.set_version(self.version)
         return False
+
+
+def _token_versions(sample: Sample, version: int) -> np.ndarray:
+    """The weight version of each response token: the servers' report, else the version held
+    when the group started (one per token either way, for `prefix_mask`)."""
+    if len(sample.weight_versions) == len(sample.response_ids):
+        return np.asarray(sample.weight_versions, dtype=np.int64)
+    return np.full(len(sample.response_ids), version, dtype=np.int64)
 
 
 def _stop_ids(rt) -> list[int]:

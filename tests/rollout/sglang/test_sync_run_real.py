@@ -1,6 +1,7 @@
 """The CPU example the user's way (docs/multinode.md, "Weight sync and server lifetime"): torchrun,
 2 ranks (TP=2), two REAL CPU SGLang servers the trainer launches, ``colocate=false``,
-``max_staleness=1``, ``weight_sync: auto`` (-> distributed: gloo on CPU, its store hosted by rank 0).
+``max_staleness=1`` with ``over_sampling: 2``, ``weight_sync: auto`` (-> distributed: gloo on CPU,
+its store hosted by rank 0).
 
 - The run finishes (it used to wait at the first sync until the 30-minute store timeout), the
   servers report the weight version of every sync so far (advancing with the steps) and hold
@@ -109,7 +110,9 @@ def _state(http: SGLangHTTP, server: ServerHandle) -> tuple[int, torch.Tensor]:
 
 
 def test_distributed_sync_on_launched_servers_finishes_and_leaves_no_server(tiny, tmp_path):
-    run = Run(tiny, str(tmp_path / "run"), steps=3)
+    # over-sampling under asynchronous rollouts (docs/architecture.md): batches of the groups that
+    # finish first, on the same servers
+    run = Run(tiny, str(tmp_path / "run"), steps=3, extra={"rollout.over_sampling": 2.0})
     try:
         run.wait_for("step 1", lambda: len(run.steps()) >= 1)
         group = run.server_processes()
@@ -123,6 +126,7 @@ def test_distributed_sync_on_launched_servers_finishes_and_leaves_no_server(tiny
         run.close()
     assert run.proc.returncode == 0, run.text()[-5000:]
     assert run.steps() == [1, 2, 3]
+    assert all("rollout/passed_over_groups" in r for r in run.records())
     initial = hf_model(None, os.path.join(tiny, "model")).state_dict()[WEIGHT][:100]
     # each step's sync (after its update, before its metrics line) tags the servers with the step
     assert all(v >= 1 for v, _ in first) and all(v >= 2 for v, _ in second), (first, second)

@@ -123,3 +123,69 @@ def test_random_schedules_never_exceed_the_lag(k, seed):
     assert sorted(trained + filtered + list(running) + [t for t in buf._done]) == list(range(next_prompt))
     if k:
         assert max(lags) == k
+
+
+def test_hand_computed_over_sampling():
+    """B = 2, k = 1, over-sampling 1.5: a slot holds 3 groups, so 6 start at version 0; the batch
+    takes the first two that finished (1 and 3), passing over 0 and 2; group 0 trains in the next
+    batch, group 2 two versions after its start (its tokens past the bound: rollout.partial_mode)."""
+    buf = StalenessBuffer(batch_groups=2, max_staleness=1, over_sampling=1.5)
+    assert _admit_all(buf, 0) == [0, 1, 2, 3, 4, 5]
+    _finish(buf, 3, 0)
+    assert buf.take(timeout=0) is None  # one finished group is not a batch
+    _finish(buf, 1, 0)
+    assert [g.ticket for g in buf.take(timeout=0)] == [1, 3] and buf.passed_over == 2
+    assert not buf.may_admit()  # 4 live: 1 + 4 // 3 = batch 2, 2 versions past version 0
+    buf.set_version(1)
+    assert _admit_all(buf, 6) == [6, 7]
+    for t in (6, 0, 7):
+        _finish(buf, t, 0 if t == 0 else 1)
+    assert [g.ticket for g in buf.take(timeout=0)] == [0, 6] and buf.passed_over == 3  # 2, 4, 5
+    buf.set_version(2)
+    _finish(buf, 2, 0)
+    got = buf.take(timeout=0)  # batch 2: group 2 started at version 0, lag 2 > k; no error
+    assert [g.ticket for g in got] == [2, 7] and buf.taken - 1 - got[0].min_version == 2
+    assert buf.pending_prompts() == [4, 5]
+
+
+def _simulate(over_sampling: float, seed: int, steps: int = 10, B: int = 3, k: int = 1):
+    """The random schedule of `test_random_schedules_never_exceed_the_lag` with heavy-tailed
+    generation times; the ticks the trainer waited and the prompts trained."""
+    rng = random.Random(seed)
+    buf = StalenessBuffer(batch_groups=B, max_staleness=k, over_sampling=over_sampling)
+    running: dict[int, int] = {}  # ticket -> ticks left
+    trained, waited, next_prompt = [], 0, 0
+    for _ in range(steps):
+        while True:
+            for t in _admit_all(buf, next_prompt):
+                running[t] = rng.choice([1, 1, 1, 2, 2, 3, 12])
+                next_prompt += 1
+            for t in sorted(running):
+                running[t] -= 1
+                if running[t] <= 0:
+                    buf.finish(FinishedGroup(ticket=t, prompt_index=t, payload=t, min_version=buf.version,
+                                             max_version=buf.version))
+                    del running[t]
+            got = buf.take(timeout=0)
+            if got is not None:
+                break
+            waited += 1
+        trained += [g.payload for g in got]
+        buf.set_version(buf.version + 1)
+    return waited, trained, next_prompt, buf
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_over_sampling_loses_and_repeats_no_prompt(seed):
+    waited, trained, admitted, buf = _simulate(2.0, seed)
+    assert len(trained) == len(set(trained)) == 30
+    assert sorted(trained + buf.pending_prompts()) == list(range(admitted))
+
+
+def test_over_sampling_waits_less_for_the_long_tail():
+    """Heavy-tailed schedules (drawn the same way; not the same draws, since more groups start):
+    the trainer waits fewer ticks in total when a batch takes the groups that finish first
+    (here 7 against 201 over the six seeds)."""
+    in_order = sum(_simulate(1.0, seed)[0] for seed in range(6))
+    first_finished = sum(_simulate(2.0, seed)[0] for seed in range(6))
+    assert first_finished < in_order, (first_finished, in_order)

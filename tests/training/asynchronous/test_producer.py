@@ -71,11 +71,11 @@ class FakeScorer:
         return Round()
 
 
-def _rt(k=1, *, filter_groups=False, constant=(), step=0, sampler_state=None):
+def _rt(k=1, *, filter_groups=False, constant=(), step=0, sampler_state=None, extra=()):
     cfg = load_config(overrides=[
         "rollout.engine=sglang", "rollout.sglang.colocate=false", f"rollout.max_staleness={k}",
         f"data.train_batch_size={B}", f"trainer.ppo_mini_batch_size={B}", f"rollout.n={N}",
-        f"algo.filter_groups={str(filter_groups).lower()}", "rollout.max_response_length=8"])
+        f"algo.filter_groups={str(filter_groups).lower()}", "rollout.max_response_length=8", *extra])
     ds = [SimpleNamespace(prompt_ids=[1, i + 10], data_source="t", index=i) for i in range(PROMPTS)]
     sampler = PromptSampler(ds, B, seed=3, shuffle=True)
     if sampler_state is not None:
@@ -276,3 +276,57 @@ def test_pause_in_place_reaches_the_servers_and_keeps_their_cache():
     stages.sync_weights(sync)
     assert sync.engine.updates == [(3, 7, False)]
     assert rt.engine.events[-2:] == [("pause", "in_place"), ("continue", None)]
+
+
+class SlowGroupEngine(FakeEngine):
+    """`FakeEngine`, but the group of prompt ``slow`` holds its answer (tokens of the version at
+    its start) until ``release`` is set."""
+
+    def __init__(self, slow):
+        super().__init__()
+        self.slow, self.release = slow, threading.Event()
+
+    def generate(self, prompt_ids, params, on_samples=None):
+        if prompt_ids[0][1] - 10 != self.slow:
+            return super().generate(prompt_ids, params, on_samples)
+        version = self.version
+        assert self.release.wait(timeout=120), "the slow group was never released"
+        return [[Sample(prompt_ids=p, response_ids=[5, 6, 7], rollout_logprobs=[-1.0] * 3, temperatures=[],
+                        finish_reason="length", prompt_index=0, sample_index=k, weight_versions=[version] * 3)
+                 for k in range(params.n)] for p in prompt_ids]
+
+
+def test_over_sampling_passes_over_a_slow_group_and_masks_its_tokens_past_the_bound():
+    """``rollout.over_sampling: 2`` with ``max_staleness: 1`` and ``partial_mode: mask_prefix``: the
+    first prompt's group holds its answer; steps 1 and 2 train without it (passed over), it trains
+    once released, sampled at version 0 in a batch of version >= 2: its tokens are masked, every
+    other token trains. Mutation tried: the buffer taking in admission order (over-sampling
+    ignored): step 1 waits for the slow group (the test times out on its release wait)."""
+    rt = _rt(1, extra=["rollout.over_sampling=2", "rollout.partial_mode=mask_prefix"])
+    slow = _sampler_order(B)[0]
+    rt.engine = SlowGroupEngine(slow)
+    ar = AsyncRollout(rt).start()
+    seen = []
+    try:
+        for step in range(1, 7):
+            kept, metrics, _, _ = ar.take_step(step)
+            prompts = _prompts(kept)
+            seen.append((prompts, metrics, kept))
+            if slow in prompts:
+                break
+            rt.rl.step = step
+            with ar.paused(step):
+                rt.engine.version = step
+            if step == 2:
+                rt.engine.release.set()
+    finally:
+        rt.engine.release.set()
+        ar.close()
+    assert slow not in seen[0][0] and seen[0][1]["rollout/passed_over_groups"] >= 1
+    prompts, metrics, kept = seen[-1]
+    assert slow in prompts and len(seen) >= 3 and metrics["rollout/staleness_max"] >= 2
+    for i in range(len(kept)):
+        mask = list(kept.token_mask[i])
+        assert mask == ([0.0] * 3 if int(kept.prompt_ids[i][1]) - 10 == slow else [1.0] * 3)
+    trained = [p for s in seen for p in s[0]]
+    assert len(trained) == len(set(trained))  # none twice
