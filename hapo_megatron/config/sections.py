@@ -299,10 +299,10 @@ class RolloutConfig(_Section):
     """Over-sampling with partial rollouts (docs/algorithm.md, "Over-sampling and partial rollouts"):
     each generation round starts this factor times the prompts it needs; once enough whole groups are
     in (after dynamic sampling) the rest are aborted and kept, and the next step resumes them first
-    under the new weights. With rollout.max_staleness >= 1: a batch slot admits this factor times the
-    groups, and a batch takes the groups that finish first; one passed over trains later, its tokens
-    past the bound handled by rollout.partial_mode (docs/architecture.md, "Over-sampling under
-    asynchronous rollouts"). 1.0 = off. Needs rollout.engine=sglang."""
+    under the new weights. With rollout.max_staleness >= 1: a batch takes the groups that finish first,
+    passing over up to (factor - 1) x data.train_batch_size groups still running; one passed over
+    trains later, its tokens past the bound handled by rollout.partial_mode (docs/architecture.md,
+    "Over-sampling under asynchronous rollouts"). 1.0 = off. Needs rollout.engine=sglang."""
     partial_mode: str = "correct"
     """How a resumed response's tokens from older weights train: correct (the off-policy correction,
     algo.rollout_is; auto picks token_tis) or mask_prefix (those tokens are left out of the loss)."""

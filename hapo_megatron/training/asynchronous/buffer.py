@@ -18,12 +18,13 @@ overtaken by later ones (which would push it into a later batch). Samples are ne
 age; a filtered group frees its place at once (it does not count towards a batch).
 
 Over-sampling (``over_sampling`` f > 1; docs/architecture.md, "Over-sampling under asynchronous
-rollouts"): a batch slot holds ``ceil(f * batch_groups)`` groups in the admission rule, and a batch
-is the first ``batch_groups`` *finished* kept groups in admission order, so the long tail no longer
-holds the batch back. A group passed over keeps generating and trains in a later batch: its oldest
-tokens may then be more than ``max_staleness`` versions old, which ``rollout.partial_mode`` handles
-as it does the synchronous loop's resumed responses (masked, or corrected by ``algo.rollout_is``);
-the bound then holds for admission (how far generation runs ahead), not per token.
+rollouts"): a batch is the first ``batch_groups`` *finished* kept groups in admission order, passing
+over up to ``ceil((f - 1) * batch_groups)`` groups still running (the long tail no longer holds the
+batch back; past that many, it waits as without over-sampling). Admission is unchanged, so a group
+never passed over keeps the bound: every group taken before it is older, at most ``L`` of them. A
+group passed over keeps generating and trains in a later batch; its oldest tokens may then be more
+than ``max_staleness`` versions old, which ``rollout.partial_mode`` handles as it does the
+synchronous loop's resumed responses (masked, or corrected by ``algo.rollout_is``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class StalenessBuffer:
     """Thread-safe admission / finish / take (see the module docstring)."""
 
     def __init__(self, batch_groups: int, max_staleness: int, *, version: int = 0, taken: Optional[int] = None,
-                 over_sampling: float = 1.0):
+                 over_sampling: float):
         if int(batch_groups) < 1:
             raise ValueError(f"batch_groups must be >= 1, got {batch_groups}")
         if int(max_staleness) < 0:
@@ -67,7 +68,7 @@ class StalenessBuffer:
             raise ValueError(f"over_sampling must be >= 1, got {over_sampling}")
         self.batch_groups, self.max_staleness = int(batch_groups), int(max_staleness)
         self.over_sampling = float(over_sampling)
-        self.slot = math.ceil(self.over_sampling * self.batch_groups)  # groups per batch slot at admission
+        self.max_passed_over = math.ceil((self.over_sampling - 1.0) * self.batch_groups)
         self.version = int(version)
         self.taken = int(version if taken is None else taken)
         self._cond = threading.Condition()
@@ -79,11 +80,12 @@ class StalenessBuffer:
         self.num_filtered = 0
         self.num_kept = 0
         self.passed_over = 0  # the last batch: live groups admitted before its newest that it left
+        self._ever_passed: set[int] = set()  # live tickets some batch passed over (may exceed the bound)
 
     # ------------------------------------------------------------------ producer side
     def may_admit(self) -> bool:
         """Whether a new group may start now (the lag rule of the module docstring)."""
-        lands_in = self.taken + len(self._live) // self.slot
+        lands_in = self.taken + len(self._live) // self.batch_groups
         return lands_in - self.version <= self.max_staleness
 
     def admit(self, prompt_index: int, *, timeout: Optional[float] = None) -> Optional[int]:
@@ -122,6 +124,7 @@ class StalenessBuffer:
             else:
                 self.num_filtered += 1
                 del self._live[group.ticket]
+                self._ever_passed.discard(group.ticket)
             self._cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
@@ -138,18 +141,25 @@ class StalenessBuffer:
     # ------------------------------------------------------------------ trainer side
     def _next_batch(self) -> Optional[list[int]]:
         """The tickets of the next batch, or None while it is not ready: the first
-        ``batch_groups`` live groups once all are finished; over-sampling: the first
-        ``batch_groups`` finished ones (module docstring)."""
-        if self.over_sampling > 1.0:
-            head = [t for t in self._live if t in self._done][:self.batch_groups]
-        else:
-            head = [t for t in list(self._live)[:self.batch_groups] if t in self._done]
+        ``batch_groups`` finished live groups in admission order, passing over at most
+        ``max_passed_over`` running ones (0 without over-sampling: the first live groups, once
+        all are finished)."""
+        head, passed = [], 0
+        for t in self._live:
+            if len(head) == self.batch_groups:
+                break
+            if t in self._done:
+                head.append(t)
+            else:
+                passed += 1
+                if passed > self.max_passed_over:
+                    return None
         return head if len(head) == self.batch_groups else None
 
     def take(self, *, timeout: Optional[float] = None) -> Optional[list[FinishedGroup]]:
         """The next batch (`_next_batch`), in admission order. None after ``timeout``; raises the
-        producer's error, or `BufferClosed`. Without over-sampling, checks the lag rule on every
-        group (an error here is a bug)."""
+        producer's error, or `BufferClosed`. Checks the lag rule on every group no batch passed
+        over (an error here is a bug)."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._error is not None or self._closed or
                                        self._next_batch() is not None, timeout=timeout):
@@ -160,16 +170,20 @@ class StalenessBuffer:
                 raise self._error
             head = self._next_batch()
             taken = set(head)
-            self.passed_over = sum(1 for t in self._live if t < head[-1] and t not in taken)
+            passed = [t for t in self._live if t < head[-1] and t not in taken]
+            self.passed_over = len(passed)
+            self._ever_passed.update(passed)
             out = [self._done.pop(t) for t in head]
             for t in head:
                 del self._live[t]
+            late = self._ever_passed & taken  # over-sampling: may be older; rollout.partial_mode handles it
+            self._ever_passed -= taken
             batch_version = self.taken
             self.taken += 1
             self._cond.notify_all()
-        if self.over_sampling > 1.0:  # a group passed over may be older: rollout.partial_mode handles it
-            return out
         for g in out:
+            if g.ticket in late:
+                continue
             lag = batch_version - g.min_version
             if lag > self.max_staleness or lag < 0:
                 raise AssertionError(f"group {g.ticket} (prompt {g.prompt_index}) sampled at version {g.min_version} "

@@ -68,7 +68,7 @@ class AsyncRollout:
         self._stop = threading.Event()
         self._filter = DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
                                       max_num_gen_batches=cfg.algo.max_num_gen_batches)
-        self._pool = ThreadPoolExecutor(max_workers=(self.k + 1) * self.buffer.slot,
+        self._pool = ThreadPoolExecutor(max_workers=(self.k + 1) * self.batch_groups,
                                         thread_name_prefix="hapo-rollout")
         self._thread = threading.Thread(target=self._run, name="hapo-rollout-producer", daemon=True)
         self._busy_since: Optional[float] = None  # generation busy time (>= 1 group in flight)

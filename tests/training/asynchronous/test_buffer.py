@@ -29,7 +29,7 @@ def _finish(buf, ticket, version, kept=True):
 def test_hand_computed_admissions():
     """B = 2, k = 1: 4 groups at version 0 (batches 0 and 1); after taking batch 0 no group may
     start until the update to version 1 (it would land in batch 2: lag 2); then 2 more."""
-    buf = StalenessBuffer(batch_groups=2, max_staleness=1)
+    buf = StalenessBuffer(batch_groups=2, max_staleness=1, over_sampling=1.0)
     assert _admit_all(buf, 0) == [0, 1, 2, 3]
     assert buf.admit(4, timeout=0) is None
     for t in (3, 1, 0, 2):  # finish out of order
@@ -44,7 +44,7 @@ def test_hand_computed_admissions():
 
 
 def test_max_staleness_zero_generates_one_batch_at_a_time():
-    buf = StalenessBuffer(batch_groups=3, max_staleness=0)
+    buf = StalenessBuffer(batch_groups=3, max_staleness=0, over_sampling=1.0)
     assert _admit_all(buf, 0) == [0, 1, 2]
     for t in range(3):
         _finish(buf, t, 0)
@@ -55,7 +55,7 @@ def test_max_staleness_zero_generates_one_batch_at_a_time():
 
 
 def test_filtered_groups_free_their_place_and_do_not_count():
-    buf = StalenessBuffer(batch_groups=2, max_staleness=0)
+    buf = StalenessBuffer(batch_groups=2, max_staleness=0, over_sampling=1.0)
     a, b = _admit_all(buf, 0)
     _finish(buf, a, 0, kept=False)
     assert buf.take(timeout=0) is None  # one kept group is not a batch
@@ -67,7 +67,7 @@ def test_filtered_groups_free_their_place_and_do_not_count():
 
 
 def test_a_violated_lag_is_an_error_and_errors_reach_the_trainer():
-    buf = StalenessBuffer(batch_groups=1, max_staleness=0, version=5)
+    buf = StalenessBuffer(batch_groups=1, max_staleness=0, version=5, over_sampling=1.0)
     t = buf.admit(0, timeout=0)
     _finish(buf, t, 3)  # claims tokens of version 3 in the batch trained at version 5
     with pytest.raises(AssertionError, match="lag 2"):
@@ -89,7 +89,7 @@ def test_random_schedules_never_exceed_the_lag(k, seed):
     (some group is trained exactly k versions late when k > 0)."""
     rng = random.Random(seed * 10 + k)
     B, steps = 3, 12
-    buf = StalenessBuffer(batch_groups=B, max_staleness=k)
+    buf = StalenessBuffer(batch_groups=B, max_staleness=k, over_sampling=1.0)
     running: dict[int, tuple[int, int]] = {}  # ticket -> (version at start, time left)
     next_prompt, trained, filtered, lags = 0, [], [], []
     for _ in range(steps):
@@ -126,26 +126,38 @@ def test_random_schedules_never_exceed_the_lag(k, seed):
 
 
 def test_hand_computed_over_sampling():
-    """B = 2, k = 1, over-sampling 1.5: a slot holds 3 groups, so 6 start at version 0; the batch
-    takes the first two that finished (1 and 3), passing over 0 and 2; group 0 trains in the next
-    batch, group 2 two versions after its start (its tokens past the bound: rollout.partial_mode)."""
+    """B = 2, k = 1, over-sampling 1.5: a batch may pass over one running group. 4 groups start at
+    version 0; batch 0 takes 1 and 2, passing over 0; with 0 and 3 running, batch 1 waits until 3
+    finishes (passing over both would be one too many). Group 0 trains in batch 2, two versions
+    after its start (its tokens past the bound: rollout.partial_mode); the groups never passed
+    over keep the bound (the take checks it)."""
     buf = StalenessBuffer(batch_groups=2, max_staleness=1, over_sampling=1.5)
-    assert _admit_all(buf, 0) == [0, 1, 2, 3, 4, 5]
-    _finish(buf, 3, 0)
+    assert buf.max_passed_over == 1
+    assert _admit_all(buf, 0) == [0, 1, 2, 3]  # admission as without over-sampling
+    _finish(buf, 2, 0)
     assert buf.take(timeout=0) is None  # one finished group is not a batch
     _finish(buf, 1, 0)
-    assert [g.ticket for g in buf.take(timeout=0)] == [1, 3] and buf.passed_over == 2
-    assert not buf.may_admit()  # 4 live: 1 + 4 // 3 = batch 2, 2 versions past version 0
+    assert [g.ticket for g in buf.take(timeout=0)] == [1, 2] and buf.passed_over == 1
     buf.set_version(1)
-    assert _admit_all(buf, 6) == [6, 7]
-    for t in (6, 0, 7):
-        _finish(buf, t, 0 if t == 0 else 1)
-    assert [g.ticket for g in buf.take(timeout=0)] == [0, 6] and buf.passed_over == 3  # 2, 4, 5
+    assert _admit_all(buf, 4) == [4, 5]
+    _finish(buf, 4, 1)
+    _finish(buf, 5, 1)
+    assert buf.take(timeout=0) is None  # 0 and 3 running: passing both over is one too many
+    _finish(buf, 3, 0)
+    assert [g.ticket for g in buf.take(timeout=0)] == [3, 4] and buf.passed_over == 1  # lag 1
     buf.set_version(2)
-    _finish(buf, 2, 0)
-    got = buf.take(timeout=0)  # batch 2: group 2 started at version 0, lag 2 > k; no error
-    assert [g.ticket for g in got] == [2, 7] and buf.taken - 1 - got[0].min_version == 2
-    assert buf.pending_prompts() == [4, 5]
+    _finish(buf, 0, 0)
+    got = buf.take(timeout=0)  # batch 2: group 0 started at version 0, lag 2 > k; no error
+    assert [g.ticket for g in got] == [0, 5] and buf.taken - 1 - got[0].min_version == 2
+
+
+def test_a_group_never_passed_over_keeps_the_bound():
+    """The take's check still holds for the groups no batch passed over (a bug would raise)."""
+    buf = StalenessBuffer(batch_groups=1, max_staleness=0, over_sampling=2.0, version=5)
+    t = buf.admit(0, timeout=0)
+    _finish(buf, t, 3)
+    with pytest.raises(AssertionError, match="lag 2"):
+        buf.take(timeout=0)
 
 
 def _simulate(over_sampling: float, seed: int, steps: int = 10, B: int = 3, k: int = 1):
@@ -185,7 +197,7 @@ def test_over_sampling_loses_and_repeats_no_prompt(seed):
 def test_over_sampling_waits_less_for_the_long_tail():
     """Heavy-tailed schedules (drawn the same way; not the same draws, since more groups start):
     the trainer waits fewer ticks in total when a batch takes the groups that finish first
-    (here 7 against 201 over the six seeds)."""
+    (here 72 against 201 over the six seeds)."""
     in_order = sum(_simulate(1.0, seed)[0] for seed in range(6))
     first_finished = sum(_simulate(2.0, seed)[0] for seed in range(6))
     assert first_finished < in_order, (first_finished, in_order)
