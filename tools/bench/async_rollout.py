@@ -187,6 +187,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--producer", choices=("process", "thread"), default="process",
                     help="rollout.async_producer of the asynchronous settings (the rollout manager process, or "
                          "threads in the trainer)")
+    ap.add_argument("--length-median", type=float, default=0.0,
+                    help="heavy-tailed response lengths (the stand-in's lognormal of this median, capped at "
+                         "--length; 0: every response runs to --length)")
+    ap.add_argument("--over-sampling", type=float, default=1.0,
+                    help="> 1: the settings are max_staleness 0, 1, and 1 with rollout.over_sampling at this factor "
+                         "(docs/architecture.md, 'Over-sampling under asynchronous rollouts')")
     ap.add_argument("--gil-probe", action="store_true",
                     help="run the trainers with HAPO_GIL_PROBE=1 (training/metrics/host_cpu.py): the probe "
                          "thread's wait for the interpreter lock, as a fraction of the wall time")
@@ -222,28 +228,33 @@ def main(argv=None) -> dict:
         train_s = cal["busy_s_per_step"]
     # one step generates batch x n rows, one request per group (all at once): length tokens of wall time
     rate = length / max(args.gen_train_ratio * train_s, 1e-3)
-    parts: dict[int, list[dict]] = {0: [], 1: [], 2: []}
-    procs, urls = start_servers(2, rate, rec_dir)
+    # setting label -> (max_staleness, rollout.over_sampling)
+    settings = ({"0": (0, 1.0), "1": (1, 1.0), f"1 os{args.over_sampling:g}": (1, args.over_sampling)}
+                if args.over_sampling > 1.0 else {"0": (0, 1.0), "1": (1, 1.0), "2": (2, 1.0)})
+    parts: dict[str, list[dict]] = {label: [] for label in settings}
+    tail = ("--length-median", str(args.length_median)) if args.length_median > 0 else ()
+    procs, urls = start_servers(2, rate, rec_dir, extra=(tail, tail))
     try:
         for rep in range(args.repeats):
-            for k in parts:
-                run_dir = os.path.join(work, f"staleness_{k}" + (f"_{rep}" if rep else ""))
+            for label, (k, over) in settings.items():
+                run_dir = os.path.join(work, f"setting_{label.replace(' ', '_')}" + (f"_{rep}" if rep else ""))
                 cpu0 = proc_cpu_s(procs)
+                over_kw = {**size, "extra": {**size["extra"], "rollout.over_sampling": over}}
                 recs = run_job(data, run_dir, job_overrides(
-                    data, run_dir, urls, max_staleness=k, steps=steps + warmup, response_length=length, **size),
+                    data, run_dir, urls, max_staleness=k, steps=steps + warmup, response_length=length, **over_kw),
                     env=env)
                 part = summarize(recs, warmup=warmup)
                 # the servers' CPU over the whole job (start-up and warm-up too), per step of it
                 part["server_cpu"] = (proc_cpu_s(procs) - cpu0) * part["steps"] / max(len(recs), 1)
-                parts[k].append(part)
+                parts[label].append(part)
     finally:
         stop_servers(procs)
     results = {k: combine(p) for k, p in parts.items()}
-    base = results[0]["steps_per_hour"]
+    base = results["0"]["steps_per_hour"]
     print(f"training {train_s:.2f} s/step (calibration), token rate {rate:.1f}/s -> generation "
           f"~{length / rate:.2f} s/step; {args.repeats} round(s) of {steps} steps per setting")
-    base_median = results[0]["steps_per_hour_median"]
-    base_busy = results[0]["busy_s_per_step"]
+    base_median = results["0"]["steps_per_hour_median"]
+    base_busy = results["0"]["busy_s_per_step"]
     print(f"{'max_staleness':>13} {'steps/h':>9} {'ratio':>6} {'idle':>6} {'busy s/step':>11} {'busy ratio':>10} "
           f"{'steps/h (median step)':>21} {'ratio':>6} {'staleness_max':>13}")
     for k, r in results.items():
