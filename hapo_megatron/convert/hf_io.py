@@ -10,8 +10,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
+from hapo_megatron.safetensors_files import INDEX_NAME, tensor_files
 # Files next to the weights that a loadable HF model directory needs besides config.json.
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -30,18 +29,7 @@ class HFCheckpointReader(Mapping):
 
     def __init__(self, path: str):
         self.path = path
-        index = os.path.join(path, INDEX_NAME)
-        if os.path.isfile(index):
-            with open(index) as f:
-                self._file_of = dict(json.load(f)["weight_map"])
-        elif os.path.isfile(os.path.join(path, SINGLE_NAME)):
-            from safetensors import safe_open
-
-            with safe_open(os.path.join(path, SINGLE_NAME), "pt") as f:
-                self._file_of = {k: SINGLE_NAME for k in f.keys()}
-        else:
-            raise ValueError(f"hf_model_path: no {INDEX_NAME} or {SINGLE_NAME} in {path!r} "
-                             "(only safetensors checkpoints are supported)")
+        self._file_of = tensor_files(path)
         self._handles: dict = {}
 
     def _handle(self, name: str):

@@ -21,23 +21,9 @@ import os
 import zlib
 from typing import Any, Optional
 
+from hapo_megatron.safetensors_files import tensor_files
+
 LORA_RECORD = "lora.json"
-_INDEX, _SINGLE = "model.safetensors.index.json", "model.safetensors"
-
-
-def _tensor_files(path: str) -> dict[str, str]:
-    """name -> safetensors file of an HF model directory."""
-    index = os.path.join(path, _INDEX)
-    if os.path.isfile(index):
-        with open(index) as f:
-            return dict(json.load(f)["weight_map"])
-    from safetensors import safe_open
-    single = os.path.join(path, _SINGLE)
-    if not os.path.isfile(single):
-        raise ValueError(f"model.hf_model_path: no {_INDEX} or {_SINGLE} in {path!r}: a LoRA run needs the base "
-                         "model's safetensors weights")
-    with safe_open(single, "pt") as f:
-        return {k: _SINGLE for k in f.keys()}
 
 
 def base_weights_hash(path: str) -> str:
@@ -45,7 +31,8 @@ def base_weights_hash(path: str) -> str:
     of how the tensors are split into files."""
     import torch
     from safetensors import safe_open
-    files = _tensor_files(path)
+    files = tensor_files(path, field="model.hf_model_path",
+                         why="a LoRA run needs the base model's safetensors weights")
     by_file: dict[str, list[str]] = {}
     for name, file in files.items():
         by_file.setdefault(file, []).append(name)
