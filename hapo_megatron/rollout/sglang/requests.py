@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from hapo_megatron.rollout.engine import ABORT, RowRequest, RowResult, SamplingParams
+from hapo_megatron.rollout.engine import ABORT, RowRequest, RowResult, Sample, SamplingParams
 from hapo_megatron.rollout.routed_experts import decode_routed_experts
 from hapo_megatron.rollout.sglang.client import SGLangError
 
@@ -125,6 +125,23 @@ def parse_routed_experts(item: dict, positions: int):
     return decode_routed_experts(encoded, positions)
 
 
+def answer_samples(answer: Any, prompts: Sequence[Sequence[int]], rows: Sequence[tuple[int, int]], *,
+                   return_routes: bool) -> list[Sample]:
+    """The `Sample`s of one ``/generate`` call's answer (a list, one item per row of the call);
+    ``rows[i]``: the (prompt index into ``prompts``, sample index) of the call's i-th row."""
+    if not isinstance(answer, list) or len(answer) != len(rows):
+        raise SGLangError(f"/generate returned {type(answer).__name__} for {len(rows)} rows")
+    out = []
+    for item, (p, k) in zip(answer, rows):
+        ids, logps, reason = parse_generate_item(item)
+        out.append(Sample(prompt_ids=list(prompts[p]), response_ids=ids, rollout_logprobs=logps, temperatures=[],
+                          finish_reason=reason, prompt_index=p, sample_index=k,
+                          routed_experts=(parse_routed_experts(item, len(prompts[p]) + len(ids) - 1)
+                                          if return_routes else None),
+                          weight_versions=parse_weight_versions(item, len(ids))))
+    return out
+
+
 def parse_row(item: dict) -> RowResult:
     """A `RowResult` of one ``/generate`` answer, aborted ones included (token ids from
     ``meta_info.output_token_logprobs``, cross-checked with ``output_ids``)."""
@@ -154,5 +171,5 @@ def group_payload(rows: Sequence[RowRequest], params: SamplingParams) -> dict:
         sp["max_new_tokens"] = int(r.max_new_tokens)
     return body
 
-__all__ = ["generate_payload", "group_payload", "parse_generate_item", "parse_routed_experts", "parse_row",
-           "parse_weight_versions", "row_sampling_params", "row_seeds"]
+__all__ = ["answer_samples", "generate_payload", "group_payload", "parse_generate_item", "parse_routed_experts",
+           "parse_row", "parse_weight_versions", "row_sampling_params", "row_seeds"]
