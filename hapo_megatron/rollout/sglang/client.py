@@ -323,7 +323,8 @@ class SGLangHTTP:
         host_step.py). Decoded with the cyclic garbage collector paused (`gc_paused`): a JSON tree has
         no cycles, and the collections its lists trigger cost 3x the decode itself; a body of bytes
         through orjson, SGLang's own JSON library, where it is installed (3x the stdlib's speed);
-        what orjson refuses (NaN / Infinity literals, integers past 64 bits) the stdlib reads."""
+        what orjson refuses (NaN / Infinity literals) the stdlib reads. orjson reads an integer past
+        64 bits as a float: SGLang's answers hold none (token ids, counts, seeds < 2**63)."""
         content = getattr(resp, "content", None)
         with gc_paused():
             if _orjson is not None and isinstance(content, bytes):
