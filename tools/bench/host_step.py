@@ -14,8 +14,20 @@ each role in a fresh process (its peak RSS is its own):
   not simulated; the message size is printed) + advantages + layout of DP rank 0's micro-batches;
   seconds and RSS growth over the process before the message arrived.
 
+With ``--manager``, the rollout manager process's host work for one step instead (issue 49,
+training/asynchronous/): each prompt group's ``/generate`` answer as SGLang 0.5.23 writes it (the
+bytes built untimed, one group at a time), decoded by the real HTTP client and parsed by
+`requests.answer_samples` (checked against what was encoded), then the producer's own group path
+(`AsyncRollout._group`: the math reward in ``reward.num_workers`` workers, build, shape, filter),
+the step's take, and the transport (`transport.py`) to a rank-0 process, with the time the recipe's
+rollout GPUs take to generate the step beside it (``--rollout-gpus`` x
+``--decode-tokens-per-s-per-gpu``). Groups run one after another with generation instant: the
+sum is the manager's host seconds per step, an upper bound (the producer's threads overlap
+parsing with the reward workers). ``--routes`` adds the parse of answers with MoE routes.
+
     python tools/bench/host_step.py                                   # 512 x 16, mean 2.5k, DP 1 and 8
     python tools/bench/host_step.py --prompts 32 --n 4 --mean 300 --gen-s 2 --dp 1 2   # quick
+    python tools/bench/host_step.py --manager --mean 10000 --sigma 0  # 512 x 16 responses of 10k tokens
 """
 
 from __future__ import annotations
@@ -421,8 +433,16 @@ def role_manager(d: dict, floor: bool) -> dict:
     engine = _AnswerEngine(d, version, floor=floor)
     recs = records(d) * 2  # a filtered group frees its place: groups past `prompts` reuse the data
     scorer = RewardScorer(cfg.reward)
+    decode_s = [0.0]
+
+    def timed_decode(ids, **_):  # the producer decodes each response for the reward in its own thread
+        t = time.perf_counter()
+        text = decode(ids)
+        decode_s[0] += time.perf_counter() - t
+        return text
+
     rt = SimpleNamespace(cfg=cfg, engine=engine, train_ds=recs, scorer=scorer, sampling_seed=lambda step, i: 0,
-                         tokenizer=SimpleNamespace(decode=lambda ids, **_: decode(ids), eos_token_id=None),
+                         tokenizer=SimpleNamespace(decode=timed_decode, eos_token_id=None),
                          rl=SimpleNamespace(step=version, sampler=SimpleNamespace(state_dict=lambda: {}),
                                             rollout_entropy_stats=None))
     ctx = multiprocessing.get_context("spawn")
@@ -471,7 +491,7 @@ def role_manager(d: dict, floor: bool) -> dict:
             "floor_gb": engine.floor_bytes / 1e9, **t,
             "parse_s": t["json_s"] + t["samples_s"],
             "reward_wait_s": metrics["timing/reward_wait_s"],
-            "rest_s": groups_s - parse_s - metrics["timing/reward_wait_s"],
+            "decode_s": decode_s[0], "rest_s": groups_s - parse_s - metrics["timing/reward_wait_s"] - decode_s[0],
             "take_s": t2 - t1, "pack_s": t3 - t2, "send_s": t5 - t4, "send_to_received_s": done - t4,
             "transport_gb": nbytes / 1e9, "received_equal": got_digest == sent_digest,
             "kept_tokens": int(kept.response_ids.flat.size),
@@ -479,10 +499,37 @@ def role_manager(d: dict, floor: bool) -> dict:
             "peak_rss_mb": peak_rss_mb(), "rank0_peak_rss_mb": rank0_rss}
 
 
+def role_routes(d: dict, shape: tuple, groups: int) -> dict:
+    """The parse of ``groups`` group answers with MoE routes (``shape``: layers, top-k, experts):
+    the client's decode and `answer_samples` with ``return_routes``; encoding and the check not timed."""
+    from hapo_megatron.rollout.sglang.client import SGLangHTTP
+    from hapo_megatron.rollout.sglang.requests import answer_samples
+    rng = np.random.default_rng(0)
+    n, out = int(d["n"]), dict(json_s=0.0, samples_s=0.0, gb=0.0, tokens=0, checked=0)
+    for g in range(groups):
+        raw, routes = group_answer(d, g, 0, routes_shape=shape, rng=rng)
+        resp = http_response(raw)
+        out["gb"] += len(raw) / 1e9
+        del raw
+        t0 = time.perf_counter()
+        answer = SGLangHTTP._json(resp)
+        t1 = time.perf_counter()
+        smp = answer_samples(answer, [d["prompts"][g].tolist()], [(0, k) for k in range(n)], return_routes=True)
+        t2 = time.perf_counter()
+        del resp, answer
+        out["json_s"] += t1 - t0
+        out["samples_s"] += t2 - t1
+        out["checked"] += check_samples(smp, d, g, 0, routes)
+        out["tokens"] += sum(len(s.response_ids) for s in smp)
+        del smp, routes
+    return {**out, "peak_rss_mb": peak_rss_mb()}
+
+
 # --------------------------------------------------------------------------- driver
 def _child(args: argparse.Namespace, role: list[str]) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--role", *role, "--out", args.out,
-           *(["--no-floor"] if args.no_floor else []),
+           *(["--no-floor"] if args.no_floor else []), "--routes-groups", str(args.routes_groups),
+           *(["--routes", *map(str, args.routes)] if args.routes else []),
            "--prompts", str(args.prompts), "--n", str(args.n), "--cap", str(args.cap),
            "--chunk", str(args.chunk), "--gen-s", str(args.gen_s), "--dp", *map(str, args.dp)]
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
@@ -494,7 +541,7 @@ def _child(args: argparse.Namespace, role: list[str]) -> dict:
 def report_manager(m: dict, args: argparse.Namespace) -> None:
     tok = m["tokens"]
     gen_s = tok / (args.rollout_gpus * args.decode_tokens_per_s_per_gpu)
-    host_s = m["parse_s"] + m["reward_wait_s"] + m["rest_s"] + m["take_s"] + m["send_to_received_s"]
+    host_s = m["parse_s"] + m["reward_wait_s"] + m["decode_s"] + m["rest_s"] + m["take_s"] + m["send_to_received_s"]
     print(f"\nrollout manager (one process; the producer's group path run group after group, generation "
           f"instant): {m['groups']} groups ({m['kept_groups']} kept), {m['responses']} responses, "
           f"{tok} response tokens")
@@ -511,7 +558,9 @@ def report_manager(m: dict, args: argparse.Namespace) -> None:
               f"the log-prob triples): {m['floor_json_s']:.2f} s, {m['floor_gb']:.2f} GB")
     print(f"  score      {m['reward_wait_s']:8.2f} s  waiting for {m['num_workers']} reward worker(s) (math reward, "
           f"{m['responses']} responses)")
-    print(f"  the rest   {m['rest_s']:8.2f} s  (decode for the reward, build, shape, filter, buffer)")
+    print(f"  decode     {m['decode_s']:8.2f} s  (the responses' text for the reward: the bench's stand-in tokenizer, "
+          f"a word per token)")
+    print(f"  the rest   {m['rest_s']:8.2f} s  (submit to the workers, build, shape, filter, buffer)")
     print(f"  take       {m['take_s']:8.2f} s  (AsyncRollout.take_step: the batch and its metrics)")
     print(f"  transport  {m['send_to_received_s']:8.2f} s  send -> received by a rank-0 process "
           f"({m['transport_gb']:.2f} GB; pack {m['pack_s']:.2f} s, send {m['send_s']:.2f} s); "
@@ -523,6 +572,19 @@ def report_manager(m: dict, args: argparse.Namespace) -> None:
     verdict = "keeps up" if host_s < gen_s else "falls behind"
     print(f"the manager {verdict}: {host_s:.0f} s of host work per {gen_s:.0f} s of generation ({gen_s / host_s:.1f}x "
           f"margin); it falls behind above {tok / host_s / args.rollout_gpus:,.0f} decode tokens/s per GPU")
+
+
+def report_routes(r: dict, m: dict, args: argparse.Namespace) -> None:
+    layers, top_k, experts = args.routes
+    g, parse_s = args.routes_groups, r["json_s"] + r["samples_s"]
+    step_s = parse_s / r["tokens"] * m["tokens"]  # extrapolated by response tokens to the manager's step
+    print(f"\nwith MoE routes ({layers} layers x top-{top_k} of {experts} experts; the synchronous loop's rank 0 "
+          f"parses them, the asynchronous producer asks for none): {g} group answers, {r['tokens']} response "
+          f"tokens, {r['gb']:.2f} GB; parsed == encoded: {r['checked']} of {r['tokens']} tokens")
+    print(f"  parse {parse_s / g:.2f} s per group (client JSON decode {r['json_s'] / g:.2f} s + answer_samples "
+          f"{r['samples_s'] / g:.2f} s): {r['tokens'] / parse_s:,.0f} response tokens/s, {step_s:.0f} s for the "
+          f"step's {m['tokens']} tokens (extrapolated; {r['gb'] / r['tokens'] * m['tokens']:.0f} GB); "
+          f"peak RSS {r['peak_rss_mb']:.0f} MB")
 
 
 def main() -> None:
@@ -542,6 +604,10 @@ def main() -> None:
     ap.add_argument("--rollout-gpus", type=int, default=8, help="--manager: the recipe's rollout GPUs")
     ap.add_argument("--decode-tokens-per-s-per-gpu", type=float, default=3160.0,
                     help="--manager: output tokens/s per rollout GPU (docs/multinode.md's published figure)")
+    ap.add_argument("--routes", type=int, nargs=3, metavar=("LAYERS", "TOP_K", "EXPERTS"),
+                    help="--manager: also time the parse of --routes-groups group answers with MoE routes "
+                         "(Qwen3-30B-A3B: 48 8 128), per step by extrapolation")
+    ap.add_argument("--routes-groups", type=int, default=2)
     ap.add_argument("--no-floor", action="store_true",
                     help="--manager: skip the answers without log-probs (the JSON floor)")
     ap.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
@@ -550,7 +616,9 @@ def main() -> None:
     if args.role:
         with np.load(os.path.join(args.out, "rollout.npz")) as z:
             d = {k: z[k] for k in z.files}
-        if args.role[0] == "manager":
+        if args.role[0] == "routes":
+            res = role_routes(d, tuple(args.routes), args.routes_groups)
+        elif args.role[0] == "manager":
             res = role_manager(d, floor=not args.no_floor)
         elif args.role[0] == "rank0":
             res = role_rank0(d, args.out, args.cap, args.chunk, args.gen_s, args.dp)
@@ -567,7 +635,10 @@ def main() -> None:
             print(f"rollout: {args.prompts} x {args.n} responses, {int(d['lengths'].sum())} response tokens "
                   f"(mean {d['lengths'].mean():.0f}, {np.mean(d['lengths'] >= args.cap):.0%} at the cap "
                   f"{args.cap}), prompts of {args.prompt_len}; one /generate answer per group")
-            report_manager(_child(args, ["manager"]), args)
+            m = _child(args, ["manager"])
+            report_manager(m, args)
+            if args.routes:
+                report_routes(_child(args, ["routes"]), m, args)
             return
         print(f"rollout: {args.prompts} x {args.n} responses, {int(d['lengths'].sum())} response tokens "
               f"(mean {d['lengths'].mean():.0f}), prompts of {args.prompt_len}; layout {LAYOUT}; "

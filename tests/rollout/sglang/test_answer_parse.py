@@ -55,16 +55,17 @@ def _old_parse(item: dict) -> tuple[list[int], list[float], str]:
     return ids, logps, kind
 
 
-def _answer(seed: int, rows: int = 3) -> list[dict]:
-    """Rows of a ``/generate`` answer: float32 log-probs as SGLang sends them, float64 extremes, a
-    text with escapes and non-ASCII characters, version spans as strings (SGLang's)."""
+def _answer(seed: int, rows: int = 3, *, extremes: bool = True) -> list[dict]:
+    """Rows of a ``/generate`` answer: float32 log-probs as SGLang sends them, float64 extremes
+    (``extremes``: -0.0, the smallest subnormal, the largest double), a text with escapes and
+    non-ASCII characters, version spans as strings (SGLang's)."""
     rng = np.random.default_rng(seed)
     out = []
     for r in range(rows):
         n = int(rng.integers(1, 50))
         ids = rng.integers(0, 152_000, n).tolist()
         lps = (-rng.exponential(2.0, n)).astype(np.float32).tolist()
-        if r == 0 and n >= 4:
+        if extremes and r == 0 and n >= 4:
             lps[:4] = [-0.0, -5e-324, -1.7976931348623157e308, -1e-300]
         out.append({"text": 'a "quote" \\ back\nslash é 数学 \U0001f600', "output_ids": ids,
                     "meta_info": {"id": "abc", "finish_reason": {"type": "stop" if r else "length", "matched": ids[-1]},
@@ -201,7 +202,7 @@ def test_arrays_refuse_what_the_reference_refuses():
 
 
 def test_answer_samples_equal_samples_of_the_reference():
-    answer = _answer(5, rows=4)
+    answer = _answer(5, rows=4, extremes=False)  # a Sample holds float32
     prompts = [[9, 8, 7], [1, 2]]
     rows = [(1, 0), (0, 3), (1, 1), (0, 0)]
     got = answer_samples(answer, prompts, rows, return_routes=False)
@@ -222,7 +223,7 @@ def test_answer_samples_equal_samples_of_the_reference():
 
 def test_answer_samples_decode_the_routes():
     import base64
-    item = _answer(6, rows=1)[0]
+    item = _answer(6, rows=1, extremes=False)[0]
     n = len(item["output_ids"])
     routes = np.random.default_rng(0).integers(0, 128, (3 + n - 1, 4 * 2), dtype=np.int32)
     item["meta_info"]["routed_experts"] = base64.b64encode(routes.tobytes()).decode()
