@@ -505,7 +505,8 @@ def role_routes(d: dict, shape: tuple, groups: int) -> dict:
     from hapo_megatron.rollout.sglang.client import SGLangHTTP
     from hapo_megatron.rollout.sglang.requests import answer_samples
     rng = np.random.default_rng(0)
-    n, out = int(d["n"]), dict(json_s=0.0, samples_s=0.0, gb=0.0, tokens=0, checked=0)
+    from hapo_megatron.rollout.routed_experts import _b64decode
+    n, out = int(d["n"]), dict(json_s=0.0, samples_s=0.0, b64_s=0.0, b64_stdlib_s=0.0, gb=0.0, tokens=0, checked=0)
     for g in range(groups):
         raw, routes = group_answer(d, g, 0, routes_shape=shape, rng=rng)
         resp = http_response(raw)
@@ -516,9 +517,17 @@ def role_routes(d: dict, shape: tuple, groups: int) -> dict:
         t1 = time.perf_counter()
         smp = answer_samples(answer, [d["prompts"][g].tolist()], [(0, k) for k in range(n)], return_routes=True)
         t2 = time.perf_counter()
-        del resp, answer
+        encoded = [item["meta_info"]["routed_experts"] for item in answer]
+        t3 = time.perf_counter()
+        [_b64decode(e) for e in encoded]
+        t4 = time.perf_counter()
+        [base64.b64decode(e) for e in encoded]  # the decode before pybase64: the stdlib's lenient one
+        t5 = time.perf_counter()
+        del resp, answer, encoded
         out["json_s"] += t1 - t0
         out["samples_s"] += t2 - t1
+        out["b64_s"] += t4 - t3
+        out["b64_stdlib_s"] += t5 - t4
         out["checked"] += check_samples(smp, d, g, 0, routes)
         out["tokens"] += sum(len(s.response_ids) for s in smp)
         del smp, routes
@@ -585,6 +594,9 @@ def report_routes(r: dict, m: dict, args: argparse.Namespace) -> None:
           f"{r['samples_s'] / g:.2f} s): {r['tokens'] / parse_s:,.0f} response tokens/s, {step_s:.0f} s for the "
           f"step's {m['tokens']} tokens (extrapolated; {r['gb'] / r['tokens'] * m['tokens']:.0f} GB); "
           f"peak RSS {r['peak_rss_mb']:.0f} MB")
+    before = parse_s - r["b64_s"] + r["b64_stdlib_s"]
+    print(f"  before (the stdlib's base64 decode, {r['b64_stdlib_s'] / g:.2f} s per group against "
+          f"{r['b64_s'] / g:.2f} s now): parse {before / g:.2f} s per group = {before / parse_s:.2f}x the parse now")
 
 
 def main() -> None:
@@ -608,6 +620,8 @@ def main() -> None:
                     help="--manager: also time the parse of --routes-groups group answers with MoE routes "
                          "(Qwen3-30B-A3B: 48 8 128), per step by extrapolation")
     ap.add_argument("--routes-groups", type=int, default=2)
+    ap.add_argument("--routes-only", action="store_true", help="--routes without the manager's step (extrapolated "
+                    "to the rollout's response tokens)")
     ap.add_argument("--no-floor", action="store_true",
                     help="--manager: skip the answers without log-probs (the JSON floor)")
     ap.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
@@ -635,6 +649,9 @@ def main() -> None:
             print(f"rollout: {args.prompts} x {args.n} responses, {int(d['lengths'].sum())} response tokens "
                   f"(mean {d['lengths'].mean():.0f}, {np.mean(d['lengths'] >= args.cap):.0%} at the cap "
                   f"{args.cap}), prompts of {args.prompt_len}; one /generate answer per group")
+            if args.routes_only:
+                report_routes(_child(args, ["routes"]), {"tokens": int(d["lengths"].sum())}, args)
+                return
             m = _child(args, ["manager"])
             report_manager(m, args)
             if args.routes:

@@ -156,16 +156,20 @@ def test_gc_paused_counts_nested_and_concurrent_blocks():
             inside.set()
             release.wait()
 
-    t = threading.Thread(target=other)
-    with gc_paused():
-        t.start()
-        inside.wait()
+    t = threading.Thread(target=other, daemon=True)
+    states = []
+    try:
         with gc_paused():
-            assert not gc.isenabled()
-        assert not gc.isenabled()
-    assert not gc.isenabled()  # the other thread is still inside
-    release.set()
-    t.join()
+            t.start()
+            inside.wait()
+            with gc_paused():
+                states.append(gc.isenabled())
+            states.append(gc.isenabled())
+        states.append(gc.isenabled())  # the other thread is still inside
+    finally:
+        release.set()
+        t.join()
+    assert states == [False, False, False]
     assert gc.isenabled()
     gc.disable()
     try:  # off before: stays off
@@ -230,3 +234,23 @@ def test_answer_samples_decode_the_routes():
     (s,) = answer_samples([item], [[1, 2, 3]], [(0, 0)], return_routes=True)
     assert s.routed_experts.dtype == np.int16 and np.array_equal(s.routed_experts, routes)
     assert np.array_equal(s.routed_experts, parse_routed_experts(item, 3 + n - 1))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_routes_decode_equals_the_stdlib_decode(monkeypatch, fast):
+    import base64
+
+    from hapo_megatron.rollout import routed_experts
+    if fast:
+        pytest.importorskip("pybase64")
+    else:
+        monkeypatch.setattr(routed_experts, "_pybase64", None)
+    rng = np.random.default_rng(1)
+    for positions in (1, 7, 300):
+        routes = rng.integers(0, 32_000, (positions, 6), dtype=np.int32)
+        encoded = base64.b64encode(routes.tobytes()).decode()
+        ref = np.frombuffer(base64.b64decode(encoded), np.int32).reshape(positions, -1).astype(np.int16)
+        got = routed_experts.decode_routed_experts(encoded, positions)
+        assert got.dtype == np.int16 and np.array_equal(got, ref)
+    with pytest.raises(ValueError):  # strict: a character outside the alphabet is an error, not skipped
+        routed_experts.decode_routed_experts(encoded[:8] + "!" + encoded[8:], 300)
