@@ -321,7 +321,8 @@ class SGLangHTTP:
         """The answer's JSON (None for an empty body), the manager's largest host cost at recipe scale
         (a ``/generate`` answer holds a ``[logprob, id, null]`` list per token; tools/bench/README.md,
         host_step.py). Decoded with the cyclic garbage collector paused (`gc_paused`): a JSON tree has
-        no cycles, and the collections its lists trigger cost 3x the decode itself; a body of bytes
+        no cycles, and the collections its lists trigger tripled the stdlib's decode time (0.33 s
+        against 0.10 s on a group of 16 answers of 10k tokens); a body of bytes
         through orjson, SGLang's own JSON library, where it is installed (3x the stdlib's speed);
         what orjson refuses (NaN / Infinity literals) the stdlib reads. orjson reads an integer past
         64 bits as a float: SGLang's answers hold none (token ids, counts, seeds < 2**63)."""
