@@ -14,9 +14,10 @@ each role in a fresh process (its peak RSS is its own):
   not simulated; the message size is printed) + advantages + layout of DP rank 0's micro-batches;
   seconds and RSS growth over the process before the message arrived.
 
-With ``--manager``, the rollout manager process's host work for one step instead (issue 49,
-training/asynchronous/): each prompt group's ``/generate`` answer as SGLang 0.5.23 writes it (the
-bytes built untimed, one group at a time), decoded by the real HTTP client and parsed by
+With ``--manager``, the rollout manager process's host work for one step instead
+(training/asynchronous/; docs/architecture.md, "The manager at recipe scale"): each prompt
+group's ``/generate`` answer as SGLang 0.5.23 writes it (the bytes built untimed, one group at a
+time), decoded by the real HTTP client and parsed by
 `requests.answer_samples` (checked against what was encoded), then the producer's own group path
 (`AsyncRollout._group`: the math reward in ``reward.num_workers`` workers, build, shape, filter),
 the step's take, and the transport (`transport.py`) to a rank-0 process, with the time the recipe's
