@@ -9,7 +9,9 @@ Mutations tried: `SGLangHTTP._json` without `gc_paused` (fails
 `test_bytes_go_through_orjson_not_requests`), without the stdlib fallback (fails
 `test_what_orjson_refuses_the_stdlib_reads`); `gc_paused` turning the collector on at the first
 exit of two (fails `test_gc_paused_counts_nested_and_concurrent_blocks`);
-`generate_item_arrays` reading the log-prob as the id (fails the comparison with the reference)."""
+`generate_item_arrays` reading the log-prob as the id (fails the comparison with the reference);
+`routed_experts._b64decode` without ``validate=True``, with pybase64 or the stdlib (fails
+`test_routes_decode_equals_the_stdlib_decode` of that path)."""
 
 from __future__ import annotations
 
