@@ -14,11 +14,25 @@ import base64
 
 import numpy as np
 
+try:  # SIMD base64, an SGLang dependency (its servers encode the routes with it)
+    import pybase64 as _pybase64
+except ImportError:  # pragma: no cover - an install without SGLang's dependencies
+    _pybase64 = None
+
+
+def _b64decode(encoded: str) -> bytes:
+    """Strict base64 (a character outside the alphabet raises ``ValueError``). pybase64's strict
+    decode is 15x the stdlib's lenient one on a 10k-token answer's routes (21 MB a row): the routes
+    of a recipe step are ~170 GB of base64 (tools/bench/README.md, host_step.py)."""
+    if _pybase64 is not None:
+        return _pybase64.b64decode(encoded, validate=True)
+    return base64.b64decode(encoded, validate=True)
+
 
 def decode_routed_experts(encoded: str, positions: int) -> np.ndarray:
     """SGLang's base64 ``routed_experts`` as an int16 array ``[positions, num_layers * top_k]``
     (`Sample.routed_experts`; ``.reshape(positions, num_layers, top_k)`` splits the layers)."""
-    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    flat = np.frombuffer(_b64decode(encoded), dtype=np.int32)
     if positions <= 0 or flat.size % positions or flat.size == 0:
         raise ValueError(f"routed_experts holds {flat.size} ids, not the same number for each of "
                          f"{positions} positions: does the answer belong to this sequence?")

@@ -43,9 +43,9 @@ def _scripted_engines() -> list[type]:
     from tests.test_evaluation import OracleEngine
     from tests.training.test_reward_counts import _Engine
     from tests.tools._load import load_tool
-    bench_engine = load_tool("bench/host_step")._ChunkedEngine  # a benchmark's engine runs the loops too
+    bench = load_tool("bench/host_step")  # a benchmark's engines run the loops too
     return [StandInEngine, PartialFake, _HalfReader, FakeEngine, _LateRequestEngine, _SyncEngine, ScriptedServers,
-            SyncOnly, _Engine, EvalFake, OracleEngine, bench_engine]
+            SyncOnly, _Engine, EvalFake, OracleEngine, bench._ChunkedEngine, bench._AnswerEngine]
 
 
 def _shape(fn) -> list[tuple]:

@@ -83,9 +83,8 @@ from hapo_megatron.rollout.sglang import launch as launcher
 from hapo_megatron.rollout.sglang.api_key import resolve_api_key
 from hapo_megatron.rollout.engine import (GenerationAborted, RowRequest, RowResult, Sample, SamplingParams,
                                           check_prompt_ids, drain_weights)
-from hapo_megatron.rollout.sglang.requests import (generate_payload, group_payload, parse_generate_item,
-                                                   parse_routed_experts, parse_row, parse_weight_versions,
-                                                   row_sampling_params, row_seeds)
+from hapo_megatron.rollout.sglang.requests import (answer_samples, generate_payload, group_payload,
+                                                   parse_generate_item, parse_row, row_sampling_params, row_seeds)
 from hapo_megatron.rollout.sglang.server_supervisor import ServerPoolError, ServerSupervisor, first_line
 from hapo_megatron.rollout.sglang.client import (EndpointNotFoundError, RequestRefusedError, SGLangError,
                                                  SGLangHTTP, ServerHandle)
@@ -343,14 +342,7 @@ class SGLangEngine:
                                                        seeds=[seeds[i] for i in idx]))
             # a server that fails hands the same body (same sampling seeds) to another
             answer = self.supervisor.request(base + ci, "/generate", body, rows=len(idx))
-            if not isinstance(answer, list) or len(answer) != len(idx):
-                raise SGLangError(f"/generate returned {type(answer).__name__} for {len(idx)} rows")
-            done = [Sample(prompt_ids=list(prompts[rows[i][0]]), response_ids=ids, rollout_logprobs=logps,
-                           temperatures=[], finish_reason=reason, prompt_index=rows[i][0], sample_index=rows[i][1],
-                           routed_experts=(parse_routed_experts(item, len(prompts[rows[i][0]]) + len(ids) - 1)
-                                           if params.return_routes else None),
-                           weight_versions=parse_weight_versions(item, len(ids)))
-                    for i, item, (ids, logps, reason) in zip(idx, answer, map(parse_generate_item, answer))]
+            done = answer_samples(answer, prompts, [rows[i] for i in idx], return_routes=params.return_routes)
             if on_samples is not None:
                 on_samples(done)
             return done

@@ -11,9 +11,12 @@ abort that carries an HTTP status): `parse_row` keeps such rows, `parse_generate
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Any, Optional, Sequence
 
-from hapo_megatron.rollout.engine import ABORT, RowRequest, RowResult, SamplingParams
+import numpy as np
+
+from hapo_megatron.rollout.engine import ABORT, RowRequest, RowResult, Sample, SamplingParams
 from hapo_megatron.rollout.routed_experts import decode_routed_experts
 from hapo_megatron.rollout.sglang.client import SGLangError
 
@@ -71,11 +74,12 @@ def generate_payload(input_ids: list[list[int]], params: SamplingParams, *,
     return body
 
 
-def parse_generate_item(item: dict) -> tuple[list[int], list[float], str]:
-    """``(response_ids, logprobs, finish_reason)`` from one answer of ``/generate``.
+def generate_item_arrays(item: dict) -> tuple[np.ndarray, np.ndarray, str]:
+    """``(response_ids int64, logprobs float64, finish_reason)`` from one answer of ``/generate``.
 
     Token ids come from ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]``
-    triples, stop token included), cross-checked against ``output_ids``.
+    triples, stop token included), cross-checked against ``output_ids``. Read into arrays in C
+    loops (``np.fromiter`` over the triples), not through a Python object per token.
     """
     if not isinstance(item, dict) or "meta_info" not in item:
         raise SGLangError(f"unexpected /generate answer: {str(item)[:500]}")
@@ -87,20 +91,24 @@ def parse_generate_item(item: dict) -> tuple[list[int], list[float], str]:
     triples = meta.get("output_token_logprobs")
     if triples is None:
         raise SGLangError("SGLang answer has no output_token_logprobs (return_logprob ignored?)")
-    ids = [int(t[1]) for t in triples]
-    logps = [float(t[0]) for t in triples]
+    ids = np.fromiter(map(itemgetter(1), triples), np.int64, count=len(triples))
+    logps = np.fromiter(map(itemgetter(0), triples), np.float64, count=len(triples))
     out_ids = item.get("output_ids")
-    if out_ids is not None and list(map(int, out_ids)) != ids:
+    if out_ids is not None and not np.array_equal(np.asarray(out_ids, dtype=np.int64), ids):
         raise SGLangError(f"output_ids ({len(out_ids)}) disagree with output_token_logprobs ({len(ids)})")
     return ids, logps, kind
+
+
+def parse_generate_item(item: dict) -> tuple[list[int], list[float], str]:
+    """`generate_item_arrays` as Python lists."""
+    ids, logps, kind = generate_item_arrays(item)
+    return ids.tolist(), logps.tolist(), kind
 
 
 def parse_weight_versions(item: dict, num_tokens: int):
     """Per-token weight versions ``[num_tokens]`` int32 of one ``/generate`` answer, from SGLang's
     ``meta_info.weight_versions`` spans (``{"version", "start", "end"}``, reported when updates carry
     ``weight_version``); empty when absent or not integers (updates that were never tagged)."""
-    import numpy as np
-
     meta = item.get("meta_info", {}) if isinstance(item, dict) else {}
     spans = meta.get("weight_versions")
     if not spans and meta.get("weight_version") is not None:
@@ -123,6 +131,23 @@ def parse_routed_experts(item: dict, positions: int):
         raise SGLangError("SGLang answer has no routed_experts: start the servers with "
                           "--enable-return-routed-experts (the trainer adds it for model.routing_replay)")
     return decode_routed_experts(encoded, positions)
+
+
+def answer_samples(answer: Any, prompts: Sequence[Sequence[int]], rows: Sequence[tuple[int, int]], *,
+                   return_routes: bool) -> list[Sample]:
+    """The `Sample`s of one ``/generate`` call's answer (a list, one item per row of the call);
+    ``rows[i]``: the (prompt index into ``prompts``, sample index) of the call's i-th row."""
+    if not isinstance(answer, list) or len(answer) != len(rows):
+        raise SGLangError(f"/generate returned {type(answer).__name__} for {len(rows)} rows")
+    out = []
+    for item, (p, k) in zip(answer, rows):
+        ids, logps, reason = generate_item_arrays(item)
+        out.append(Sample(prompt_ids=list(prompts[p]), response_ids=ids, rollout_logprobs=logps, temperatures=[],
+                          finish_reason=reason, prompt_index=p, sample_index=k,
+                          routed_experts=(parse_routed_experts(item, len(prompts[p]) + len(ids) - 1)
+                                          if return_routes else None),
+                          weight_versions=parse_weight_versions(item, len(ids))))
+    return out
 
 
 def parse_row(item: dict) -> RowResult:
@@ -154,5 +179,5 @@ def group_payload(rows: Sequence[RowRequest], params: SamplingParams) -> dict:
         sp["max_new_tokens"] = int(r.max_new_tokens)
     return body
 
-__all__ = ["generate_payload", "group_payload", "parse_generate_item", "parse_routed_experts", "parse_row",
-           "parse_weight_versions", "row_sampling_params", "row_seeds"]
+__all__ = ["answer_samples", "generate_item_arrays", "generate_payload", "group_payload", "parse_generate_item",
+           "parse_routed_experts", "parse_row", "parse_weight_versions", "row_sampling_params", "row_seeds"]
