@@ -170,13 +170,18 @@ class _PoolSizer:
 
 _gc_lock = threading.Lock()
 _gc_pauses = [0, False]  # blocks inside `gc_paused`, and whether the collector was on before the first
+# decodes that overlap back to back (hundreds of calls in flight) could keep the collector off for
+# good: a block that leaves while others are inside runs a young-generation pass at most this often
+GC_YOUNG_PASS_EVERY_S = 1.0
+_gc_last_pass = [time.monotonic()]
 
 
 @contextlib.contextmanager
 def gc_paused():
     """The cyclic garbage collector off for the block: concurrent and nested blocks count, the last
     one out turns it back on (if it was on). Objects freed by reference counting go at once as
-    always; only cycles made meanwhile wait for the next collection."""
+    always; only cycles made meanwhile wait for the next collection, or for the young-generation
+    pass a block leaving while others are inside runs every ``GC_YOUNG_PASS_EVERY_S``."""
     with _gc_lock:
         if _gc_pauses[0] == 0:
             _gc_pauses[1] = gc.isenabled()
@@ -189,6 +194,10 @@ def gc_paused():
             _gc_pauses[0] -= 1
             if _gc_pauses[0] == 0 and _gc_pauses[1]:
                 gc.enable()
+                _gc_last_pass[0] = time.monotonic()
+            elif _gc_pauses[1] and time.monotonic() - _gc_last_pass[0] >= GC_YOUNG_PASS_EVERY_S:
+                gc.collect(0)  # others still decode: the cycles made meanwhile still go, now and then
+                _gc_last_pass[0] = time.monotonic()
 
 
 class SGLangHTTP:

@@ -4,7 +4,8 @@ garbage collector paused, the stdlib where orjson refuses) and `generate_item_ar
 `answer_samples` give exactly what the old paths gave (the stdlib's ``json.loads`` through requests;
 the old per-token Python loop, kept here as the slow reference) on hand-built answers.
 
-Mutations tried: `SGLangHTTP._json` without `gc_paused` (fails
+Mutations tried: `gc_paused` without its young-generation pass while blocks overlap (fails
+`test_overlapping_blocks_still_collect_young_cycles_now_and_then`); `SGLangHTTP._json` without `gc_paused` (fails
 `test_the_decode_runs_with_the_collector_paused`), without the orjson path (fails
 `test_bytes_go_through_orjson_not_requests`), without the stdlib fallback (fails
 `test_what_orjson_refuses_the_stdlib_reads`); `gc_paused` turning the collector on at the first
@@ -180,6 +181,25 @@ def test_gc_paused_counts_nested_and_concurrent_blocks():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_overlapping_blocks_still_collect_young_cycles_now_and_then(monkeypatch):
+    """Blocks that overlap back to back never leave the collector on: one leaving while another is
+    inside runs a young-generation pass once ``GC_YOUNG_PASS_EVERY_S`` has gone by (0 here)."""
+    from hapo_megatron.rollout.sglang import client
+    passes = []
+    monkeypatch.setattr(client.gc, "collect", lambda generation=2: passes.append(generation))
+    monkeypatch.setattr(client, "GC_YOUNG_PASS_EVERY_S", 0.0)
+    with gc_paused():
+        with gc_paused():
+            pass  # leaves while the outer block is inside
+        assert passes == [0] and not gc.isenabled()
+    assert passes == [0] and gc.isenabled()  # the last one out turns it back on instead
+    monkeypatch.setattr(client, "GC_YOUNG_PASS_EVERY_S", 3600.0)
+    with gc_paused():
+        with gc_paused():
+            pass
+    assert passes == [0]  # not due yet
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
