@@ -195,7 +195,7 @@ def _rollout_rank0(rt: Runtime, step: int, stop_check: Optional[Callable[[], boo
     rt.memory.resume_generation()  # the KV cache (the weights came back in sync_weights)
     kept, metrics, state = rt.sync_manager.rollout_step(step, rt.rl.sampler.state_dict(),
                                                         rt.rl.rollout_entropy_stats, stop_check)
-    if len(kept):  # as generate_step does: the weights stay unless the step is skipped
+    if len(kept):  # as generate_step does: the accelerator back to the actor, the weights too unless skipped
         rt.memory.release_all()
     else:
         rt.memory.release_generation()

@@ -16,6 +16,14 @@ Trainer rank 0 holds a `RolloutManager`, which answers as `AsyncRollout` does (`
                      weight sync, which the trainer runs: the manager follows it)
     close         -> the producer stops (requests in flight aborted); the process exits
 
+With ``rollout.max_staleness: 0`` and ``rollout.sync_producer: process`` it runs no producer; the
+synchronous loop's rank 0 asks for each step's rollout instead (`RolloutManager.rollout_step`):
+
+    rollout k, cursor, st, in_use -> progress between generation rounds (passed on to the other
+                     ranks), beats, then the batch: its metrics and the new sampler cursor, and the
+                     rows as arrays (`stages.generate_step`, run from the trainer's cursor, entropy
+                     statistics and servers in use)
+
 The manager builds its runtime from a `ManagerSpec` (config, tokenizer, prompts, sampler cursor,
 the servers' URLs); its engine is an `SGLangEngine` over the trainer's servers that launches and
 restarts none (the trainer's engine owns their processes and weight syncs).
@@ -324,8 +332,8 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ AsyncRollout's interface
     def _batch(self, msg: tuple, step: int, stop_check: Optional[Callable[[], bool]]) -> tuple:
-        """Ask ``msg``; the answer's fields after its kind, the batch (arrays, `transport`) and the
-        metrics with the wait, the transport and the trainer's server restarts."""
+        """Ask ``msg``: (the batch, read as arrays by `transport`; its metrics, with the wait, the
+        transport and the trainer's server restarts; the answer's fields after the metrics)."""
         t0 = time.monotonic()
         try:
             answer = self._ask(msg, f"step {step} waited for its batch", stop_check=stop_check)
