@@ -74,29 +74,38 @@ def generate_payload(input_ids: list[list[int]], params: SamplingParams, *,
     return body
 
 
-def generate_item_arrays(item: dict) -> tuple[np.ndarray, np.ndarray, str]:
-    """``(response_ids int64, logprobs float64, finish_reason)`` from one answer of ``/generate``.
-
-    Token ids come from ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]``
-    triples, stop token included), cross-checked against ``output_ids``. Read into arrays in C
-    loops (``np.fromiter`` over the triples), not through a Python object per token.
-    """
+def _answer_arrays(item: dict, *, aborts: bool) -> tuple[np.ndarray, np.ndarray, str]:
+    """``(response_ids int64, logprobs float64, finish_reason)`` of one ``/generate`` answer; an
+    aborted one only with ``aborts`` (it may carry no log-probs when aborted before its first
+    token). `generate_item_arrays` and `parse_row` read answers through it."""
     if not isinstance(item, dict) or "meta_info" not in item:
         raise SGLangError(f"unexpected /generate answer: {str(item)[:500]}")
     meta = item["meta_info"]
     fr = meta.get("finish_reason") or {}
     kind = fr.get("type") if isinstance(fr, dict) else str(fr)
-    if kind not in ("stop", "length"):
-        raise SGLangError(f"SGLang request finished with {fr!r} (abort / error)")
+    if kind not in (("stop", "length", ABORT) if aborts else ("stop", "length")):
+        raise SGLangError(f"SGLang request finished with {fr!r}" + ("" if aborts else " (abort / error)"))
     triples = meta.get("output_token_logprobs")
-    if triples is None:
+    if triples is None and not (aborts and kind == ABORT):
         raise SGLangError("SGLang answer has no output_token_logprobs (return_logprob ignored?)")
+    triples = triples or []
     ids = np.fromiter(map(itemgetter(1), triples), np.int64, count=len(triples))
     logps = np.fromiter(map(itemgetter(0), triples), np.float64, count=len(triples))
     out_ids = item.get("output_ids")
     if out_ids is not None and not np.array_equal(np.asarray(out_ids, dtype=np.int64), ids):
         raise SGLangError(f"output_ids ({len(out_ids)}) disagree with output_token_logprobs ({len(ids)})")
     return ids, logps, kind
+
+
+def generate_item_arrays(item: dict) -> tuple[np.ndarray, np.ndarray, str]:
+    """``(response_ids int64, logprobs float64, finish_reason)`` from one answer of ``/generate``
+    that finished (``stop`` / ``length``).
+
+    Token ids come from ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]``
+    triples, stop token included), cross-checked against ``output_ids``. Read into arrays in C
+    loops (``np.fromiter`` over the triples), not through a Python object per token.
+    """
+    return _answer_arrays(item, aborts=False)
 
 
 def parse_generate_item(item: dict) -> tuple[list[int], list[float], str]:
@@ -153,22 +162,8 @@ def answer_samples(answer: Any, prompts: Sequence[Sequence[int]], rows: Sequence
 def parse_row(item: dict) -> RowResult:
     """A `RowResult` of one ``/generate`` answer, aborted ones included (token ids from
     ``meta_info.output_token_logprobs``, cross-checked with ``output_ids``)."""
-    if not isinstance(item, dict) or "meta_info" not in item:
-        raise SGLangError(f"unexpected /generate answer: {str(item)[:500]}")
-    meta = item["meta_info"]
-    fr = meta.get("finish_reason") or {}
-    kind = fr.get("type") if isinstance(fr, dict) else str(fr)
-    if kind not in ("stop", "length", ABORT):
-        raise SGLangError(f"SGLang request finished with {fr!r}")
-    triples = meta.get("output_token_logprobs")
-    if triples is None and kind != ABORT:  # an abort before the first token may carry none
-        raise SGLangError("SGLang answer has no output_token_logprobs (return_logprob ignored?)")
-    triples = triples or []
-    ids = tuple(int(t[1]) for t in triples)
-    out_ids = item.get("output_ids")
-    if out_ids is not None and tuple(map(int, out_ids)) != ids:
-        raise SGLangError(f"output_ids ({len(out_ids)}) disagree with output_token_logprobs ({len(ids)})")
-    return RowResult(ids, tuple(float(t[0]) for t in triples), kind,
+    ids, logps, kind = _answer_arrays(item, aborts=True)
+    return RowResult(tuple(ids.tolist()), tuple(logps.tolist()), kind,
                      tuple(int(v) for v in parse_weight_versions(item, len(ids))))
 
 
