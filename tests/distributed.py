@@ -10,6 +10,7 @@ Ranks are forked from one forkserver per test process that imported torch, Megat
 package once (``PRELOADED``): a spawned rank spent 5-20 s of CPU importing them again, which on a
 2-core machine was most of a small multi-rank test. A forked rank gets the caller's environment
 as it is at the call (the forkserver's own was fixed when it started).
+On a CUDA machine ranks are spawned instead (`rank_context`).
 Each rank opts into the CPU shims (`hapo_megatron.compat.activate_cpu_shims`, a no-op with CUDA)
 before calling `fn`, as the CPU entry points do.
 """
@@ -37,7 +38,12 @@ PRELOADED = ["torch", "torch.distributed", "megatron.core", "megatron.core.paral
 
 
 def rank_context():
-    """The multiprocessing context that starts ranks: forks of the preloaded forkserver."""
+    """The multiprocessing context that starts ranks: forks of the preloaded forkserver; on a
+    CUDA machine fresh spawned processes (a fork of a process whose imports touched CUDA cannot
+    use CUDA, and the GPU tests that need ranks are few)."""
+    import torch
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOADED)
     return ctx

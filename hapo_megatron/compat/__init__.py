@@ -21,9 +21,7 @@ unless it was called. A library user on CPU calls it once at start. The shims:
 4. the device mode inside autograd backward: the autograd engine does not carry Python
    TorchFunctionModes into custom Functions' backward, where megatron allocates on "cuda" too
    (`tensor_parallel/mappings.py`, e.g. the MoE all-to-all in reverse).
-5. MoE (Mixture-of-Experts) layers: `moe_utils.te_general_gemm` is read by the router but only
-   defined when Transformer Engine imports (a megatron-core 0.16.1 bug: any MoE run without TE
-   fails) -> None, the torch path; the null stream's `record_event()` returns an event whose
+5. MoE (Mixture-of-Experts) layers: the null stream's `record_event()` returns an event whose
    `synchronize()` the alltoall dispatcher calls; the dispatcher's split sizes, which it moves to
    host numpy arrays only from CUDA tensors, are converted on the CPU too (`all_to_all_single`
    rejects tensors).
@@ -35,6 +33,9 @@ Context-parallel attention needs Transformer Engine and is not shimmed. The devi
 TorchFunctionMode, hence per thread: megatron code run in another thread than the one that
 activated the shims does not see it. Its cost is a Python call per torch op (CPU runs only).
 `deactivate_cpu_shims()` undoes everything (tests).
+
+`megatron_fixes.py` holds what is not CPU-specific: megatron-core defects that GPU runs hit too
+(the MoE router's GEMM without Transformer Engine), applied by the code that needs them.
 """
 
 from hapo_megatron.compat.cpu_shims import activate_cpu_shims, cpu_shims_active, deactivate_cpu_shims

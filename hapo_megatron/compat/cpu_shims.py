@@ -200,17 +200,6 @@ def _shim_rng_tracker() -> None:
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False)
 
 
-def _shim_moe_gemm_without_te() -> None:
-    """megatron-core 0.16.1 reads `moe_utils.te_general_gemm` in the router's gating GEMM, but only
-    defines it when Transformer Engine imports: without TE every MoE forward raises NameError.
-    None selects the module's own torch.mm path."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-        _UNDO.append(lambda: delattr(moe_utils, "te_general_gemm"))
-
-
 def _shim_moe_split_sizes() -> None:
     """The MoE alltoall dispatcher turns its split sizes into host numpy arrays with
     `maybe_move_tensor_to_cpu(t, as_numpy=True)`, which only converts CUDA tensors: on the CPU
@@ -244,7 +233,7 @@ def _shim_save_results_queue() -> None:
 
 
 _SHIMS = (_shim_device_mode, _shim_device_mode_in_backward, _shim_cuda_runtime, _shim_rng_tracker,
-          _shim_moe_gemm_without_te, _shim_moe_split_sizes, _shim_save_results_queue)
+          _shim_moe_split_sizes, _shim_save_results_queue)
 
 
 def activate_cpu_shims() -> bool:

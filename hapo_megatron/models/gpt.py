@@ -223,6 +223,7 @@ def build_gpt_model(hf_config, *, pre_process: bool | None = None, post_process:
     (None: no adapters), adapters on the targeted linear layers (the base weights are not frozen here:
     `models.lora.freeze_base`).
     """
+    from hapo_megatron.compat.megatron_fixes import fix_moe_router_without_te
     from hapo_megatron.models.lora import lora_decoder_spec
     from megatron.core.models.gpt import GPTModel
 
@@ -234,6 +235,8 @@ def build_gpt_model(hf_config, *, pre_process: bool | None = None, post_process:
         config = transformer_config_from_hf(hf_config, **sizes, dtype=dtype, use_te=use_te,
                                             sequence_parallel=sequence_parallel, **config_kw)
     vocab = padded_vocab_size(hf_config.vocab_size, sizes["tp"], make_vocab_size_divisible_by)
+    if ModelSpec.of(hf_config).is_moe:
+        fix_moe_router_without_te()  # the router's GEMM without TE (compat/megatron_fixes.py)
     model = GPTModel(
         config=config,
         transformer_layer_spec=lora_decoder_spec(decoder_spec_for(hf_config, config, use_te, vp_stage), lora),

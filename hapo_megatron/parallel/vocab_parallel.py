@@ -26,10 +26,17 @@ Entries of `-inf` (masked vocabulary) are fine: after the shift any `z - m < -1e
 `exp(z - m) == 0` exactly in float32, so clamping it to -1e4 changes nothing but keeps
 `0 * -inf` NaNs out of the sums. The clamp pass only runs when a row holds such an entry
 (found with the row max via `aminmax`, one host sync per call).
+
+On CUDA (and under Triton's interpreter) the per-row sums and the backward come from the Triton
+kernels of `vocab_kernels.py` instead, one read of each row; the shards' sums are combined with
+the same two all-reduces (`_combine_shard_stats`).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
 from typing import Optional, Union
 
 import torch
@@ -45,6 +52,19 @@ def vocab_range(partition_vocab: int, tp_rank: int) -> tuple[int, int]:
     Written out so this module does not import Megatron (slow to import in spawned ranks)."""
     start = tp_rank * partition_vocab
     return start, start + partition_vocab
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton_kernels(logits: torch.Tensor) -> bool:
+    """The Triton kernels for CUDA logits where Triton imports; under Triton's interpreter
+    (`TRITON_INTERPRET=1`, a debugging mode) for CPU logits too."""
+    if not _triton_importable():
+        return False
+    return logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _vocab_start(partition_vocab: int, tp_group) -> int:
@@ -128,37 +148,18 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, temperature, tp_group, chunk_size, entropy_grad):
         n, vp = logits.shape
         local_t, in_range = _local_targets(targets, _vocab_start(vp, tp_group), vp)
-
-        # Division by a positive temperature is monotone, so max(l / T) == max(l) / T exactly.
-        if n > 0:  # amax/amin: no index output, much cheaper than max()/aminmax() on CPU
-            lo, m = logits.amin(dim=-1).float(), logits.amax(dim=-1).float()
+        kernels = use_triton_kernels(logits)
+        if kernels:
+            packed, m, clamp = _kernel_sums(logits, local_t, in_range, temperature, tp_group)
         else:
-            lo = m = logits.new_zeros(0, dtype=torch.float32)
-        if temperature is not None:
-            lo, m = lo / temperature, m / temperature
-        if tp_group is not None and dist.get_world_size(tp_group) > 1:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf row: avoid nan shift
-        # Clamping costs a pass over the chunk: only needed when some shifted logit is -inf.
-        clamp = bool(n > 0 and not torch.isfinite(lo - m).all())
-
-        packed = torch.zeros(n, 3, dtype=torch.float32, device=logits.device)
-        step = min(chunk_size or max(n, 1), max(n, 1))
-        zbuf = torch.empty(step, vp, dtype=torch.float32, device=logits.device)
-        ebuf = torch.empty_like(zbuf)
-        for s in range(0, n, step):
-            e_ = min(s + step, n)
-            t_c = None if temperature is None else temperature[s:e_]
-            z = _shifted_chunk(zbuf[: e_ - s], logits[s:e_], t_c, m[s:e_])
-            _chunk_sums(z, ebuf[: e_ - s], local_t[s:e_], in_range[s:e_], clamp, packed[s:e_])
-        del zbuf, ebuf
+            packed, m, clamp = _chunked_sums(logits, local_t, in_range, temperature, tp_group, chunk_size)
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
             dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
 
         logprobs, entropy, log_z = _finish(packed)
 
         ctx.tp_group, ctx.chunk_size, ctx.entropy_grad = tp_group, chunk_size, entropy_grad
-        ctx.has_temperature, ctx.clamp = temperature is not None, clamp
+        ctx.has_temperature, ctx.clamp, ctx.kernels = temperature is not None, clamp, kernels
         saved_t = temperature if temperature is not None else m.new_empty(0)
         # The softmax is recomputed in backward from logits - (m + log Z): keep just that shift.
         ctx.save_for_backward(logits, local_t, in_range, saved_t, m + log_z, entropy)
@@ -173,6 +174,11 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         g1 = grad_logprobs if grad_logprobs is not None else torch.zeros_like(shift)
         g2 = grad_entropy if (ctx.entropy_grad and grad_entropy is not None) else None
         g1, g2, g1_hit = _row_factors(g1, g2, temperature, in_range, ctx.has_temperature)
+        if ctx.kernels:
+            from hapo_megatron.parallel import vocab_kernels
+            f32 = [None if t is None else t.float().contiguous() for t in (g1, g2, g1_hit)]
+            return (vocab_kernels.logits_grad(logits, temperature if ctx.has_temperature else None, shift, f32[0],
+                                              f32[1], entropy, local_t, f32[2]), None, None, None, None, None)
         grad_input = torch.empty_like(logits)
         step = min(ctx.chunk_size or max(n, 1), max(n, 1))
         lbuf = torch.empty(step, vp, dtype=torch.float32, device=logits.device)
@@ -188,6 +194,58 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             if pbuf is not None:
                 grad_input[s:e_].copy_(grad)
         return grad_input, None, None, None, None, None
+
+
+def _global_max(m: torch.Tensor, tp_group) -> torch.Tensor:
+    """The row max over the TP shards (0 for a row that is -inf everywhere: no nan shift)."""
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def _chunked_sums(logits, local_t, in_range, temperature, tp_group, chunk_size):
+    """The torch path: `(packed [N, 3] before the TP sum, global max m, clamp)` chunk by chunk."""
+    n, vp = logits.shape
+    # Division by a positive temperature is monotone, so max(l / T) == max(l) / T exactly.
+    if n > 0:  # amax/amin: no index output, much cheaper than max()/aminmax() on CPU
+        lo, m = logits.amin(dim=-1).float(), logits.amax(dim=-1).float()
+    else:
+        lo = m = logits.new_zeros(0, dtype=torch.float32)
+    if temperature is not None:
+        lo, m = lo / temperature, m / temperature
+    m = _global_max(m, tp_group)
+    # Clamping costs a pass over the chunk: only needed when some shifted logit is -inf.
+    clamp = bool(n > 0 and not torch.isfinite(lo - m).all())
+
+    packed = torch.zeros(n, 3, dtype=torch.float32, device=logits.device)
+    step = min(chunk_size or max(n, 1), max(n, 1))
+    zbuf = torch.empty(step, vp, dtype=torch.float32, device=logits.device)
+    ebuf = torch.empty_like(zbuf)
+    for s in range(0, n, step):
+        e_ = min(s + step, n)
+        t_c = None if temperature is None else temperature[s:e_]
+        z = _shifted_chunk(zbuf[: e_ - s], logits[s:e_], t_c, m[s:e_])
+        _chunk_sums(z, ebuf[: e_ - s], local_t[s:e_], in_range[s:e_], clamp, packed[s:e_])
+    return packed, m, clamp
+
+
+def _kernel_sums(logits, local_t, in_range, temperature, tp_group):
+    """The Triton path: the shard's one-pass sums (`vocab_kernels.row_stats`, relative to the
+    shard's own max), moved onto the global max before the TP sum:
+    `S e^(m_r - m)` and `e^(m_r - m) (A + S (m_r - m))`."""
+    from hapo_megatron.parallel import vocab_kernels
+    stats = vocab_kernels.row_stats(logits, temperature)
+    m_shard, s_shard, a_shard = stats.unbind(1)
+    m = _global_max(m_shard.clone(), tp_group)
+    finite = torch.isfinite(m_shard)  # a shard all -inf in a row: its sums are 0
+    delta = torch.where(finite, m_shard - m, torch.zeros_like(m))
+    scale = torch.where(finite, torch.exp(delta), torch.zeros_like(m))
+    z_t = logits.gather(1, local_t.unsqueeze(1)).squeeze(1).float()
+    if temperature is not None:
+        z_t = z_t / temperature
+    packed = torch.stack([s_shard * scale, scale * (a_shard + s_shard * delta),
+                          torch.where(in_range, z_t - m, torch.zeros_like(m))], dim=1)
+    return packed, m, False
 
 
 def _prepare_temperature(temperature, shape, device) -> Optional[torch.Tensor]:

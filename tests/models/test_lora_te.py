@@ -51,6 +51,7 @@ def _te_vs_local(rank, world):
 
 @pytest.mark.gpu
 def test_te_layers_carry_the_same_adapters_as_the_local_spec():
+    pytest.importorskip("transformer_engine.pytorch")
     (res,) = run_distributed(_te_vs_local, 1, timeout=600)
     assert res["te_kinds"] == ["LoraTELayerNormColumnParallelLinear", "LoraTERowParallelLinear"], res["te_kinds"]
     scale = float(np.abs(res["local"]).max())

@@ -125,10 +125,17 @@ def _ours(chunk_size):
 # ----------------------------------------------------------------------------- one measurement
 
 def _probe(t) -> float:
-    """A fixed random projection of a tensor: variants agree iff these agree (to rounding)."""
+    """A fixed random projection of a tensor: variants agree iff these agree (to rounding).
+    Drawn and summed on the tensor's device, row block by row block: at T=16k x V=76k a float64
+    copy on the host took minutes and 20 GB."""
     import torch
-    g = torch.Generator().manual_seed(99)
-    return float((t.detach().double().cpu() * torch.randn(t.shape, generator=g, dtype=torch.float64)).sum())
+    g = torch.Generator(device=t.device).manual_seed(99)
+    flat = t.detach().reshape(t.shape[0], -1) if t.dim() else t.detach().reshape(1, 1)
+    total = 0.0
+    for s in range(0, flat.shape[0], 1024):
+        block = flat[s:s + 1024].double()
+        total += float((block * torch.randn(block.shape, generator=g, dtype=torch.float64, device=t.device)).sum())
+    return total
 
 
 def _rss_bytes() -> int:
@@ -175,10 +182,10 @@ def _measure(rank: int, tp: int, opts: dict) -> dict:
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = getattr(torch, opts["dtype"])
     T, Vp = opts["tokens"], opts["vocab"]
-    gen = torch.Generator().manual_seed(1234 + rank)
+    gen = torch.Generator(device=dev).manual_seed(1234 + rank)  # drawn where they are used
     logits = torch.empty(T, Vp, dtype=dtype, device=dev)
     for s in range(0, T, 256):  # fill in row chunks: no full-size float32 transient
-        logits[s:s + 256] = (torch.randn(min(256, T - s), Vp, generator=gen) * 3).to(dev, dtype)
+        logits[s:s + 256] = (torch.randn(min(256, T - s), Vp, generator=gen, device=dev) * 3).to(dtype)
     targets = torch.randint(0, Vp * tp, (T,), generator=torch.Generator().manual_seed(7)).to(dev)
     grad_out = torch.randn(T, generator=torch.Generator().manual_seed(8)).to(dev)
     fn = {"naive": _naive, "megatron": _megatron}.get(opts["variant"]) or _ours(opts["chunk_size"])
