@@ -36,6 +36,10 @@ in forward, one (two with an entropy gradient) in backward; with a bf16/fp16 wei
 slice buffer in that dtype and a float32 `[N, H]` accumulator for `d hidden` (`2H / (V/tp)` of
 the bf16 logits: 0.09 for Qwen2.5-7B at TP2).
 
+On CUDA each slice's sums and gradient come from the Triton kernels of `vocab_kernels.py` (one
+read of the slice's logits in the weight's dtype, the gradient written over them): no float32
+slice buffers then.
+
 Padded vocabulary: `vocab_size` (global, unpadded) sets the logits of ids `>= vocab_size` to
 `PADDED_VOCAB_LOGIT`, as `models.gpt`'s output-layer hook does on the logits path.
 """
@@ -52,11 +56,16 @@ from hapo_megatron.parallel.vocab_parallel import (
     _chunk_grad,
     _chunk_sums,
     _finish,
+    _inverse,
     _local_targets,
     _prepare_temperature,
     _row_factors,
     _shifted_chunk,
     _vocab_start,
+    combine_shards,
+    kernel_row_sums,
+    rescale_sums,
+    use_triton_kernels,
 )
 
 # Same value as hapo_megatron.models.gpt.PADDED_VOCAB_LOGIT (a test checks); not imported so that
@@ -76,6 +85,12 @@ class HiddenStates:
     weight: torch.Tensor
     sequence_parallel: bool
     vocab_size: Optional[int] = None
+
+
+def vocab_kernels():
+    """The Triton kernels' module, imported only where they run (CUDA, or Triton's interpreter)."""
+    from hapo_megatron.parallel import vocab_kernels as kernels
+    return kernels
 
 
 def _tp_size(tp_group) -> int:
@@ -136,6 +151,10 @@ class _Slices:
     def view(self, buf, v0):
         return None if buf is None else buf[: self.n * self.size(v0)].view(self.n, self.size(v0))
 
+    def logits_buffer(self, v0):
+        """The float32 buffer the logits of a float32 weight go to (None when there is none)."""
+        return self.view(self.fp32[0], v0) if self.fp32 else None
+
 
 def _slice_targets(local_t, in_range, v0, w):
     lt = local_t - v0
@@ -148,14 +167,6 @@ def _slice_padding(pad_from, v0, w):
     if pad_from is None or pad_from - v0 >= w:
         return None
     return max(pad_from - v0, 0)
-
-
-def _rescale(packed, d, has_target):
-    """Sums `(S, A, z_t)` taken after subtracting `m` re-expressed after subtracting `m - d`."""
-    scale = torch.exp(d)
-    packed[:, 1] = scale * (packed[:, 1] + d * packed[:, 0])
-    packed[:, 0] *= scale
-    packed[:, 2] = torch.where(has_target, packed[:, 2] + d, torch.zeros_like(d))
 
 
 class _LinearLogprobEntropy(torch.autograd.Function):
@@ -171,36 +182,43 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         vocab_start = _vocab_start(vp, tp_group)
         local_t, in_range = _local_targets(targets, vocab_start, vp)
         pad_from = _padding_start(vocab_size, vocab_start, vp)
-        sl = _Slices(n, vp, chunk_size, weight.dtype, full.device, 2)
+        # the Triton kernels read each slice's logits once (no float32 copies: vocab_kernels.py)
+        kernels = use_triton_kernels(full)
+        inv_t = _inverse(temperature) if kernels else None
+        fp32_buffers = (1 if weight.dtype == torch.float32 else 0) if kernels else 2  # kernels: logits only
+        sl = _Slices(n, vp, chunk_size, weight.dtype, full.device, fp32_buffers)
         m_local = packed = None
         part = torch.empty(n, 3, dtype=torch.float32, device=full.device)
         for v0 in sl:
             w_ = sl.size(v0)
-            logits = _chunk_logits(full, weight[v0:v0 + w_], sl.view(sl.fp32[0], v0), sl.view(sl.low, v0),
+            logits = _chunk_logits(full, weight[v0:v0 + w_], sl.logits_buffer(v0), sl.view(sl.low, v0),
                                    _slice_padding(pad_from, v0, w_))
-            m_s = logits.amax(dim=-1).float()  # as vocab_parallel: max(l) / T == max(l / T)
-            m_s = m_s if temperature is None else m_s / temperature
-            z = _shifted_chunk(sl.view(sl.fp32[0], v0), logits, temperature, m_s)
             lt, hit = _slice_targets(local_t, in_range, v0, w_)
-            _chunk_sums(z, sl.view(sl.fp32[1], v0), lt, hit, False, part)
+            if kernels:
+                m_s = kernel_row_sums(logits, inv_t, lt, hit, part)
+            else:
+                m_s = logits.amax(dim=-1).float()  # as vocab_parallel: max(l) / T == max(l / T)
+                m_s = m_s if temperature is None else m_s / temperature
+                z = _shifted_chunk(sl.view(sl.fp32[0], v0), logits, temperature, m_s)
+                _chunk_sums(z, sl.view(sl.fp32[1], v0), lt, hit, False, part)
             if packed is None:
                 m_local, packed, seen = m_s, part.clone(), hit
                 continue
             m_new = torch.maximum(m_local, m_s)  # merge this slice into the running sums
-            _rescale(packed, m_local - m_new, seen)
-            _rescale(part, m_s - m_new, hit)
+            rescale_sums(packed, m_local - m_new, seen)
+            rescale_sums(part, m_s - m_new, hit)
             packed += part
             m_local, seen = m_new, seen | hit
         del sl, part
         if packed is None:  # no rows
             m_local = torch.zeros(n, dtype=torch.float32, device=full.device)
             packed = torch.zeros(n, 3, dtype=torch.float32, device=full.device)
-        m = _combine_shards(packed, m_local, in_range, tp_group)
+        m = combine_shards(packed, m_local, in_range, tp_group)
         logprobs, entropy, log_z = _finish(packed)
 
         ctx.tp_group, ctx.chunk_size, ctx.entropy_grad = tp_group, chunk_size, entropy_grad
         ctx.sequence_parallel, ctx.pad_from = sequence_parallel and tp > 1, pad_from
-        ctx.has_temperature = temperature is not None
+        ctx.has_temperature, ctx.kernels = temperature is not None, kernels
         saved_t = temperature if temperature is not None else m.new_empty(0)
         ctx.save_for_backward(hidden, weight, local_t, in_range, saved_t, m + log_z, entropy)
         if not entropy_grad:
@@ -217,21 +235,31 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         g1, g2, _ = _row_factors(g1, g2, temperature, in_range, ctx.has_temperature)
         t = temperature if ctx.has_temperature else None
         fp32 = weight.dtype == torch.float32
-        sl = _Slices(n, vp, ctx.chunk_size, weight.dtype, full.device, 1 if g2 is None else 2)
+        kernels = ctx.kernels
+        if kernels:  # d logits straight into the slice's logits buffer, in its dtype
+            sl = _Slices(n, vp, ctx.chunk_size, weight.dtype, full.device, 1 if fp32 else 0)
+            f32 = [None if x is None else x.float().contiguous() for x in (g1, g2)]
+            inv_t = _inverse(t)
+        else:
+            sl = _Slices(n, vp, ctx.chunk_size, weight.dtype, full.device, 1 if g2 is None else 2)
         grad_w = torch.empty_like(weight)
         grad_acc = torch.zeros(full.shape, dtype=torch.float32, device=full.device)
         for v0 in sl:
             w_ = sl.size(v0)
             w_c, pad = weight[v0:v0 + w_], _slice_padding(ctx.pad_from, v0, w_)
-            logits = _chunk_logits(full, w_c, sl.view(sl.fp32[0], v0), sl.view(sl.low, v0), pad)
-            logp = _shifted_chunk(sl.view(sl.fp32[0], v0), logits, t, shift)  # log softmax
+            logits = _chunk_logits(full, w_c, sl.logits_buffer(v0), sl.view(sl.low, v0), pad)
             lt, hit = _slice_targets(local_t, in_range, v0, w_)
-            # p in place of log p unless the entropy gradient needs both
-            grad = _chunk_grad(logp, sl.view(sl.fp32[-1], v0), g1, g2, entropy, lt,
-                               torch.where(hit, g1, torch.zeros_like(g1)), False)
+            g1_hit = torch.where(hit, g1, torch.zeros_like(g1))
+            if kernels:
+                grad = vocab_kernels().logits_grad(logits, inv_t, shift, f32[0], f32[1], entropy, lt,
+                                                   g1_hit.float().contiguous(), out=logits)
+            else:
+                logp = _shifted_chunk(sl.view(sl.fp32[0], v0), logits, t, shift)  # log softmax
+                # p in place of log p unless the entropy gradient needs both
+                grad = _chunk_grad(logp, sl.view(sl.fp32[-1], v0), g1, g2, entropy, lt, g1_hit, False)
             if pad is not None:  # the masking's backward: padded logits are constants
                 grad[:, pad:] = 0.0
-            g = grad if fp32 else sl.view(sl.low, v0).copy_(grad)  # d logits in the logits' dtype
+            g = grad if (fp32 or kernels) else sl.view(sl.low, v0).copy_(grad)  # d logits in the logits' dtype
             torch.mm(g.t(), full, out=grad_w[v0:v0 + w_])  # all tokens at once: no d W accumulator
             if fp32:
                 grad_acc.addmm_(g, w_c)
@@ -241,18 +269,6 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         grad_full = grad_acc if fp32 else grad_acc.to(full.dtype)
         grad_hidden = _reduce_hidden_grad(grad_full, ctx.tp_group, ctx.sequence_parallel)
         return grad_hidden, grad_w, None, None, None, None, None, None, None
-
-
-def _combine_shards(packed, m_local, in_range, tp_group) -> torch.Tensor:
-    """Rescale each rank's sums from its own row max to the global one and SUM them (in place);
-    returns the global row max `M`."""
-    if _tp_size(tp_group) == 1:
-        return m_local
-    m = m_local.clone()
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
-    _rescale(packed, m_local - m, in_range)  # a shard of padding only gets weight exp(-1e4) == 0
-    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
-    return m
 
 
 def _reduce_hidden_grad(grad_full, tp_group, sequence_parallel):

@@ -11,9 +11,10 @@ overhead (tools/bench/README.md, "GPU"). Here one program per row reads the row 
   are rescaled: `S <- S e^(m - m')`, `A <- e^(m - m') (A + S (m - m'))`.
 - `logits_grad`: the backward, one read of the row and one write of its gradient.
 
-Both run on a tensor-parallel rank's shard alone; `vocab_parallel.py` combines the shards' sums
-with the same two all-reduces as its torch path. Entries of `-inf` (masked vocabulary) add
-nothing: their `exp` is 0 and their `0 * -inf` is masked, as the torch path's clamp does.
+Both run on a tensor-parallel rank's shard alone (or one vocab slice of it: the fused output
+layer of `linear.py` calls them on each slice's logits); `vocab_parallel.py` combines the
+shards' sums with the same two all-reduces as its torch path (`combine_shards`). Entries of
+`-inf` (masked vocabulary) add nothing: their `exp` is 0 and their `0 * -inf` is masked, as the torch path's clamp does.
 Under Triton's interpreter (`TRITON_INTERPRET=1`) the kernels run on CPU tensors: the CPU
 tests check them that way (tests/parallel/test_vocab_kernels.py).
 """
@@ -32,13 +33,13 @@ _LOGP_LOW = tl.constexpr(-1.0e4)  # exp underflows to exactly 0 in float32 far a
 
 
 @triton.jit
-def _row_stats_kernel(logits_ptr, row_stride, temp_ptr, out_ptr, V,
+def _row_stats_kernel(logits_ptr, row_stride, inv_temp_ptr, out_ptr, V,
                       HAS_TEMP: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * row_stride
     inv_t = 1.0
     if HAS_TEMP:
-        inv_t = 1.0 / tl.load(temp_ptr + row)
+        inv_t = tl.load(inv_temp_ptr + row)
     neg_inf = float("-inf")
     m = tl.full((), neg_inf, tl.float32)
     s = tl.zeros((), tl.float32)
@@ -61,7 +62,7 @@ def _row_stats_kernel(logits_ptr, row_stride, temp_ptr, out_ptr, V,
 
 
 @triton.jit
-def _logits_grad_kernel(logits_ptr, row_stride, grad_ptr, grad_stride, temp_ptr, shift_ptr, g1_ptr, g2_ptr,
+def _logits_grad_kernel(logits_ptr, row_stride, grad_ptr, grad_stride, inv_temp_ptr, shift_ptr, g1_ptr, g2_ptr,
                         entropy_ptr, target_ptr, g1_hit_ptr, V,
                         HAS_TEMP: tl.constexpr, HAS_G2: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -69,7 +70,7 @@ def _logits_grad_kernel(logits_ptr, row_stride, grad_ptr, grad_stride, temp_ptr,
     out = grad_ptr + row * grad_stride
     inv_t = 1.0
     if HAS_TEMP:
-        inv_t = 1.0 / tl.load(temp_ptr + row)
+        inv_t = tl.load(inv_temp_ptr + row)
     shift = tl.load(shift_ptr + row)
     g1 = tl.load(g1_ptr + row)
     target = tl.load(target_ptr + row)
@@ -90,30 +91,32 @@ def _logits_grad_kernel(logits_ptr, row_stride, grad_ptr, grad_stride, temp_ptr,
         tl.store(out + cols, grad.to(grad_ptr.dtype.element_ty), mask=cols < V)
 
 
-def row_stats(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
-    """`[N, 3]` float32 per row of this shard: (max of z, sum exp(z - max), sum exp(z - max)(z - max))
-    for `z = logits / temperature`; the max is -inf (and the sums 0) for a row that is all -inf."""
+def row_stats(logits: torch.Tensor, inv_temp: torch.Tensor | None) -> torch.Tensor:
+    """`[N, 3]` float32 per row of `logits` `[N, V]` (rows contiguous): (max of z, sum exp(z - max),
+    sum exp(z - max)(z - max)) for `z = logits * inv_temp`; the max is -inf (and the sums 0) for a
+    row that is all -inf. `inv_temp`: `[N]` float32 (1 / temperature, computed once by the caller
+    so that every path scales by the same numbers) or None for temperature 1."""
     n, v = logits.shape
     out = torch.empty(n, 3, dtype=torch.float32, device=logits.device)
     if n:
-        temp = temperature if temperature is not None else out  # unread without HAS_TEMP
-        _row_stats_kernel[(n,)](logits, logits.stride(0), temp, out, v,
-                                HAS_TEMP=temperature is not None, BLOCK=BLOCK_V, num_warps=NUM_WARPS)
+        _row_stats_kernel[(n,)](logits, logits.stride(0), inv_temp if inv_temp is not None else out, out, v,
+                                HAS_TEMP=inv_temp is not None, BLOCK=BLOCK_V, num_warps=NUM_WARPS)
     return out
 
 
-def logits_grad(logits: torch.Tensor, temperature: torch.Tensor | None, shift: torch.Tensor,
+def logits_grad(logits: torch.Tensor, inv_temp: torch.Tensor | None, shift: torch.Tensor,
                 g1: torch.Tensor, g2: torch.Tensor | None, entropy: torch.Tensor,
-                local_t: torch.Tensor, g1_hit: torch.Tensor) -> torch.Tensor:
+                local_t: torch.Tensor, g1_hit: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """d/dlogits of `g1 * logprob + g2 * entropy` (g1, g2 per row with 1/T folded in, `g1_hit` = g1
-    where the target is on this shard, else 0), in the logits' dtype; `shift` = max + log Z of z."""
+    where the target is on this shard, else 0; all `[N]` float32), in the logits' dtype, written
+    into ``out`` (a reused `[N, V]` buffer of that dtype) or a new tensor; `shift` = max + log Z of z."""
     n, v = logits.shape
-    grad = torch.empty_like(logits)
+    grad = torch.empty_like(logits) if out is None else out
     if n:
-        temp = temperature if temperature is not None else shift
-        _logits_grad_kernel[(n,)](logits, logits.stride(0), grad, grad.stride(0), temp, shift, g1,
+        _logits_grad_kernel[(n,)](logits, logits.stride(0), grad, grad.stride(0),
+                                  inv_temp if inv_temp is not None else shift, shift, g1,
                                   g2 if g2 is not None else g1, entropy, local_t, g1_hit, v,
-                                  HAS_TEMP=temperature is not None, HAS_G2=g2 is not None,
+                                  HAS_TEMP=inv_temp is not None, HAS_G2=g2 is not None,
                                   BLOCK=BLOCK_V, num_warps=NUM_WARPS)
     return grad
 

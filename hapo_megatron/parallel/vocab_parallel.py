@@ -149,12 +149,16 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         n, vp = logits.shape
         local_t, in_range = _local_targets(targets, _vocab_start(vp, tp_group), vp)
         kernels = use_triton_kernels(logits)
-        if kernels:
-            packed, m, clamp = _kernel_sums(logits, local_t, in_range, temperature, tp_group)
+        if kernels:  # one-pass sums on the shard's own max, moved onto the global one and summed
+            packed = torch.empty(n, 3, dtype=torch.float32, device=logits.device)
+            m_shard = kernel_row_sums(logits, _inverse(temperature), local_t, in_range, packed)
+            m = combine_shards(packed, m_shard, in_range, tp_group)
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # an all -inf row: no nan shift
+            clamp = False
         else:
             packed, m, clamp = _chunked_sums(logits, local_t, in_range, temperature, tp_group, chunk_size)
-        if tp_group is not None and dist.get_world_size(tp_group) > 1:
-            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
+            if tp_group is not None and dist.get_world_size(tp_group) > 1:
+                dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
 
         logprobs, entropy, log_z = _finish(packed)
 
@@ -177,8 +181,9 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         if ctx.kernels:
             from hapo_megatron.parallel import vocab_kernels
             f32 = [None if t is None else t.float().contiguous() for t in (g1, g2, g1_hit)]
-            return (vocab_kernels.logits_grad(logits, temperature if ctx.has_temperature else None, shift, f32[0],
-                                              f32[1], entropy, local_t, f32[2]), None, None, None, None, None)
+            inv_t = _inverse(temperature) if ctx.has_temperature else None
+            return (vocab_kernels.logits_grad(logits, inv_t, shift, f32[0], f32[1], entropy, local_t, f32[2]),
+                    None, None, None, None, None)
         grad_input = torch.empty_like(logits)
         step = min(ctx.chunk_size or max(n, 1), max(n, 1))
         lbuf = torch.empty(step, vp, dtype=torch.float32, device=logits.device)
@@ -229,23 +234,50 @@ def _chunked_sums(logits, local_t, in_range, temperature, tp_group, chunk_size):
     return packed, m, clamp
 
 
-def _kernel_sums(logits, local_t, in_range, temperature, tp_group):
-    """The Triton path: the shard's one-pass sums (`vocab_kernels.row_stats`, relative to the
-    shard's own max), moved onto the global max before the TP sum:
-    `S e^(m_r - m)` and `e^(m_r - m) (A + S (m_r - m))`."""
+def _inverse(temperature: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """1 / T per row for the kernels (None for temperature 1): one rounding, shared by every use."""
+    return None if temperature is None or temperature.numel() == 0 else torch.reciprocal(temperature)
+
+
+def kernel_row_sums(logits, inv_temp, local_t, in_range, out) -> torch.Tensor:
+    """The Triton path's sums of `_chunk_sums` for `logits` `[N, w]` (a shard, or a slice of one):
+    `out` `[N, 3]` gets `S`, `A` and the target's `z - m` relative to the rows' own max `m`
+    (`vocab_kernels.row_stats`), which is returned (-inf for a row that is all -inf here, whose
+    sums are 0 and whose target term is its -inf)."""
     from hapo_megatron.parallel import vocab_kernels
-    stats = vocab_kernels.row_stats(logits, temperature)
-    m_shard, s_shard, a_shard = stats.unbind(1)
-    m = _global_max(m_shard.clone(), tp_group)
-    finite = torch.isfinite(m_shard)  # a shard all -inf in a row: its sums are 0
-    delta = torch.where(finite, m_shard - m, torch.zeros_like(m))
-    scale = torch.where(finite, torch.exp(delta), torch.zeros_like(m))
+    stats = vocab_kernels.row_stats(logits, inv_temp)
+    m = stats[:, 0]
+    out[:, :2] = stats[:, 1:]
     z_t = logits.gather(1, local_t.unsqueeze(1)).squeeze(1).float()
-    if temperature is not None:
-        z_t = z_t / temperature
-    packed = torch.stack([s_shard * scale, scale * (a_shard + s_shard * delta),
-                          torch.where(in_range, z_t - m, torch.zeros_like(m))], dim=1)
-    return packed, m, False
+    if inv_temp is not None:
+        z_t = z_t * inv_temp
+    shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    out[:, 2] = torch.where(in_range, z_t - shift, torch.zeros_like(z_t))
+    return m
+
+
+def rescale_sums(packed: torch.Tensor, d: torch.Tensor, has_target: torch.Tensor) -> None:
+    """Sums `(S, A, z_t)` taken after subtracting `m` re-expressed after subtracting `m - d` (in
+    place): `S e^d`, `e^d (A + d S)`, `z_t + d`. A row whose own max was -inf (`d` not finite) has
+    no mass: its sums stay 0 and its target term (-inf) stays as it is."""
+    finite = torch.isfinite(d)
+    d0 = torch.where(finite, d, torch.zeros_like(d))
+    scale = torch.where(finite, torch.exp(d0), torch.zeros_like(d0))
+    packed[:, 1] = scale * (packed[:, 1] + d0 * packed[:, 0])
+    packed[:, 0] *= scale
+    packed[:, 2] = torch.where(has_target, packed[:, 2] + d0, torch.zeros_like(d0))
+
+
+def combine_shards(packed: torch.Tensor, m_local: torch.Tensor, in_range: torch.Tensor, tp_group) -> torch.Tensor:
+    """Move each TP rank's sums from its own row max onto the global one and SUM them (in place);
+    returns the global row max (one MAX and one SUM all-reduce)."""
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return m_local
+    m = m_local.clone()
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+    rescale_sums(packed, m_local - m, in_range)  # a shard of padding only gets weight exp(-1e4) == 0
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
+    return m
 
 
 def _prepare_temperature(temperature, shape, device) -> Optional[torch.Tensor]:

@@ -81,8 +81,27 @@ def _tensor_parallel() -> None:
         _check(errs, bf16_grad_units=INTERPRETER_BF16_UNITS)
 
 
+def _linear_single() -> None:
+    """The fused output layer (parallel/linear.py) on the kernels, slice by slice, against the
+    logits path and float64: its own test's cases (padding, temperatures, logits in the thousands)."""
+    from tests.parallel import test_linear_logprobs_entropy as linear
+    _small_blocks(16)
+    linear._run(None, 0, 1)
+
+
+def _linear_tensor_parallel() -> None:
+    assert all(run_distributed(_linear_tp_worker, 2, timeout=300))
+
+
+def _linear_tp_worker(rank, world_size):
+    from tests.parallel import test_linear_logprobs_entropy as linear
+    _small_blocks(8)
+    return linear._tp_worker(rank, world_size)
+
+
 CHECKS = {"all cases": _all_cases, "equal to the torch path": _equal_to_the_torch_path,
-          "tensor parallel": _tensor_parallel}
+          "tensor parallel": _tensor_parallel, "linear": _linear_single,
+          "linear tensor parallel": _linear_tensor_parallel}
 
 
 def _run_in_child() -> None:
@@ -111,3 +130,19 @@ def test_interpreted_kernels(interpreted_report, name):
 def test_compiled_kernels_on_cuda_match_reference():
     assert use_triton_kernels(torch.zeros(1, device="cuda"))
     _check(_run_cases(None, 0, 1, device="cuda", chunks=(None,)))
+
+
+@pytest.mark.gpu
+def test_compiled_kernels_in_the_fused_output_layer_on_cuda():
+    """The fused output layer on CUDA (kernels) against float64, its bf16 and float32 weights."""
+    from hapo_megatron.parallel.linear import linear_logprobs_entropy
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(64, 32, generator=g), torch.randn(5000, 32, generator=g) * 0.5
+    targets = torch.randint(0, 5000, (64,), generator=g)
+    exact = torch.log_softmax(hidden.double() @ weight.double().t(), dim=-1)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
+        lp, ent = linear_logprobs_entropy(hidden.to("cuda", dtype), weight.to("cuda", dtype), targets.cuda(),
+                                          temperature=1.0, chunk_size=16)
+        ref_lp = exact.gather(1, targets.unsqueeze(1)).squeeze(1)
+        ref_ent = -(exact.exp() * exact).sum(-1)
+        assert (lp.double().cpu() - ref_lp).abs().max() < tol and (ent.double().cpu() - ref_ent).abs().max() < tol
