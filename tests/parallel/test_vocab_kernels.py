@@ -83,10 +83,11 @@ def _tensor_parallel() -> None:
 
 def _linear_single() -> None:
     """The fused output layer (parallel/linear.py) on the kernels, slice by slice, against the
-    logits path and float64: its own test's cases (padding, temperatures, logits in the thousands)."""
+    logits path and float64: its own test's cases (padding, temperatures, logits in the thousands)
+    with one slice (3 blocks) and with 5 slices (the merge between slices)."""
     from tests.parallel import test_linear_logprobs_entropy as linear
     _small_blocks(16)
-    linear._run(None, 0, 1)
+    linear._run(None, 0, 1, chunks=(None, 5))
 
 
 def _linear_tensor_parallel() -> None:
@@ -94,9 +95,10 @@ def _linear_tensor_parallel() -> None:
 
 
 def _linear_tp_worker(rank, world_size):
+    """With and without sequence parallelism; one slice per shard (the slices' merge: above)."""
     from tests.parallel import test_linear_logprobs_entropy as linear
     _small_blocks(8)
-    return linear._tp_worker(rank, world_size)
+    return linear._tp_worker(rank, world_size, chunks=(None,))
 
 
 CHECKS = {"all cases": _all_cases, "equal to the torch path": _equal_to_the_torch_path,
