@@ -37,13 +37,15 @@ def _fwd_bwd(model, ids):
     return logits.detach().float(), float(grad_norm)
 
 
+TE_MISSING = "needs Transformer Engine (see the row `import transformer_engine.pytorch`)"
+
+
 def check_te_vs_local() -> CheckResult:
     if not torch.cuda.is_available():
         return CheckResult("TE spec vs local", SKIP, "needs a CUDA GPU")
     from hapo_megatron.models.gpt import te_available
-    if not te_available():
-        return CheckResult("TE spec vs local", FAIL, "transformer_engine is not importable",
-                           "build and use the image (docs/docker.md)")
+    if not te_available():  # one failure per cause: the import row is it, with its fix
+        return CheckResult("TE spec vs local", SKIP, TE_MISSING)
     from hapo_megatron.parallel.groups import initialize_parallel
     initialize_parallel(tp=1, seed=0)
     hf_config, models = _tiny_gpt_pair()
@@ -68,8 +70,7 @@ def check_packed_vs_padded() -> CheckResult:
         return CheckResult(name, SKIP, "needs a CUDA GPU (the CPU path is tested by tests/training/test_packing_*)")
     from hapo_megatron.models.gpt import te_available
     if not te_available():
-        return CheckResult(name, FAIL, "transformer_engine is not importable",
-                           "build and use the image (docs/docker.md)")
+        return CheckResult(name, SKIP, TE_MISSING)
     from hapo_megatron.parallel.groups import initialize_parallel
     from hapo_megatron.training.actor import packed_seq_params_of
     from hapo_megatron.training.batches.micro_batches import SequenceData, collate, collate_packed
