@@ -290,7 +290,8 @@ class RolloutConfig(_Section):
     """Where the synchronous loop's rank-0 rollout work runs (rollout.max_staleness=0, rollout.engine=sglang):
     inline (in trainer rank 0) or process (the rollout manager process of rollout.async_producer: the HTTP
     traffic, response parsing, scoring and dynamic sampling leave the trainer's process; the same batches,
-    bit for bit; docs/architecture.md, "The rollout manager"). Not yet with rollout.over_sampling > 1."""
+    bit for bit; docs/architecture.md, "The rollout manager"). With rollout.over_sampling > 1 the pool of
+    partial rollouts goes to the manager with each step and comes back (the trainer checkpoints it)."""
     async_manager_timeout_s: float = 300.0
     """How long trainer rank 0 waits for a sign of life from the rollout manager process (it sends one
     every second while the trainer waits for a batch; rollout.async_producer or rollout.sync_producer:
@@ -336,9 +337,6 @@ class RolloutConfig(_Section):
         if self.sync_producer == "process" and not self.max_staleness and self.engine != "sglang":
             _fail(f"rollout.sync_producer=process runs the rollout manager over SGLang servers: set "
                   f"rollout.engine=sglang (is {self.engine!r}) or rollout.sync_producer=inline")
-        if self.sync_producer == "process" and not self.max_staleness and self.over_sampling > 1.0:
-            _fail(f"rollout.sync_producer=process does not carry over-sampling's partial rollouts yet: set "
-                  f"rollout.sync_producer=inline or rollout.over_sampling=1.0 (is {self.over_sampling})")
         if not self.async_manager_timeout_s > 0:
             _fail(f"rollout.async_manager_timeout_s must be > 0, got {self.async_manager_timeout_s}")
         if self.max_staleness and (self.engine != "sglang" or self.sglang.colocate):

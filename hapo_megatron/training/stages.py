@@ -193,8 +193,8 @@ def _rollout_rank0(rt: Runtime, step: int, stop_check: Optional[Callable[[], boo
     if rt.sync_manager is None:
         return generate_step(rt, step, stop_check)
     rt.memory.resume_generation()  # the KV cache (the weights came back in sync_weights)
-    kept, metrics, state = rt.sync_manager.rollout_step(step, rt.rl.sampler.state_dict(),
-                                                        rt.rl.rollout_entropy_stats, stop_check)
+    kept, metrics, state, rt.rl.partial_rollouts = rt.sync_manager.rollout_step(
+        step, rt.rl.sampler.state_dict(), rt.rl.rollout_entropy_stats, rt.rl.partial_rollouts, stop_check)
     if len(kept):  # as generate_step does: the accelerator back to the actor, the weights too unless skipped
         rt.memory.release_all()
     else:

@@ -184,7 +184,7 @@ def _serve(conn, factory: Callable[..., Any], args: tuple, pending: Optional[lis
                     kept, metrics, state = _generate_step(rt, *msg[1:], stop_check=beat)
                 except _ABANDONED:
                     continue  # the trainer gave the step up; the next message is close
-                conn.send(("batch", metrics, state))
+                conn.send(("batch", metrics, state, rt.rl.partial_rollouts))  # the pool: kept by the trainer
                 send_batch(conn, kept)
             elif kind == "take":
                 try:
@@ -228,14 +228,16 @@ def _serve(conn, factory: Callable[..., Any], args: tuple, pending: Optional[lis
             ar.close()
 
 
-def _generate_step(rt, step: int, sampler_state: dict, entropy_stats: Any, in_use: Optional[list[int]], *,
-                   stop_check: Callable[[], bool]):
+def _generate_step(rt, step: int, sampler_state: dict, entropy_stats: Any, partial_rollouts: Optional[dict],
+                   in_use: Optional[list[int]], *, stop_check: Callable[[], bool]):
     """One synchronous step's rollout in the manager, from the trainer's sampler cursor, entropy
-    statistics and servers in use: `stages.generate_step`, as trainer rank 0 runs it inline."""
+    statistics, pool of partial rollouts and servers in use: `stages.generate_step`, as trainer
+    rank 0 runs it inline."""
     from hapo_megatron.training.stages import generate_step
     if in_use is not None:
         follow_servers(rt.engine.supervisor, in_use)
     rt.rl.step, rt.rl.rollout_entropy_stats = int(step), entropy_stats
+    rt.rl.partial_rollouts = partial_rollouts
     rt.rl.sampler.load_state_dict(sampler_state)
     return generate_step(rt, int(step), stop_check)
 
@@ -361,15 +363,17 @@ class RolloutManager:
         kept, metrics, (snapshot, seq_stats) = self._batch(("take", int(step)), step, stop_check)
         return kept, metrics, snapshot, seq_stats
 
-    def rollout_step(self, step: int, sampler_state: dict, entropy_stats: Any,
+    def rollout_step(self, step: int, sampler_state: dict, entropy_stats: Any, partial_rollouts: Optional[dict],
                      stop_check: Optional[Callable[[], bool]] = None):
         """As `stages.generate_step` (the synchronous loop), run in the manager from the trainer's
-        sampler cursor and entropy statistics: the kept batch, its metrics and the sampler state.
+        sampler cursor, entropy statistics and pool of partial rollouts (over-sampling; None
+        without): the kept batch, its metrics, the sampler state and the pool after the step,
+        which the trainer keeps for its checkpoints (so a resumed run hands the manager its pool).
         A stop request gives the step up at once (`RolloutAbandoned`; the manager's engine aborts
         its requests when it sees the close that follows)."""
-        msg = ("rollout", int(step), sampler_state, entropy_stats, self.servers_in_use())
-        kept, metrics, (state,) = self._batch(msg, step, stop_check)
-        return kept, metrics, state
+        msg = ("rollout", int(step), sampler_state, entropy_stats, partial_rollouts, self.servers_in_use())
+        kept, metrics, (state, pool) = self._batch(msg, step, stop_check)
+        return kept, metrics, state, pool
 
     def snapshot(self) -> dict[str, Any]:
         return self._ask(("snapshot",), "it took a snapshot")[1]

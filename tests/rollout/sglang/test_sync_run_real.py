@@ -7,7 +7,7 @@ its store hosted by rank 0).
   servers report the weight version of every sync so far (advancing with the steps) and hold
   trained weights (not the initial model's), and none of their processes is left after the run.
 - A rank lost mid-run (SIGKILL of rank 1), the synchronous loop with its rollouts in the rollout
-  manager process (``rollout.sync_producer: process``): torchrun tears the job down, and no server
+  manager process (``rollout.sync_producer: process``, with over-sampling): torchrun tears the job down, and no server
   process, nor the manager, is left 30 s after it exited. One launched server there: each server has a guard of its own
   (server_guard.py), so a second one would only double the start-up (most of the run's time).
 """
@@ -139,8 +139,8 @@ def test_a_rank_lost_mid_run_leaves_no_server(tiny, tmp_path):
     (``rollout.sync_producer: process``): the steps' batches come through it, and neither a
     server nor the manager outlives the job."""
     import psutil
-    run = Run(tiny, str(tmp_path / "run"), steps=1000, servers=1,
-              extra={"rollout.max_staleness": 0, "rollout.sync_producer": "process"})
+    run = Run(tiny, str(tmp_path / "run"), steps=1000, servers=1,  # over-sampling: its pool goes through it
+              extra={"rollout.max_staleness": 0, "rollout.sync_producer": "process", "rollout.over_sampling": 1.5})
     try:
         run.wait_for("step 1", lambda: len(run.steps()) >= 1)
         group = run.server_processes()
@@ -152,5 +152,6 @@ def test_a_rank_lost_mid_run_leaves_no_server(tiny, tmp_path):
         run.close()
     assert run.proc.returncode != 0
     assert "timing/manager_transport_s" in run.records()[0]  # step 1's batch came from the manager
+    assert "rollout/partial_groups" in run.records()[0]  # ... by over-sampling's rollout
     assert managers and procs.survivors(managers, GONE_WITHIN_S) == []  # the manager (and reward workers)
     assert len(group) >= 2 and procs.survivors(group, GONE_WITHIN_S) == [], run.text()[-3000:]

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from hapo_megatron.config import load_config
 from hapo_megatron.data.sampler import PromptSampler
 from hapo_megatron.rewards.scoring import RewardScorer
-from hapo_megatron.rollout.engine import Sample
+from hapo_megatron.rollout.engine import RowResult, Sample
 from hapo_megatron.training.batches.rollout_batch import DynamicSampler
 from hapo_megatron.training.memory.engine_memory import EngineMemory
 from hapo_megatron.training.runtime import sampling_seed
@@ -52,6 +52,17 @@ class SeededEngine(StandInEngine):
             out.append(group)
         return out
 
+    def generate_group(self, rows, params):
+        """Over-sampling's calls: each row answered whole, as a function of its input and seed."""
+        out = []
+        for k, row in enumerate(rows):
+            rng = random.Random(f"{list(row.input_ids)}|{params!r}|{row.seed}|{row.max_new_tokens}|{k}")
+            size = rng.randint(1, row.max_new_tokens)
+            ids = tuple(rng.randrange(3, 50) for _ in range(size))
+            out.append(RowResult(token_ids=ids, logprobs=tuple(-rng.random() for _ in ids),
+                                 finish_reason="length" if size == row.max_new_tokens else "stop"))
+        return out
+
 
 def records(count: int = 24) -> list:
     return [SimpleNamespace(prompt_ids=[1, 2 + p, 7 * p % 11], ground_truth=str(p), data_source="d", extra_info={})
@@ -69,7 +80,7 @@ def make_runtime(overrides=()):
         tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)),
                                   eos_token_id=None),
         scorer=RewardScorer(cfg.reward), train_ds=records(), async_rollout=None, sync_manager=None,
-        rl=SimpleNamespace(step=0, sampler=sampler, rollout_entropy_stats=None,
+        rl=SimpleNamespace(step=0, sampler=sampler, rollout_entropy_stats=None, partial_rollouts=None,
                            dyn=DynamicSampler(enabled=cfg.algo.filter_groups, metric=cfg.algo.filter_groups_metric,
                                               max_num_gen_batches=cfg.algo.max_num_gen_batches)))
     rt.sampling_seed = lambda step, gen_index: sampling_seed(cfg, step, gen_index)

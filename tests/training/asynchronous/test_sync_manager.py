@@ -56,6 +56,32 @@ def test_the_manager_rolls_out_the_same_steps_bit_for_bit(overrides):
     assert rt.sent == [m for m in inline.sent if m[1]["step"] >= 2]
 
 
+def test_over_sampling_pool_travels_between_the_trainer_and_the_manager():
+    """Over-sampling through the manager: the pool of groups started comes back with each step
+    (the trainer checkpoints it) and goes out with the next, so a fresh manager (a resumed run)
+    continues it: every group started is trained once or is still in the pool, serials 0 .. next
+    without a gap or a repeat (as inline, tests/training/test_partial_rollouts.py). Mutations
+    tried: the trainer not sending its pool, the manager not returning it: both repeat serials."""
+    from hapo_megatron.training.partial_rollouts import PartialPool
+    overrides = ["rollout.over_sampling=2", "algo.filter_groups=false"]  # no group dropped by the filter
+    rt = make_runtime(overrides)
+    trained = []
+    for step in (1, 2):  # each step in a manager of its own: the second starts from the trainer's pool
+        rt.sync_manager = RolloutManager(make_runtime, (overrides,), asynchronous=False,
+                                         on_progress=lambda kind, body: None)
+        try:
+            rt.rl.step = step
+            kept, _, state = stages._rollout_rank0(rt, step)
+        finally:
+            rt.sync_manager.close()
+        stages._apply_sampler_state(rt, state)
+        assert state["partial"] and len(kept) == 9
+        trained += [int(g) for g in dict.fromkeys(kept.group_ids)]
+    pool = PartialPool.from_dict(rt.rl.partial_rollouts)
+    assert pool.next_serial > len(trained)  # over-sampling started more groups than it trained
+    assert sorted(trained + [g.serial for g in pool.groups]) == list(range(pool.next_serial))
+
+
 def test_the_loop_starts_the_manager_for_the_synchronous_loop_only_when_asked(monkeypatch):
     started = []
     monkeypatch.setattr(manager_mod, "start_manager", lambda rt, **kw: started.append(kw) or "manager")
@@ -72,8 +98,6 @@ def test_the_loop_starts_the_manager_for_the_synchronous_loop_only_when_asked(mo
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.sync_producer=sideways"], "rollout.sync_producer must be 'inline' or 'process'"),
     (["rollout.sync_producer=process", "rollout.engine=hf"], "set rollout.engine=sglang (is 'hf')"),
-    (["rollout.sync_producer=process", "rollout.engine=sglang", "rollout.over_sampling=2"],
-     "does not carry over-sampling's partial rollouts yet"),
 ])
 def test_impossible_settings_are_one_line_refusals(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
