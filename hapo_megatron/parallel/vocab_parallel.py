@@ -29,7 +29,7 @@ Entries of `-inf` (masked vocabulary) are fine: after the shift any `z - m < -1e
 
 On CUDA (and under Triton's interpreter) the per-row sums and the backward come from the Triton
 kernels of `vocab_kernels.py` instead, one read of each row; the shards' sums are combined with
-the same two all-reduces (`_combine_shard_stats`).
+the same two all-reduces (`combine_shards`).
 """
 
 from __future__ import annotations
