@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -161,7 +162,12 @@ def launch_server(model_path: str, *, port: int, host: str, log_path: str, api_k
                   kv_cache_dtype: str) -> ServerHandle:
     """Start one rollout server (:func:`server_command` run by :func:`start_process` in
     :func:`server_env`), bound to ``host`` and reached at ``url_host`` (default ``host``). With
-    ``api_key`` the server requires that key; without one it runs keyless."""
+    ``api_key`` the server requires that key; without one it runs keyless. A port that already
+    accepts connections is refused in one line: the server could not bind it, and the trainer would
+    wait on (or talk to) whatever holds it."""
+    if accepts_connections(host, int(port)):
+        raise RuntimeError(f"port {int(port)} on {host} is in use by another process (another run's server?): "
+                           f"set rollout.sglang.port_base to a free range")
     cmd = server_command(model_path, port=port, host=host, tp_size=tp_size, base_gpu_id=base_gpu_id,
                          mem_fraction_static=mem_fraction_static, dtype=sglang_dtype(dtype),
                          enable_memory_saver=colocate, extra_args=extra_args, device=device,
@@ -185,11 +191,50 @@ def node_ip(toward: Optional[str] = None) -> str:
     return "127.0.0.1"
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago."""
+def accepts_connections(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+        s.settimeout(1.0)
+        return s.connect_ex((host, port)) == 0
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The OS's range of ports handed to `bind(port 0)` and outgoing connections (Linux's
+    ip_local_port_range; its default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+#: consecutive ports `free_port` checks: a run's servers listen on port_base + i
+FREE_RUN = 8
+
+
+def free_port(rng: Optional[random.Random] = None) -> int:
+    """The first of ``FREE_RUN`` consecutive TCP ports that were free a moment ago, below the OS's
+    ephemeral range. WHY below it: a port picked by `bind(port 0)` comes from that range, where
+    the trainer's own gloo listeners and connections take theirs in the seconds before a server
+    binds it (seen: a recipe test's server lost its port to a trainer rank's gloo listener, and the
+    run waited on that listener)."""
+    rng = rng or random.Random()
+    low = max(1024 + FREE_RUN, min(ephemeral_port_range()[0], 65536) - FREE_RUN)
+    first = 10000 if low > 10000 + FREE_RUN else 1024  # clear of the well-known and registered low ports
+    for _ in range(1000):
+        base = rng.randrange(first, low)
+        if all(_bindable(base + i) for i in range(FREE_RUN)):
+            return base
+    raise RuntimeError(f"no {FREE_RUN} consecutive free ports below {low}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -296,10 +341,8 @@ def _wait_port_free(url: str, timeout_s: float) -> None:
     parsed = urlparse(url)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.settimeout(1.0)
-            if s.connect_ex((parsed.hostname, parsed.port)) != 0:
-                return
+        if not accepts_connections(parsed.hostname, parsed.port):
+            return
         time.sleep(0.2)
 
 
@@ -329,6 +372,6 @@ def stop_process(handle: ServerHandle, timeout_s: float = 30.0) -> None:
 
 
 __all__ = ["sglang_dtype", "server_command", "resolve_device", "server_env", "cpu_stubs_dir",
-           "node_ip", "free_port", "start_process", "launch_server", "stop_process", "LaunchSpec", "restart_process",
-           "kill_process"]
+           "node_ip", "free_port", "accepts_connections", "ephemeral_port_range", "start_process", "launch_server",
+           "stop_process", "LaunchSpec", "restart_process", "kill_process"]
 __all__ += ["module_argv", "SERVER_KEY_FLAGS", "lora_server_args"]  # the API key (rollout/sglang/api_key.py)

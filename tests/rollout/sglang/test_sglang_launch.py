@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import sys
 
 import pytest
@@ -69,3 +70,33 @@ def test_server_outlives_slurms_stop_signal(tmp_path):
     assert h.exit_code() is not None  # SIGTERM still stops it
     start = json.loads(open(tmp_path / f"server_{port}.jsonl").readline())
     assert start["pid"] == h.process.pid
+
+
+def test_free_port_is_a_free_run_below_the_ephemeral_range():
+    """Ports from `bind(0)` (the ephemeral range) are what the trainer's gloo listeners take while
+    a server starts; `free_port` stays below that range, with a run of free ports for port_base + i."""
+    from hapo_megatron.rollout.sglang import launch
+    low = launch.ephemeral_port_range()[0]
+    for _ in range(5):
+        base = launch.free_port()
+        assert 1024 <= base and base + launch.FREE_RUN <= low
+        for i in range(launch.FREE_RUN):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("", base + i))
+
+
+def test_a_port_in_use_is_refused_before_any_server_starts(tmp_path, monkeypatch):
+    """Something already listening on the port (another run's server, any process): one line, and
+    no server process (it could not bind, and the trainer would wait on the other listener)."""
+    from hapo_megatron.rollout.sglang import launch
+    started = []
+    monkeypatch.setattr(launch, "start_process", lambda *a, **k: started.append(a))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen(1)
+        port = other.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"port {port} on 127.0.0.1 is in use") as e:
+            launch.launch_server(str(tmp_path), port=port, host="127.0.0.1", log_path=str(tmp_path / "log"),
+                                 api_key=None, mem_fraction_static=0.5, colocate=False, device="cpu",
+                                 quantization="none", kv_cache_dtype="auto")
+    assert "\n" not in str(e.value) and started == []
