@@ -212,17 +212,16 @@ def ephemeral_port_range() -> tuple[int, int]:
 FREE_RUN = 8
 
 
-def free_port(rng: Optional[random.Random] = None) -> int:
+def free_port() -> int:
     """The first of ``FREE_RUN`` consecutive TCP ports that were free a moment ago, below the OS's
     ephemeral range. WHY below it: a port picked by `bind(port 0)` comes from that range, where
     the trainer's own gloo listeners and connections take theirs in the seconds before a server
     binds it (seen: a recipe test's server lost its port to a trainer rank's gloo listener, and the
     run waited on that listener)."""
-    rng = rng or random.Random()
     low = max(1024 + FREE_RUN, min(ephemeral_port_range()[0], 65536) - FREE_RUN)
     first = 10000 if low > 10000 + FREE_RUN else 1024  # clear of the well-known and registered low ports
     for _ in range(1000):
-        base = rng.randrange(first, low)
+        base = random.randrange(first, low)
         if all(_bindable(base + i) for i in range(FREE_RUN)):
             return base
     raise RuntimeError(f"no {FREE_RUN} consecutive free ports below {low}")
