@@ -476,8 +476,11 @@ class ModelConfig(_Section):
         if self.moe_aux_loss_coef is not None and not self.moe_aux_loss_coef >= 0:
             _fail(f"model.moe_aux_loss_coef must be >= 0 or null, got {self.moe_aux_loss_coef!r}")
         if self.lora.rank and self.megatron_load_path:
-            _fail("model.lora.rank > 0 starts from model.hf_model_path's weights; model.megatron_load_path is not "
-                  "supported with LoRA yet (set one of them)")
+            # the base must be an HF directory: the servers load it, and adapter-only checkpoints and
+            # the PEFT export refer to it by path and hash (docs/lora.md)
+            _fail("model.lora.rank > 0 adapts model.hf_model_path's weights; model.megatron_load_path cannot be the "
+                  "base: convert it first (hapo convert megatron-to-hf --megatron-path <ckpt> --hf-model-path <dir>) "
+                  "and pass <dir> as model.hf_model_path")
         if self.lora.rank and self.random_init:
             _fail("model.lora.rank > 0 adapts the weights of model.hf_model_path, which its checkpoints hold only "
                   "by reference (adapter-only); model.random_init=true has no such base (set one of them)")

@@ -38,9 +38,10 @@ def test_bad_values_are_refused_naming_the_field(override, field):
     assert "\n" not in str(e.value)
 
 
-def test_lora_with_a_megatron_checkpoint_start_is_refused():
-    with pytest.raises(ValueError, match=r"model\.megatron_load_path"):
+def test_lora_with_a_megatron_checkpoint_start_is_refused_with_the_conversion_to_run():
+    with pytest.raises(ValueError, match=r"model\.megatron_load_path") as e:
         load_config(overrides=["model.lora.rank=4", "model.megatron_load_path=/x"])
+    assert "hapo convert megatron-to-hf --megatron-path" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_rank_above_a_targeted_layers_smaller_side_is_refused():

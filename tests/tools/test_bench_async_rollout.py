@@ -57,3 +57,29 @@ def test_host_figures_are_means_per_measured_step():
     assert c["producer_cpu_per_step"] == (0.25 + 0.25 + 0.75) / 3
     assert c["process_cpu_per_step"] == 1.0 and c["torch_threads_per_step"] == 1.0
     assert c["server_cpu_per_step"] == 0.5 / 3 and c["main_cpu_per_step"] == 0.0
+
+
+def test_sglang_mode_runs_the_job_on_servers_its_trainer_launches():
+    """``--servers sglang``: no URL and no disk sync (the trainer launches its servers and syncs
+    by its default), the model and prompts asked for; the paced mode attaches by URL and syncs by
+    disk. Dropping any of these on the way fails here."""
+    bench = load_tool("bench/async_rollout")
+    launched = bench.LaunchedServers(model="/m/qwen", train_file="/d/train.parquet", num_servers=2)
+    kv = dict(o.split("=", 1) for o in bench.job_overrides("/data", "/run", None, max_staleness=1, steps=3,
+                                                           launched=launched))
+    assert "rollout.sglang.server_urls" not in kv and "rollout.sglang.weight_sync" not in kv
+    assert kv["rollout.sglang.num_servers"] == "2" and kv["rollout.sglang.colocate"] == "false"
+    assert kv["model.hf_model_path"] == kv["data.tokenizer_path"] == "/m/qwen"
+    assert kv["data.train_files"] == "[/d/train.parquet]" and kv["rollout.max_staleness"] == "1"
+    assert 1024 <= int(kv["rollout.sglang.port_base"]) < 65536
+    paced = dict(o.split("=", 1) for o in bench.job_overrides("/data", "/run", ["http://a:1", "http://b:2"],
+                                                              max_staleness=0, steps=3))
+    assert paced["rollout.sglang.server_urls"] == "[http://a:1,http://b:2]"
+    assert paced["rollout.sglang.weight_sync"] == "disk" and paced["model.hf_model_path"] == "/data/model"
+
+
+def test_model_without_sglang_servers_is_refused_in_one_line(capsys):
+    bench = load_tool("bench/async_rollout")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--model", "/m/qwen"])
+    assert e.value.code == 2 and "--model and --train-file need --servers sglang" in capsys.readouterr().err

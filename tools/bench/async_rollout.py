@@ -18,6 +18,16 @@ slows a few steps of one setting and moves the mean, not the median).
 The reward is a cheap parity score (the stand-in's responses are random tokens): on the CPU job
 the math verifier's CPU time would compete with the trainer for the cores while generation
 overlaps training, which it does not on a GPU box.
+
+``--servers sglang`` (the GPU mode) measures the same with real SGLang servers that each
+setting's trainer launches, the user's path with the default weight sync; generation then runs at
+the servers' own speed (no calibration). On a GPU node, with ``--model`` a real model:
+
+    PYTHONPATH=$PWD python tools/bench/async_rollout.py --servers sglang --model /models/Qwen2.5-Math-1.5B \
+        --length 512 --batch 32 --n 8
+
+(the trainer on GPU 0, the servers on the next ones). On CPU the tiny model runs on CPU servers
+that share the trainer's cores, which only checks that the mode works.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVER = os.path.join(ROOT, "tools", "bench", "paced_sglang_server.py")
@@ -75,10 +86,13 @@ def stop_servers(procs) -> None:
         p.wait(timeout=30)
 
 
-def job_overrides(data: str, run_dir: str, urls: list[str], *, max_staleness: int, steps: int,
+def job_overrides(data: str, run_dir: str, urls: list[str] | None, *, max_staleness: int, steps: int,
                   batch: int = 4, n: int = 4, response_length: int = 16, reward_workers: int = 0,
-                  rollout_is: str | None = None, extra: dict | None = None) -> list[str]:
-    """The tiny CPU job (examples/cpu_tiny, one process, TP 1) on the stand-in servers."""
+                  rollout_is: str | None = None, extra: dict | None = None,
+                  launched: LaunchedServers | None = None) -> list[str]:
+    """The tiny CPU job (examples/cpu_tiny, one process, TP 1) on the stand-in servers at ``urls``
+    (synced by disk), or on real SGLang servers that the trainer launches (``launched``: the
+    user's path, the default weight sync)."""
     kv = {
         "data.train_files": f"[{data}/train.jsonl]", "data.val_files": "[]",
         "data.tokenizer_path": f"{data}/model", "model.hf_model_path": f"{data}/model",
@@ -87,13 +101,33 @@ def job_overrides(data: str, run_dir: str, urls: list[str], *, max_staleness: in
         "trainer.sft_warmup_steps": 0, "trainer.total_steps": steps, "trainer.save_interval": 0,
         "trainer.run_dir": run_dir, "logging.console": "false", "trainer.val_before_train": "false",
         "trainer.val_at_end": "false", "algo.filter_groups": "false", "reward.num_workers": reward_workers,
-        "parallel.tensor_model_parallel_size": 1, "rollout.engine": "sglang",
-        "rollout.sglang.server_urls": "[" + ",".join(urls) + "]", "rollout.sglang.colocate": "false",
-        "rollout.sglang.weight_sync": "disk", "rollout.max_staleness": max_staleness,
+        "parallel.tensor_model_parallel_size": 1, "rollout.engine": "sglang", "rollout.sglang.colocate": "false",
+        "rollout.max_staleness": max_staleness,
         "algo.rollout_is": rollout_is or ("token_tis" if max_staleness else "none"),
     }
+    if launched is None:
+        kv.update({"rollout.sglang.server_urls": "[" + ",".join(urls or ()) + "]",
+                   "rollout.sglang.weight_sync": "disk"})
+    else:
+        kv.update(launched.overrides())
     kv.update(extra or {})
     return [f"{k}={v}" for k, v in kv.items()]
+
+
+@dataclass(frozen=True)
+class LaunchedServers:
+    """``--servers sglang``: real SGLang servers that each setting's trainer launches (its own
+    GPUs after the trainer's on a GPU node, CPU servers here), serving ``model`` (an HF directory
+    with its tokenizer; the trainer trains the same model) on prompts from ``train_file``."""
+    model: str
+    train_file: str
+    num_servers: int = 1
+
+    def overrides(self) -> dict:
+        from hapo_megatron.rollout.sglang.launch import free_port
+        return {"rollout.sglang.num_servers": self.num_servers, "rollout.sglang.port_base": free_port(),
+                "model.hf_model_path": self.model, "data.tokenizer_path": self.model,
+                "data.train_files": f"[{self.train_file}]"}
 
 
 def run_job(data: str, run_dir: str, overrides: list[str], timeout: float = 900, *,
@@ -196,7 +230,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--gil-probe", action="store_true",
                     help="run the trainers with HAPO_GIL_PROBE=1 (training/metrics/host_cpu.py): the probe "
                          "thread's wait for the interpreter lock, as a fraction of the wall time")
+    ap.add_argument("--servers", choices=("paced", "sglang"), default="paced",
+                    help="paced: the stand-ins at a calibrated token rate (generation costs wall time, no CPU); "
+                         "sglang: real SGLang servers that each setting's trainer launches, with the default "
+                         "weight sync (the GPU mode: servers on the GPUs after the trainer's, so a node needs "
+                         "1 + --num-servers GPUs; on CPU, CPU servers sharing the trainer's cores)")
+    ap.add_argument("--model", default=None,
+                    help="--servers sglang: the HF model directory (with its tokenizer) trained and served "
+                         "(default: the tiny random model of the CPU job)")
+    ap.add_argument("--train-file", default=None,
+                    help="--servers sglang: the prompts (a prepared train file; default: the tiny task's)")
+    ap.add_argument("--num-servers", type=int, default=1, help="--servers sglang: servers per setting")
     args = ap.parse_args(argv)
+    if args.servers == "paced" and (args.model or args.train_file):
+        ap.error("--model and --train-file need --servers sglang")
     env = {"HAPO_GIL_PROBE": "1"} if args.gil_probe else None
     steps = 1 if args.small else args.steps
     warmup = 2 if args.small else args.warmup
@@ -214,7 +261,13 @@ def main(argv=None) -> dict:
     data = prepare_tiny(os.path.join(work, "data"), 256, 4)
     rec_dir = os.path.join(work, "servers")
     os.makedirs(rec_dir, exist_ok=True)
-    if args.small:  # the suite's smoke test: no calibration, a fixed rate
+    launched = None
+    if args.servers == "sglang":
+        launched = LaunchedServers(model=os.path.abspath(args.model or os.path.join(data, "model")),
+                                   train_file=os.path.abspath(args.train_file or os.path.join(data, "train.jsonl")),
+                                   num_servers=args.num_servers)
+        train_s = rate = float("nan")  # real generation: nothing to calibrate
+    elif args.small:  # the suite's smoke test: no calibration, a fixed rate
         train_s = 0.2
     else:  # calibration: a synchronous run with fast servers measures the training time per step
         procs, urls = start_servers(2, 2000.0, rec_dir)
@@ -226,14 +279,14 @@ def main(argv=None) -> dict:
         finally:
             stop_servers(procs)
         train_s = cal["busy_s_per_step"]
-    # one step generates batch x n rows, one request per group (all at once): length tokens of wall time
-    rate = length / max(args.gen_train_ratio * train_s, 1e-3)
+    if launched is None:  # one step generates batch x n rows, one request per group (all at once)
+        rate = length / max(args.gen_train_ratio * train_s, 1e-3)
     # setting label -> (max_staleness, rollout.over_sampling)
     settings = ({"0": (0, 1.0), "1": (1, 1.0), f"1 os{args.over_sampling:g}": (1, args.over_sampling)}
                 if args.over_sampling > 1.0 else {"0": (0, 1.0), "1": (1, 1.0), "2": (2, 1.0)})
     parts: dict[str, list[dict]] = {label: [] for label in settings}
     tail = ("--length-median", str(args.length_median)) if args.length_median > 0 else ()
-    procs, urls = start_servers(2, rate, rec_dir, extra=(tail, tail))
+    procs, urls = start_servers(2, rate, rec_dir, extra=(tail, tail)) if launched is None else ([], None)
     try:
         for rep in range(args.repeats):
             for label, (k, over) in settings.items():
@@ -241,18 +294,26 @@ def main(argv=None) -> dict:
                 cpu0 = proc_cpu_s(procs)
                 over_kw = {**size, "extra": {**size["extra"], "rollout.over_sampling": over}}
                 recs = run_job(data, run_dir, job_overrides(
-                    data, run_dir, urls, max_staleness=k, steps=steps + warmup, response_length=length, **over_kw),
-                    env=env)
+                    data, run_dir, urls, max_staleness=k, steps=steps + warmup, response_length=length,
+                    launched=launched, **over_kw), env=env)
                 part = summarize(recs, warmup=warmup)
-                # the servers' CPU over the whole job (start-up and warm-up too), per step of it
-                part["server_cpu"] = (proc_cpu_s(procs) - cpu0) * part["steps"] / max(len(recs), 1)
+                # the stand-ins' CPU over the whole job (start-up and warm-up too), per step of it
+                # (launched servers are the trainer's children: not measured)
+                part["server_cpu"] = ((proc_cpu_s(procs) - cpu0) * part["steps"] / max(len(recs), 1)
+                                      if launched is None else float("nan"))
                 parts[label].append(part)
     finally:
         stop_servers(procs)
     results = {k: combine(p) for k, p in parts.items()}
     base = results["0"]["steps_per_hour"]
-    print(f"training {train_s:.2f} s/step (calibration), token rate {rate:.1f}/s -> generation "
-          f"~{length / rate:.2f} s/step; {args.repeats} round(s) of {steps} steps per setting")
+    if launched is None:
+        print(f"training {train_s:.2f} s/step (calibration), token rate {rate:.1f}/s -> generation "
+              f"~{length / rate:.2f} s/step; {args.repeats} round(s) of {steps} steps per setting")
+    else:
+        print(f"{launched.num_servers} SGLang server(s) launched by each setting's trainer, model {launched.model}: "
+              f"generation {results['0']['rollout_s_mean']:.2f} s/step, training "
+              f"{results['0']['busy_s_per_step']:.2f} s/step (synchronous run); {args.repeats} round(s) of "
+              f"{steps} steps per setting")
     base_median = results["0"]["steps_per_hour_median"]
     base_busy = results["0"]["busy_s_per_step"]
     print(f"{'max_staleness':>13} {'steps/h':>9} {'ratio':>6} {'idle':>6} {'busy s/step':>11} {'busy ratio':>10} "
@@ -264,7 +325,8 @@ def main(argv=None) -> dict:
               f"{r['steps_per_hour_median'] / base_median:>6.2f} {r['staleness_max']:>13.0f}")
     print(f"per step (s), means over the measured steps: the producer's CPU ({args.producer}: "
           + ("the rollout manager process" if args.producer == "process" else "threads in the trainer's process")
-          + "), the trainer process's CPU, its main thread's CPU and run-queue wait, the two servers' CPU")
+          + "), the trainer process's CPU, its main thread's CPU and run-queue wait, the two stand-ins' CPU"
+          + (" (nan: launched servers are not measured)" if launched is not None else ""))
     print(f"{'max_staleness':>13} {'producer':>9} {'process':>8} {'main':>6} {'runqueue':>8} {'servers':>8} "
           f"{'torch threads':>13}" + (f" {'gil probe':>9}" if args.gil_probe else ""))
     for k, r in results.items():
