@@ -66,6 +66,7 @@ from hapo_megatron.parallel.vocab_parallel import (
     kernel_row_sums,
     rescale_sums,
     use_triton_kernels,
+    vocab_kernels,
 )
 
 # Same value as hapo_megatron.models.gpt.PADDED_VOCAB_LOGIT (a test checks); not imported so that
@@ -85,12 +86,6 @@ class HiddenStates:
     weight: torch.Tensor
     sequence_parallel: bool
     vocab_size: Optional[int] = None
-
-
-def vocab_kernels():
-    """The Triton kernels' module, imported only where they run (CUDA, or Triton's interpreter)."""
-    from hapo_megatron.parallel import vocab_kernels as kernels
-    return kernels
 
 
 def _tp_size(tp_group) -> int:

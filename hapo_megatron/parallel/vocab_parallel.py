@@ -67,6 +67,13 @@ def use_triton_kernels(logits: torch.Tensor) -> bool:
     return logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def vocab_kernels():
+    """The Triton kernels' module, imported only where they run (`use_triton_kernels`): Triton is
+    not installed everywhere, and importing it takes seconds."""
+    from hapo_megatron.parallel import vocab_kernels as kernels
+    return kernels
+
+
 def _vocab_start(partition_vocab: int, tp_group) -> int:
     if tp_group is None:
         return 0
@@ -179,10 +186,9 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         g2 = grad_entropy if (ctx.entropy_grad and grad_entropy is not None) else None
         g1, g2, g1_hit = _row_factors(g1, g2, temperature, in_range, ctx.has_temperature)
         if ctx.kernels:
-            from hapo_megatron.parallel import vocab_kernels
             f32 = [None if t is None else t.float().contiguous() for t in (g1, g2, g1_hit)]
             inv_t = _inverse(temperature) if ctx.has_temperature else None
-            return (vocab_kernels.logits_grad(logits, inv_t, shift, f32[0], f32[1], entropy, local_t, f32[2]),
+            return (vocab_kernels().logits_grad(logits, inv_t, shift, f32[0], f32[1], entropy, local_t, f32[2]),
                     None, None, None, None, None)
         grad_input = torch.empty_like(logits)
         step = min(ctx.chunk_size or max(n, 1), max(n, 1))
@@ -244,8 +250,7 @@ def kernel_row_sums(logits, inv_temp, local_t, in_range, out) -> torch.Tensor:
     `out` `[N, 3]` gets `S`, `A` and the target's `z - m` relative to the rows' own max `m`
     (`vocab_kernels.row_stats`), which is returned (-inf for a row that is all -inf here, whose
     sums are 0 and whose target term is its -inf)."""
-    from hapo_megatron.parallel import vocab_kernels
-    stats = vocab_kernels.row_stats(logits, inv_temp)
+    stats = vocab_kernels().row_stats(logits, inv_temp)
     m = stats[:, 0]
     out[:, :2] = stats[:, 1:]
     z_t = logits.gather(1, local_t.unsqueeze(1)).squeeze(1).float()
