@@ -41,9 +41,12 @@ def parse_args(argv=None):
 
 def main(argv=None) -> str:
     args = parse_args(argv)
-    from hapo_megatron.data.prepared import already_prepared, mark_prepared
+    from hapo_megatron.data.prepared import already_prepared, code_fingerprint, mark_prepared
 
-    if already_prepared(args.out, vars(args), force=args.force):
+    # what the files hold depends on this script and the writers it calls, not on the flags only
+    settings = {**vars(args), "code_sha256": code_fingerprint(
+        __file__, "hapo_megatron.data.arithmetic", "hapo_megatron.data.rows", "hapo_megatron.models.hf_config")}
+    if already_prepared(args.out, settings, force=args.force):
         return args.out
     from hapo_megatron.data import generate_arithmetic_rows, write_rows
     from hapo_megatron.models import write_tiny_char_model
@@ -74,7 +77,7 @@ def main(argv=None) -> str:
                           intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
                           num_attention_heads=args.heads, num_key_value_heads=args.heads,
                           max_position_embeddings=256, tie_word_embeddings=False, **moe)
-    mark_prepared(args.out, vars(args))
+    mark_prepared(args.out, settings)
     print(f"prepared {args.out}: {args.n_train} train / {args.n_val} val prompts, model {model_dir}")
     return args.out
 

@@ -5,15 +5,37 @@ skips the work next time only if the settings are the same: a directory prepared
 settings (or half-written, with no marker) is rebuilt, so a changed flag can never silently
 train on stale data. A marker that does not match is deleted before the rebuild starts, so a
 rebuild that stops half-way leaves no marker behind for the old settings to match.
+
+The settings include ``code_sha256`` (`code_fingerprint`): a hash of the source files that write
+the data, so a directory prepared by older code is rebuilt too (seen: a data directory prepared
+before ``prepare.py`` added a field kept being reused, and EDGE-GRPO's solution branch found no
+solution in any row).
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import os
 
 MARKER = "prepared.json"
 _IGNORED = ("force",)  # how the directory was requested, not what it holds
+
+
+def code_fingerprint(*sources: str) -> str:
+    """A short hash of ``sources``' bytes: file paths, or dotted names of modules (plain ``.py``
+    files, located without importing them or their packages, so that the check stays cheap)."""
+    digest = hashlib.sha256()
+    for source in sources:
+        with open(source if source.endswith(".py") else _module_path(source), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+def _module_path(name: str) -> str:
+    top, *rest = name.split(".")
+    return os.path.join(importlib.util.find_spec(top).submodule_search_locations[0], *rest) + ".py"
 
 
 def _settings(settings: dict) -> dict:

@@ -43,3 +43,42 @@ def test_cpu_tiny_prepare_rebuilds_on_a_changed_setting(tmp_path):
     prepare.main(small[:5] + ["12"] + small[6:])  # --n-val 12: rebuilt
     assert len(open(os.path.join(out, "val.jsonl")).read().splitlines()) == 12
     assert open(train).read() == first  # deterministic in the seed
+
+
+def test_a_directory_prepared_by_other_code_is_rebuilt(tmp_path, capsys):
+    """The marker holds a hash of the code that wrote the data: the same flags with another
+    ``prepare.py`` (or data writer) rebuild (a directory from before a new field was added was
+    reused)."""
+    from hapo_megatron.data.prepared import code_fingerprint
+    script = tmp_path / "prepare.py"
+    script.write_text("ROWS = 1\n")
+    first = code_fingerprint(str(script), "hapo_megatron.data.rows")
+    assert first == code_fingerprint(str(script), "hapo_megatron.data.rows") and len(first) == 16
+    out = str(tmp_path / "data")
+    os.makedirs(out)
+    mark_prepared(out, {"seed": 1, "code_sha256": first})
+    script.write_text("ROWS = 2\n")
+    changed = code_fingerprint(str(script), "hapo_megatron.data.rows")
+    assert not already_prepared(out, {"seed": 1, "code_sha256": changed})
+    assert "code_sha256" in capsys.readouterr().out
+    assert code_fingerprint(str(script)) != code_fingerprint(str(script), "hapo_megatron.data.steps")
+
+
+def test_the_examples_markers_record_their_code(tmp_path):
+    """cpu_tiny's marker has the hash; a marker without it (an older directory) does not match."""
+    spec = importlib.util.spec_from_file_location(
+        "cpu_tiny_prepare_code", os.path.join(ROOT, "examples", "cpu_tiny", "prepare.py"))
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    out = str(tmp_path / "data")
+    small = ["--out", out, "--n-train", "8", "--n-val", "4", "--hidden", "16", "--layers", "1", "--heads", "2"]
+    prepare.main(small)
+    marker = json.load(open(os.path.join(out, MARKER)))
+    assert len(marker["code_sha256"]) == 16
+    marker.pop("code_sha256")
+    json.dump(marker, open(os.path.join(out, MARKER), "w"))
+    train = os.path.join(out, "train.jsonl")
+    os.utime(train, (0, 0))
+    prepare.main(small)  # prepared by code that did not record itself: rebuilt
+    assert os.stat(train).st_mtime != 0
+    assert "exact_solution" in open(train).readline()
