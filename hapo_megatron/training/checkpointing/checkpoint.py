@@ -283,6 +283,9 @@ class CheckpointManager:
                  world_size: int = 1, gather: Callable[[Any], list] | None = None):
         if keep_last_k is not None and keep_last_k < 1:
             raise ValueError(f"keep_last_k must be >= 1, got {keep_last_k}")
+        if not 0 <= rank < world_size:  # rank 1 of "world 1" would checksum every file and race rank 0's rename
+            raise ValueError(f"CheckpointManager: rank {rank} is not in a world of {world_size} (pass world_size "
+                             "and gather on every rank of a multi-rank job)")
         if world_size > 1 and gather is None:
             raise ValueError("CheckpointManager: world_size > 1 needs gather (an all-gather of a small object)")
         self.root, self.keep_last_k, self.rank, self.layout = root, keep_last_k, rank, layout

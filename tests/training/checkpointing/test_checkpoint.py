@@ -105,6 +105,14 @@ def test_keep_last_k_validated(tmp_path):
         CheckpointManager(str(tmp_path), keep_last_k=0)
 
 
+@pytest.mark.parametrize("rank, world", [(1, 1), (2, 2), (-1, 2)])
+def test_a_rank_outside_its_world_is_refused(tmp_path, rank, world):
+    """Rank 1 of a manager told world_size 1 checksummed every file on its own while rank 0
+    renamed the directory under it (a CI failure: FileNotFoundError on layout.json)."""
+    with pytest.raises(ValueError, match=f"rank {rank} is not in a world of {world}"):
+        CheckpointManager(str(tmp_path), keep_last_k=2, rank=rank, world_size=world, gather=lambda obj: [obj] * world)
+
+
 def test_layout_recorded_and_described(tmp_path):
     tp2 = Layout(tp=2, dp=2)
     path = CheckpointManager(str(tmp_path), layout=tp2, keep_last_k=3).save(1, rl_state={})

@@ -135,9 +135,11 @@ def _portable(obj):
 def _manager(root: str, g):
     import torch.distributed as dist
 
+    from hapo_megatron.parallel.collectives import all_gather_objects
     from hapo_megatron.training.checkpointing.checkpoint import CheckpointManager, Layout
+    # every rank of the job: the ranks share the checksums and rank 0 renames only after the gather
     return CheckpointManager(root, rank=dist.get_rank(), barrier=dist.barrier, layout=Layout.from_groups(g),
-        keep_last_k=3)
+                             world_size=dist.get_world_size(), gather=all_gather_objects, keep_last_k=3)
 
 
 def _save_at_tp2(rank, world, data, root, legacy_root):

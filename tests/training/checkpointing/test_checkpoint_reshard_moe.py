@@ -129,16 +129,10 @@ def _model_space_optimizer_state(actor) -> dict:
 def _manager(root: str, g):
     import torch.distributed as dist
 
+    from hapo_megatron.parallel.collectives import all_gather_objects
     from hapo_megatron.training.checkpointing.checkpoint import CheckpointManager, Layout
     return CheckpointManager(root, rank=dist.get_rank(), barrier=dist.barrier, layout=Layout.from_groups(g),
-                             world_size=dist.get_world_size(), gather=_all_gather, keep_last_k=3)
-
-
-def _all_gather(obj):
-    import torch.distributed as dist
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+                             world_size=dist.get_world_size(), gather=all_gather_objects, keep_last_k=3)
 
 
 def _save_at_ep2(g, actor, root):
