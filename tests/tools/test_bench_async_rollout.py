@@ -69,7 +69,7 @@ def test_sglang_mode_runs_the_job_on_servers_its_trainer_launches():
                                                            launched=launched))
     assert "rollout.sglang.server_urls" not in kv and "rollout.sglang.weight_sync" not in kv
     assert kv["rollout.sglang.num_servers"] == "2" and kv["rollout.sglang.colocate"] == "false"
-    assert kv["model.hf_model_path"] == kv["data.tokenizer_path"] == "/m/qwen"
+    assert kv["model.hf_model_path"] == kv["data.tokenizer_path"] == "/m/qwen" and kv["model.dtype"] == "bf16"
     assert kv["data.train_files"] == "[/d/train.parquet]" and kv["rollout.max_staleness"] == "1"
     assert 1024 <= int(kv["rollout.sglang.port_base"]) < 65536
     paced = dict(o.split("=", 1) for o in bench.job_overrides("/data", "/run", ["http://a:1", "http://b:2"],

@@ -125,8 +125,10 @@ class LaunchedServers:
 
     def overrides(self) -> dict:
         from hapo_megatron.rollout.sglang.launch import free_port
+        # bf16 as the GPU recipes train and serve (the CPU job's fp32 would double a real model's
+        # memory and time); without CUDA the trainer and its servers run in fp32 whatever this says
         return {"rollout.sglang.num_servers": self.num_servers, "rollout.sglang.port_base": free_port(),
-                "model.hf_model_path": self.model, "data.tokenizer_path": self.model,
+                "model.dtype": "bf16", "model.hf_model_path": self.model, "data.tokenizer_path": self.model,
                 "data.train_files": f"[{self.train_file}]"}
 
 
