@@ -27,7 +27,9 @@ def test_same_settings_skip_other_settings_rebuild(tmp_path, capsys):
     assert not already_prepared(out, {"seed": 1})  # a setting that disappeared also counts
 
 
-def test_cpu_tiny_prepare_rebuilds_on_a_changed_setting(tmp_path):
+def _cpu_tiny_prepared(tmp_path):
+    """examples/cpu_tiny/prepare.py loaded as a module, run once at a tiny size: (module, its
+    arguments, the output directory)."""
     spec = importlib.util.spec_from_file_location(
         "cpu_tiny_prepare_marker", os.path.join(ROOT, "examples", "cpu_tiny", "prepare.py"))
     prepare = importlib.util.module_from_spec(spec)
@@ -35,6 +37,11 @@ def test_cpu_tiny_prepare_rebuilds_on_a_changed_setting(tmp_path):
     out = str(tmp_path / "data")
     small = ["--out", out, "--n-train", "8", "--n-val", "4", "--hidden", "16", "--layers", "1", "--heads", "2"]
     prepare.main(small)
+    return prepare, small, out
+
+
+def test_cpu_tiny_prepare_rebuilds_on_a_changed_setting(tmp_path):
+    prepare, small, out = _cpu_tiny_prepared(tmp_path)
     train = os.path.join(out, "train.jsonl")
     first = open(train).read()
     os.utime(train, (0, 0))
@@ -66,13 +73,7 @@ def test_a_directory_prepared_by_other_code_is_rebuilt(tmp_path, capsys):
 
 def test_the_examples_markers_record_their_code(tmp_path):
     """cpu_tiny's marker has the hash; a marker without it (an older directory) does not match."""
-    spec = importlib.util.spec_from_file_location(
-        "cpu_tiny_prepare_code", os.path.join(ROOT, "examples", "cpu_tiny", "prepare.py"))
-    prepare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prepare)
-    out = str(tmp_path / "data")
-    small = ["--out", out, "--n-train", "8", "--n-val", "4", "--hidden", "16", "--layers", "1", "--heads", "2"]
-    prepare.main(small)
+    prepare, small, out = _cpu_tiny_prepared(tmp_path)
     marker = json.load(open(os.path.join(out, MARKER)))
     assert len(marker["code_sha256"]) == 16
     marker.pop("code_sha256")
