@@ -357,6 +357,22 @@ def test_config_round_trip_keeps_the_knobs():
     assert (again.algo.edge_gec, again.algo.edge_gec_cue, again.algo.edge_gec_reflect_prob) == (True, " Hmm.", 0.3)
 
 
+@pytest.mark.parametrize("continuation,truth,acc", [("", "5", False), ("x7", "5", False),
+                                                    ("Answer: 5", "5", True), ("Answer: 4", "5", False)])
+def test_the_cpu_tasks_cue_leaves_its_answer_line_whole(continuation, truth, acc):
+    """The CPU task's answer is the rest of its "Answer:" line, so its config's cue starts a new
+    line: the reward reads the original answer, or the continuation's new one, never the cue."""
+    import os
+
+    from hapo_megatron.rewards.math import compute_score, extract_final_answer
+
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "../../examples/cpu_tiny/config.yaml"),
+                      preset="edge-grpo")
+    reflected = "Answer: 3" + cfg.algo.edge_gec_cue + continuation
+    assert extract_final_answer(reflected) == ("3" if "Answer" not in continuation else continuation[8:])
+    assert compute_score(reflected, truth, score_format="pm1").acc is acc
+
+
 def test_with_the_real_hf_engine_and_character_tokenizer(monkeypatch, tmp_path):
     """The HF engine continues prompt + wrong response + cue; the character tokenizer encodes the
     cue and hint; every corrected row keeps its prompt and fits the response limit."""
