@@ -6,9 +6,9 @@
 # policy's continuation, or the answer, to a wrong ~11-token response, which 16 tokens cannot hold.
 # Writes docs/results/cpu_tiny_baselines/: held-out accuracy per variant and seed, paired differences with 95% t-intervals (the paper-style
 # table), training curves with bands, token diagnostics. 26 runs one after another: ~10 min each on
-# 2 CPU cores, EDGE-GRPO's ~70 min (the reflect branch's responses go through math-verify: ~37 s of a
-# step; docs/results/cpu_tiny_baselines/README.md), ~9 h in all; finished runs (same arguments) are
-# kept, so an interrupted comparison continues. The four other variants' seeds first, then the rest:
+# 2 CPU cores (EDGE-GRPO's a little more: its correction generates again), ~4.5 h in all; finished
+# runs (same arguments) are kept, so an interrupted comparison continues. To see four variants'
+# seeds early, run them first, then the rest:
 #   VARIANTS="dapo hapo forking-tokens archer" RERUN=0 OUT=/tmp/four bash examples/cpu_tiny/compare_baselines.sh
 #   bash examples/cpu_tiny/compare_baselines.sh
 #   SEEDS="1 2" EXTRA="trainer.total_steps=3" OUT=/tmp/x RUNS=/tmp/r bash examples/cpu_tiny/compare_baselines.sh
