@@ -19,4 +19,5 @@ export TITLE=${TITLE:-"CPU tiny task: HAPO vs DAPO"}
 # saved rollouts for the token diagnostics; TASK_ARGS: a caller's overrides of the task for every run
 export BASE_ARGS="logging.save_rollouts_interval=25 ${TASK_ARGS:-}"
 export TOKEN_ARGS="--tokens --roles steps --tokenizer runs/cpu_tiny_data/model"
-exec bash examples/lib/compare_seeds.sh "examples/cpu_tiny/compare.sh"
+# CALLER: the script the results page names as the command (a wrapper with its own settings names itself)
+exec bash examples/lib/compare_seeds.sh "${CALLER:-examples/cpu_tiny/compare.sh}"

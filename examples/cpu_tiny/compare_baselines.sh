@@ -21,4 +21,5 @@ export OUT=${OUT:-docs/results/cpu_tiny_baselines}
 export RUNS=${RUNS:-runs/compare_cpu_tiny_baselines}
 export TASK_ARGS=${TASK_ARGS:-"rollout.max_response_length=48"}
 export TITLE=${TITLE:-"CPU tiny task: HAPO and the baselines (DAPO, forking tokens, Archer, EDGE-GRPO)"}
+export CALLER=examples/cpu_tiny/compare_baselines.sh   # its TASK_ARGS are part of the command to rerun
 exec bash examples/cpu_tiny/compare.sh
