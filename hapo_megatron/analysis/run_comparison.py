@@ -95,9 +95,12 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 
 def fmt(mean: float, std: float, kind: str) -> str:
-    """`45.2 ± 3.1` (percent), `0.123 ± 0.010`, `312.4 ± 5.0`; `n/a` when missing."""
+    """`45.2 ± 3.1` (percent), `0.123 ± 0.010`, `312.4 ± 5.0`, `0.00123 ± 0.00045` (``sig``: 3
+    significant digits); `n/a` when missing."""
     if not math.isfinite(mean):
         return "n/a"
+    if kind == "sig":
+        return f"{mean:.3g}" + (f" ± {std:.2g}" if math.isfinite(std) else "")
     scale, digits = {"pct": (100.0, 1), "num": (1.0, 3), "len": (1.0, 1)}[kind]
     text = f"{mean * scale:.{digits}f}"
     if math.isfinite(std):
@@ -128,6 +131,60 @@ def compare(variants: dict[str, list[list[dict]]], *, last_n: int = 5,
         cells += [fmt(*agg[t], kind) for t, _, kind in LAST_N_COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n", numbers
+
+
+#: (row title, metric key, kind) of the methods' own metrics (docs/algorithm.md): a row appears
+#: when some variant's runs logged the key
+METHOD_METRICS = [
+    ("high-entropy tokens (h_hat > 0)", "loss/high_entropy_frac", "pct"),
+    ("tokens clipped (any bound)", "loss/clipfrac", "pct"),
+    ("forking tokens: selected", "loss/selected_frac", "pct"),
+    ("forking tokens: entropy of the selected", "loss/selected_entropy", "num"),
+    ("forking tokens: entropy of the others", "loss/unselected_entropy", "num"),
+    ("Archer: high-entropy side", "loss/archer_high_frac", "pct"),
+    ("Archer: high side clipped", "loss/archer_high_clipfrac", "pct"),
+    ("Archer: low side clipped", "loss/archer_low_clipfrac", "pct"),
+    ("Archer: entropy, high side", "loss/archer_high_entropy", "num"),
+    ("Archer: entropy, low side", "loss/archer_low_entropy", "num"),
+    ("KL to the reference", "loss/kl", "sig"),
+    ("EDGE-GRPO: advantage scale, max", "adv/edge_eda_scale_max", "num"),
+    ("EDGE-GRPO: advantage scale, min", "adv/edge_eda_scale_min", "num"),
+    ("GEC: wrong before the correction", "gec/wrong_frac", "pct"),
+    ("GEC: corrected", "gec/corrected_frac", "pct"),
+    ("GEC: corrected ones then right", "gec/fixed_frac", "pct"),
+    ("GEC: reflections then right", "gec/reflect_fixed_frac", "pct"),
+    ("Clip-Cov / KL-Cov: selected", "loss/cov_selected_frac", "pct"),
+    ("Clip-Cov / KL-Cov: covariance mean", "cov/mean", "sig"),
+    ("Clip-Cov / KL-Cov: covariance p99", "cov/p99", "sig"),
+    ("GSPO / GMPO: sequence ratio", "loss/seq_ratio_mean", "num"),
+    ("GSPO / GMPO: mean abs(sequence ratio - 1)", "loss/seq_ratio_abs_dev", "sig"),
+    ("SAPO: gate weight", "loss/sapo_gate_weight", "num"),
+]
+
+
+def run_mean(rows: Sequence[dict], key: str) -> float:
+    """Mean of every finite logged value of `key` over the run (NaN when never logged)."""
+    _, vals = series(rows, key)
+    return math.fsum(vals) / len(vals) if vals else math.nan
+
+
+def method_table(variants: dict[str, list[list[dict]]]) -> tuple[str | None, dict]:
+    """Markdown table of `METHOD_METRICS` (rows) per variant (columns): each run's mean over its
+    steps, then mean ± sample std over the seeds; `—` where a variant did not log the key. None
+    when no variant logged any of them."""
+    names = list(variants)
+    lines = ["| metric (mean over steps) | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    numbers: dict = {}
+    for title, key, kind in METHOD_METRICS:
+        per_run = {name: [run_mean(rows, key) for rows in runs] for name, runs in variants.items()}
+        if not any(math.isfinite(v) for vals in per_run.values() for v in vals):
+            continue
+        stats = {name: mean_std(vals) for name, vals in per_run.items()}
+        numbers[key] = {name: {"runs": vals, "mean": stats[name][0], "std": stats[name][1]}
+                        for name, vals in per_run.items()}
+        lines.append(f"| {title} (`{key}`) | " + " | ".join(
+            fmt(*stats[n], kind) if math.isfinite(stats[n][0]) else "—" for n in names) + " |")
+    return ("\n".join(lines) + "\n" if numbers else None), numbers
 
 
 def run_seed(run_dir: str) -> int | None:
@@ -257,7 +314,8 @@ def check_reruns(specs: Sequence[str]) -> list[dict]:
 
 
 def results_page(table: str, numbers: dict, seeds: dict, paired: str | None, reruns: list[dict],
-                 plots: list[str], *, title: str, command: str | None, last_n: int, baseline: str | None) -> str:
+                 plots: list[str], *, title: str, command: str | None, last_n: int, baseline: str | None,
+                 methods: str | None = None) -> str:
     """The Markdown of `<out>/results.md`."""
     body = [f"# {title}", ""]
     if command:
@@ -273,6 +331,11 @@ def results_page(table: str, numbers: dict, seeds: dict, paired: str | None, rer
                  "seeds (sd with n−1); 95% bootstrap: percentile interval of the mean over 10 000 resamples "
                  "of the seeds (narrower with few seeds; the verdict uses the t-interval). An interval "
                  "containing 0 is \"no measurable difference\".", ""]
+    if methods:
+        body += ["## What each method did", "", methods,
+                 "Percent unless a value is an entropy (nats), a KL, a covariance, a ratio or a scale; each run's "
+                 "mean over its logged steps, then mean ± sample std over seeds (docs/algorithm.md names "
+                 "each metric).", ""]
     if reruns:
         body += ["## Determinism", ""]
         for r in reruns:
@@ -331,9 +394,10 @@ def compare_runs(variant_specs: Sequence[str], out: str, *, last_n: int = 5, acc
     checks = check_reruns(reruns)
     os.makedirs(out, exist_ok=True)
     plot_paths = plot_runs(variants, out) if plots else []
-    numbers.update(runs=sources, seeds=seeds, paired=paired_rows, reruns=checks)
+    methods, method_numbers = method_table(variants)
+    numbers.update(runs=sources, seeds=seeds, paired=paired_rows, reruns=checks, methods=method_numbers)
     page = results_page(table, numbers, seeds, paired, checks, plot_paths, title=title, command=command,
-                        last_n=last_n, baseline=baseline)
+                        last_n=last_n, baseline=baseline, methods=methods)
     if tokens:
         token_numbers, token_plots = token_diagnostics(sources, out, roles=roles, tokenizer=tokenizer,
                                                       pivot_q=PolicyLossConfig().entropy_pivot)

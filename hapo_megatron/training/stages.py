@@ -475,8 +475,10 @@ def edge_eda(rt: Runtime, minis: Minis, meta: SequenceMeta) -> tuple[Minis, dict
     sequence's advantage times ``mean_g P / P_i``, ``P`` the mean old entropy of a response. The
     per-sequence sums are exact over the last stage's DP group (each sequence is held whole by one
     DP rank, the others add zeros), so the factors do not depend on the layout."""
-    if not rt.cfg.algo.loss.edge_eda or not rt.groups.is_pipeline_last:
+    if not rt.cfg.algo.loss.edge_eda:
         return minis, {}
+    if not rt.groups.is_pipeline_last:
+        return minis, last_stage_metrics(rt, {})
     from hapo_megatron.algo import eda_scales, sequence_entropy_sums
     flat, dev, n = _flat(minis), rt.actor.device, len(meta.group_ids)
     sums = torch.zeros(n, dtype=torch.float64, device=dev)
@@ -502,7 +504,16 @@ def edge_eda(rt: Runtime, minis: Minis, meta: SequenceMeta) -> tuple[Minis, dict
     metrics = {"adv/edge_eda_scale_mean": float(sc.mean()) if sc.numel() else 1.0,
                "adv/edge_eda_scale_max": float(sc.max()) if sc.numel() else 1.0,
                "adv/edge_eda_scale_min": float(sc.min()) if sc.numel() else 1.0}
-    return _regroup(out, minis), metrics
+    return _regroup(out, minis), last_stage_metrics(rt, metrics)
+
+
+def last_stage_metrics(rt: Runtime, metrics: dict[str, float]) -> dict[str, float]:
+    """Step-wide metrics that every rank of the last pipeline stage computed alike, on every rank:
+    the logger is global rank 0's, on the first stage when PP > 1 (collective over all ranks; the
+    other stages pass ``{}``)."""
+    g = rt.groups
+    one = g.is_pipeline_last and g.tp_rank == 0 and g.cp_rank == 0 and g.dp_rank == 0
+    return sum_metrics(metrics, contribute=one)
 
 
 def step_cov_stats(rt: Runtime, minis: Minis):
@@ -526,6 +537,26 @@ def step_cov_stats(rt: Runtime, minis: Minis):
     return global_cov_stats(loss.policy_loss, cat(lambda mb: mb.advantages), cat(lambda mb: mb.old_logprobs),
                             cat(lambda mb: mb.loss_mask), keys, group=rt.groups.dp, seed=seed, ratio=ratio,
                             lb=loss.clip_cov_lb, ub=loss.clip_cov_ub)
+
+
+def step_cov_metrics(rt: Runtime, minis: Minis) -> dict[str, float]:
+    """``algo.policy_loss`` clip_cov / kl_cov: the step batch's token covariances (old log-probs)
+    as ``cov/*`` metrics, exact over the last stage's DP group (`parallel.cov.global_cov_distribution`),
+    on every rank; in both ``cov_scope`` settings (``micro_batch`` selects from other numbers:
+    docs/algorithm.md, "Clip-Cov and KL-Cov")."""
+    from hapo_megatron.algo import COV_LOSSES
+    if rt.cfg.algo.loss.policy_loss not in COV_LOSSES:
+        return {}
+    if not rt.groups.is_pipeline_last:
+        return last_stage_metrics(rt, {})
+    from hapo_megatron.parallel.cov import global_cov_distribution
+    flat, dev = _flat(minis), rt.actor.device
+
+    def cat(fn):
+        return torch.cat([fn(mb).reshape(-1) for mb in flat]).to(dev)
+    return last_stage_metrics(rt, global_cov_distribution(cat(lambda mb: mb.advantages),
+                                                          cat(lambda mb: mb.old_logprobs),
+                                                          cat(lambda mb: mb.loss_mask), group=rt.groups.dp))
 
 
 def policy_loss_factory(rt: Runtime, stats: EntropyStats, on_token_fields: Optional[TokenSink] = None,
@@ -569,7 +600,8 @@ def ppo_update(rt: Runtime, minis: Minis, stats: EntropyStats) -> tuple[Minis, d
                "actor/lr": lr, "actor/skipped_updates": float(skipped),
                "actor/num_updates": float(len(minis) * rt.cfg.trainer.ppo_epochs),
                **rt.actor.step_metrics(),  # trainable / total parameters (LoRA: the adapters / all)
-               **rt.actor.moe_step_metrics()}  # MoE models: aux loss, per-expert load
+               **rt.actor.moe_step_metrics(),  # MoE models: aux loss, per-expert load
+               **step_cov_metrics(rt, minis)}  # Clip-Cov / KL-Cov: the covariances' mean and quantiles
     return _with_updates(rt, minis, recorded), metrics
 
 

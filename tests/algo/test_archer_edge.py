@@ -172,7 +172,7 @@ def _mb(seed, rows, b_len):
 
 def _rt(on=True, last=True):
     return SimpleNamespace(cfg=SimpleNamespace(algo=SimpleNamespace(loss=PolicyLossConfig(edge_eda=on))),
-                           groups=SimpleNamespace(is_pipeline_last=last, dp=None),
+                           groups=SimpleNamespace(is_pipeline_last=last, dp=None, tp_rank=0, cp_rank=0, dp_rank=0),
                            actor=SimpleNamespace(device=torch.device("cpu")))
 
 
@@ -225,13 +225,14 @@ def _dp_worker(rank, world_size):
     flat = [m for mini in base for m in mini]
     parts = {0: [[flat[0]]], 1: [[flat[1]], [flat[2]]]}
     rt = _rt()
-    rt.groups.dp = dist.group.WORLD
+    rt.groups.dp, rt.groups.dp_rank = dist.group.WORLD, rank
     meta = SimpleNamespace(group_ids=GROUPS)
-    out, _ = stages.edge_eda(rt, parts[rank], meta)
+    out, metrics = stages.edge_eda(rt, parts[rank], meta)
     empty = [[_mb(9, [-1, -1], 3)]] if rank == 0 else base
     out2, _ = stages.edge_eda(rt, empty, meta)
     # numpy: tensors would travel through the result queue as shared-memory handles
-    return ([o.advantages.numpy() for mini in out for o in mini], [o.advantages.numpy() for mini in out2 for o in mini])
+    return ([o.advantages.numpy() for mini in out for o in mini], [o.advantages.numpy() for mini in out2 for o in mini],
+            metrics)
 
 
 GROUPS = ["x", "x", "x", "y", "y", "y"]
@@ -244,7 +245,8 @@ def _all_minis():
 def test_eda_stage_is_exact_over_data_parallel_ranks():
     from tests.distributed import run_distributed
     res = run_distributed(_dp_worker, 2, timeout=120)
-    single, _ = stages.edge_eda(_rt(), _all_minis(), SimpleNamespace(group_ids=GROUPS))
+    single, single_metrics = stages.edge_eda(_rt(), _all_minis(), SimpleNamespace(group_ids=GROUPS))
+    assert res[0][2] == res[1][2] == single_metrics  # once, on every rank (the logger's included)
     want = [o.advantages for mini in single for o in mini]
     got = res[0][0] + res[1][0]
     assert len(got) == len(want) == 3

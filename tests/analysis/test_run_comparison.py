@@ -101,3 +101,25 @@ def test_notes_are_appended(tmp_path):
     (out / "notes.md").write_text("## Context\n\nkept across reruns\n")
     assert compare(["--variant", f"x={write_run(tmp_path / 'a')}", "--out", str(out), "--no-plots"]) == 0
     assert (out / "results.md").read_text().endswith("## Context\n\nkept across reruns\n")
+
+
+def test_method_table_shows_what_some_variant_logged(tmp_path):
+    """`What each method did`: a row per method metric that some variant logged (each run's mean
+    over its steps, then mean ± std over seeds), `—` for the variants without it."""
+    forking = [[{"step": 1, "loss/selected_frac": 0.2, "loss/clipfrac": 0.01},
+                {"step": 2, "loss/selected_frac": 0.4, "loss/clipfrac": 0.03}],
+               [{"step": 1, "loss/selected_frac": 0.1, "loss/clipfrac": 0.02}]]
+    dapo = [[{"step": 1, "loss/clipfrac": 0.04}], [{"step": 1, "loss/clipfrac": 0.06}]]
+    table, numbers = run_comparison.method_table({"forking-tokens": forking, "dapo": dapo})
+    assert "| forking tokens: selected (`loss/selected_frac`) | 20.0 ± 14.1 | — |" in table
+    assert "| tokens clipped (any bound) (`loss/clipfrac`) | 2.0 ± 0.0 | 5.0 ± 1.4 |" in table
+    assert set(numbers) == {"loss/selected_frac", "loss/clipfrac"} and "archer" not in table.lower()
+    assert numbers["loss/selected_frac"]["forking-tokens"]["runs"] == pytest.approx([0.3, 0.1])
+    assert run_comparison.method_table({"dapo": [[{"step": 1, "rollout/acc": 0.5}]]}) == (None, {})
+    # on the results page, and only when something was logged
+    plain = write_run(tmp_path / "p")
+    selected = write_run(tmp_path / "s", extra_lines=[json.dumps({"step": 3, "loss/selected_frac": 0.25})])
+    for runs, shown in (([plain], False), ([selected], True)):
+        out = tmp_path / f"cmp{shown}"
+        assert compare(["--variant", "v=" + runs[0], "--out", str(out), "--no-plots"]) == 0
+        assert ("## What each method did" in (out / "results.md").read_text()) is shown

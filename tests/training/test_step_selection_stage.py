@@ -22,7 +22,7 @@ def _mb(seed, b=2, s=5):
 
 def _rt(loss: PolicyLossConfig, last: bool = True):
     return SimpleNamespace(cfg=SimpleNamespace(algo=SimpleNamespace(loss=loss)),
-                           groups=SimpleNamespace(is_pipeline_last=last, dp=None),
+                           groups=SimpleNamespace(is_pipeline_last=last, dp=None, tp_rank=0, cp_rank=0, dp_rank=0),
                            actor=SimpleNamespace(device=torch.device("cpu")))
 
 
@@ -67,3 +67,26 @@ def test_step_cov_stats_span_every_micro_batch_and_follow_the_step():
     rt2.cfg.trainer, rt2.rl = rt.cfg.trainer, rt.rl
     assert stages.step_cov_stats(rt2, minis).threshold is None
     assert stages.step_cov_stats(_rt(PolicyLossConfig()), minis) is None
+
+
+def test_step_cov_metrics_describe_the_step_batch():
+    """``cov/*``: the covariances of every micro-batch of the step together, in both scopes; nothing
+    without Clip-Cov / KL-Cov, nor on a stage without the loss when no rank of the last one adds them."""
+    from hapo_megatron.parallel.cov import global_cov_distribution
+
+    def mb(seed):
+        g = torch.Generator().manual_seed(seed)
+        return _mb(seed).with_(advantages=torch.randn(2, 1, generator=g).expand(2, 5).contiguous(),
+                               old_logprobs=-torch.rand(2, 5, generator=g) * 3)
+    minis = [[mb(0), mb(1)], [mb(2)]]
+    flat = [m for mini in minis for m in mini]
+    want = global_cov_distribution(*(torch.cat([getattr(m, k).reshape(-1) for m in flat])
+                                     for k in ("advantages", "old_logprobs", "loss_mask")))
+    assert want != global_cov_distribution(flat[0].advantages, flat[0].old_logprobs, flat[0].loss_mask)
+    for scope in ("step", "micro_batch"):
+        for loss in ("clip_cov", "kl_cov"):
+            hapo = loss == "clip_cov"  # KL-Cov has no clip range for HAPO to adapt
+            cfg = PolicyLossConfig(policy_loss=loss, cov_scope=scope, adaptive_clip=hapo, adaptive_advantage=hapo)
+            assert stages.step_cov_metrics(_rt(cfg), minis) == want
+    assert stages.step_cov_metrics(_rt(PolicyLossConfig()), minis) == {}
+    assert stages.step_cov_metrics(_rt(PolicyLossConfig(policy_loss="clip_cov"), last=False), minis) == {}
