@@ -306,6 +306,13 @@ def test_over_sampling_passes_over_a_slow_group_and_masks_its_tokens_past_the_bo
     slow = _sampler_order(B)[0]
     rt.engine = SlowGroupEngine(slow)
     ar = AsyncRollout(rt).start()
+    finished, finish = threading.Event(), ar.buffer.finish
+
+    def finish_and_tell(group):  # the released group's turn must not depend on thread scheduling
+        finish(group)
+        if group.prompt_index == slow:
+            finished.set()
+    ar.buffer.finish = finish_and_tell
     seen = []
     try:
         for step in range(1, 7):
@@ -317,8 +324,9 @@ def test_over_sampling_passes_over_a_slow_group_and_masks_its_tokens_past_the_bo
             rt.rl.step = step
             with ar.paused(step):
                 rt.engine.version = step
-            if step == 2:
+            if step == 2:  # released: the next batch starts with it, the oldest group in flight
                 rt.engine.release.set()
+                assert finished.wait(timeout=120), "the released group never finished"
     finally:
         rt.engine.release.set()
         ar.close()
