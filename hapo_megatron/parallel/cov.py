@@ -49,8 +49,7 @@ def global_cov_distribution(adv: torch.Tensor, old_logprobs: torch.Tensor, mask:
     """The token covariances ``cov_t`` of every valid token of every rank of `group`, as metrics:
     ``cov/mean`` (their mean: the covariance of advantage and log-prob that the Entropy Mechanism
     paper tracks), the nearest-rank quantiles of `COV_QUANTILES` and ``cov/max``; ``{}`` without a
-    valid token.
-    Identical on every rank of `group` for any split of the tokens."""
+    valid token. Identical on every rank of `group` for any split of the tokens."""
     valid = mask.detach() != 0
     n = global_token_count(valid, group=group)
     if n == 0:
