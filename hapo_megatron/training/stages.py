@@ -516,6 +516,12 @@ def last_stage_metrics(rt: Runtime, metrics: dict[str, float]) -> dict[str, floa
     return sum_metrics(metrics, contribute=one)
 
 
+def _step_tokens(rt: Runtime, minis: Minis) -> Callable[[Callable], torch.Tensor]:
+    """``cat(fn)``: ``fn(mb)`` of every micro-batch of the step, flattened and joined on the actor's device."""
+    flat, dev = _flat(minis), rt.actor.device
+    return lambda fn: torch.cat([fn(mb).reshape(-1) for mb in flat]).to(dev)
+
+
 def step_cov_stats(rt: Runtime, minis: Minis):
     """``algo.policy_loss`` clip_cov / kl_cov: the step's `CovStats` (docs/algorithm.md, "Clip-Cov and
     KL-Cov"), exact over the last stage's DP group like `forking_threshold`; with ``cov_scope:
@@ -528,10 +534,7 @@ def step_cov_stats(rt: Runtime, minis: Minis):
     if loss.cov_scope == "micro_batch":
         return CovStats(0.0, 0.0, seed, None)
     from hapo_megatron.parallel.cov import global_cov_stats
-    flat, dev = _flat(minis), rt.actor.device
-
-    def cat(fn):
-        return torch.cat([fn(mb).reshape(-1) for mb in flat]).to(dev)
+    cat = _step_tokens(rt, minis)
     keys = cat(lambda mb: position_keys(seed, mb.tokens_of_sequences(mb.seq_index), mb.position_ids))
     ratio = loss.clip_cov_ratio if loss.policy_loss == "clip_cov" else loss.kl_cov_ratio
     return global_cov_stats(loss.policy_loss, cat(lambda mb: mb.advantages), cat(lambda mb: mb.old_logprobs),
@@ -550,10 +553,7 @@ def step_cov_metrics(rt: Runtime, minis: Minis) -> dict[str, float]:
     if not rt.groups.is_pipeline_last:
         return last_stage_metrics(rt, {})
     from hapo_megatron.parallel.cov import global_cov_distribution
-    flat, dev = _flat(minis), rt.actor.device
-
-    def cat(fn):
-        return torch.cat([fn(mb).reshape(-1) for mb in flat]).to(dev)
+    cat = _step_tokens(rt, minis)
     return last_stage_metrics(rt, global_cov_distribution(cat(lambda mb: mb.advantages),
                                                           cat(lambda mb: mb.old_logprobs),
                                                           cat(lambda mb: mb.loss_mask), group=rt.groups.dp))
