@@ -2,8 +2,9 @@
 # Shared body of examples/<task>/compare.sh (called by them with the settings in the environment):
 # every variant x seed as its own run of examples/$TASK/run.sh, one at a time; a rerun of
 # RERUN_VARIANT (default hapo) at the first seed; then `hapo analyze compare` writes $OUT.
-# Variants are preset names ("hapo", "dapo", "dapo+clip", ...) or "hapo_ref" (HAPO with
-# algo.h_hat_mode=reference).
+# Variants are preset names ("hapo", "dapo", "dapo+clip", ...), "hapo_ref" (HAPO with
+# algo.h_hat_mode=reference), "edge-eda" and "edge-gec" (EDGE-GRPO with one of its two components:
+# the entropy-driven advantage alone, the guided error correction alone).
 # Settings: TASK SEEDS VARIANTS BASELINE OUT RUNS TITLE TOKEN_ARGS; optional BASE_ARGS (the
 # task's own overrides for every run), EXTRA (the caller's overrides for every run), RERUN (0
 # skips the determinism rerun), RERUN_VARIANT.
@@ -16,6 +17,8 @@ mkdir -p "$RUNS/logs"
 variant_args() {  # the run.sh arguments of a variant
     case "$1" in
         hapo_ref) echo "--preset hapo algo.h_hat_mode=reference" ;;
+        edge-eda) echo "--preset edge-grpo algo.edge_gec=false" ;;
+        edge-gec) echo "--preset edge-grpo algo.edge_eda=false" ;;
         *) echo "--preset $1" ;;
     esac
 }
