@@ -129,6 +129,21 @@ def test_reflect_branch_hand_computed():
     assert (counts.reflect, counts.reflect_fixed) == (1, 1)
 
 
+@pytest.mark.parametrize("reflect_prob, expected", [(1.0, " Wait! so Answer: 8"), (0.0, "\nAnswer: 8")])
+def test_an_empty_response_is_corrected_and_its_stop_token_leaves_the_batch(reflect_prob, expected):
+    """A response that stops at once is wrong, so it is always corrected, and the correction starts
+    where its stop token was: the stop at the first position never enters the loss (the authors'
+    code decodes the response with special tokens skipped and appends to the empty text;
+    docs/algorithm.md, "EDGE-GRPO on the CPU task")."""
+    samples = [[smp("", 0, 0)]]
+    assert samples[0][0].response_ids.tolist() == [EOS]
+    (out, _), counts = run(samples, [[res(False)]], [rec("8")],
+                           algo(edge_gec_reflect_prob=reflect_prob, edge_gec_solution_prob=0.0,
+                                edge_gec_cue=" Wait!"))
+    assert out[0][0].response_ids.tolist() == enc(expected) + [EOS]
+    assert counts.metrics()["gec/corrected_frac"] == 1.0
+
+
 def test_reflect_is_cut_at_the_response_limit_and_too_long_corrections_are_skipped():
     samples = [[smp("Answer: 7", 0, 0), smp("Answer: 777777", 0, 1)]]
     cfg = algo(edge_gec_reflect_prob=1.0, edge_gec_cue=" Wait!")
