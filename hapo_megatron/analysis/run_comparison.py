@@ -8,9 +8,12 @@
 For every run (a directory with `metrics.jsonl`): the final accuracy (last logged value of the
 accuracy key: the largest-k `eval/all/avg@k` when the runs logged evaluations, else
 `rollout/acc`) and the mean over its last N logged steps of training accuracy, reward, mean
-entropy and response length. Per variant: mean +- sample standard deviation over its runs
-(seeds). `compare_runs` writes `<out>/results.md`, `<out>/results.json` and the plots of
-`plots.plot_runs` (variants overlaid, seeds as mean + min-max band).
+entropy and response length. The training accuracy is the policy's own (`policy_acc_last_n`): a
+run with EDGE-GRPO's guided error correction counts the corrected responses in `rollout/acc`, so
+its accuracy is taken from before the correction, `1 - gec/wrong_frac`. Per variant: mean +-
+sample standard deviation over its runs (seeds). `compare_runs` writes `<out>/results.md`,
+`<out>/results.json` and the plots of `plots.plot_runs` (variants overlaid, seeds as mean +
+min-max band).
 
 Paired comparisons (`baseline`): runs are matched by seed (`trainer.seed` of each run's
 resolved `config.yaml`); for every other variant, the per-seed differences to the baseline of the
@@ -77,12 +80,22 @@ def pick_acc_key(runs: Sequence[Sequence[dict]]) -> str:
     return f"eval/all/avg@{max(common)}" if common else "rollout/acc"
 
 
+def policy_acc_last_n(rows: Sequence[dict], n: int) -> float:
+    """Mean training accuracy of the policy's own responses over the last `n` logged steps:
+    `rollout/acc`, or `1 - gec/wrong_frac` for a run that logged it (EDGE-GRPO's correction
+    rewrites wrong responses before `rollout/acc` counts them; docs/algorithm.md, "EDGE-GRPO")."""
+    if any("gec/wrong_frac" in r for r in rows):
+        return 1.0 - last_n_mean(rows, "gec/wrong_frac", n)
+    return last_n_mean(rows, "rollout/acc", n)
+
+
 def run_summary(rows: Sequence[dict], acc_key: str, last_n: int) -> dict[str, float]:
     """The numbers of one run that go into the table."""
     out = {"steps": float(rows[-1]["step"]) if rows else math.nan,
            "final_acc": final_value(rows, acc_key)}
     for title, key, _ in LAST_N_COLUMNS:
         out[title] = last_n_mean(rows, key, last_n)
+    out["acc"] = policy_acc_last_n(rows, last_n)  # the column's `rollout/acc`, before any correction
     return out
 
 
@@ -322,7 +335,8 @@ def results_page(table: str, numbers: dict, seeds: dict, paired: str | None, rer
         body += [f"Made by `{command}`.", ""]
     body += ["## Accuracy per variant", "", table,
              f"Accuracy in percent; mean ± sample std over seeds; final acc = `{numbers['acc_key']}` "
-             f"at the end of the run; last-{last_n} columns average the last logged training steps.", "",
+             f"at the end of the run; last-{last_n} columns average the last logged training steps "
+             "(acc: the policy's own responses, before EDGE-GRPO's correction where it ran).", "",
              "Final accuracy per seed:", "", per_seed_table(numbers, seeds)]
     if paired:
         body += [f"## Paired differences against {baseline}", "", paired,

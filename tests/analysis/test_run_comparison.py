@@ -123,3 +123,15 @@ def test_method_table_shows_what_some_variant_logged(tmp_path):
         out = tmp_path / f"cmp{shown}"
         assert compare(["--variant", "v=" + runs[0], "--out", str(out), "--no-plots"]) == 0
         assert ("## What each method did" in (out / "results.md").read_text()) is shown
+
+
+def test_training_accuracy_is_the_policys_own_before_the_correction():
+    """EDGE-GRPO's correction rewrites wrong responses before `rollout/acc` counts them, so a run
+    that logged `gec/wrong_frac` is compared on 1 - it (the share right before the correction)."""
+    corrected = [{"step": s, "rollout/acc": 0.5, "gec/wrong_frac": w} for s, w in ((1, 0.7), (2, 0.8), (3, 1.0))]
+    plain = [{"step": s, "rollout/acc": a} for s, a in ((1, 0.4), (2, 0.5), (3, 0.6))]
+    assert run_comparison.policy_acc_last_n(corrected, 2) == pytest.approx(0.1)  # 1 - (0.8 + 1.0) / 2
+    assert run_comparison.policy_acc_last_n(plain, 2) == pytest.approx(0.55)
+    _, numbers = run_comparison.compare({"edge": [corrected], "dapo": [plain]}, last_n=2)
+    assert numbers["variants"]["edge"]["mean"]["acc"] == pytest.approx(0.1)
+    assert numbers["variants"]["dapo"]["mean"]["acc"] == pytest.approx(0.55)
