@@ -35,7 +35,7 @@ import math
 import os
 import re
 import statistics
-from typing import Sequence
+from typing import Callable, Sequence
 
 from hapo_megatron.analysis import paired_stats
 from hapo_megatron.algo.loss_config import PolicyLossConfig
@@ -45,15 +45,6 @@ from hapo_megatron.analysis.run_tokens import CLIP_KEYS, format_summary, token_d
 
 #: metric key prefixes that measure time, not behaviour (left out of the determinism check)
 NONDETERMINISTIC_PREFIXES = ("timing/", "perf/", "time/")
-
-# (column title, metric key, kind) of the last-N columns; kind picks the number format.
-LAST_N_COLUMNS = [
-    ("acc", "rollout/acc", "pct"),
-    ("reward", "rollout/reward_mean", "num"),
-    ("entropy", "entropy/mean", "num"),
-    ("length", "rollout/response_length_mean", "len"),
-]
-
 
 def final_value(rows: Sequence[dict], key: str) -> float:
     """Last finite value of `key` (NaN when never logged)."""
@@ -89,13 +80,25 @@ def policy_acc_last_n(rows: Sequence[dict], n: int) -> float:
     return last_n_mean(rows, "rollout/acc", n)
 
 
+def _last_n_of(key: str) -> Callable[[Sequence[dict], int], float]:
+    return lambda rows, n: last_n_mean(rows, key, n)
+
+
+# (column title, value of a run's last n steps, kind) of the last-N columns; kind picks the number format.
+LAST_N_COLUMNS = [
+    ("acc", policy_acc_last_n, "pct"),
+    ("reward", _last_n_of("rollout/reward_mean"), "num"),
+    ("entropy", _last_n_of("entropy/mean"), "num"),
+    ("length", _last_n_of("rollout/response_length_mean"), "len"),
+]
+
+
 def run_summary(rows: Sequence[dict], acc_key: str, last_n: int) -> dict[str, float]:
     """The numbers of one run that go into the table."""
     out = {"steps": float(rows[-1]["step"]) if rows else math.nan,
            "final_acc": final_value(rows, acc_key)}
-    for title, key, _ in LAST_N_COLUMNS:
-        out[title] = last_n_mean(rows, key, last_n)
-    out["acc"] = policy_acc_last_n(rows, last_n)  # the column's `rollout/acc`, before any correction
+    for title, value, _ in LAST_N_COLUMNS:
+        out[title] = value(rows, last_n)
     return out
 
 
